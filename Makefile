@@ -1,0 +1,38 @@
+# Two commands: `make run` serves the local cluster, `make test` runs the suite.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: help run test lint typecheck check clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch is pinned first: the CPU build lies on local disk, while an unpinned resolve would
+# fetch a multi-GB CUDA build. The project's own range admits the pinned version.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP) ## install and start the whole local cluster on http://127.0.0.1:8000/v1
+	$(BIN)/laneway up
+
+test: $(STAMP) ## install and run the test suite (starts its own NATS and etcd)
+	$(BIN)/pytest -q
+
+lint: $(STAMP) ## ruff
+	$(BIN)/ruff check .
+
+typecheck: $(STAMP) ## mypy
+	$(BIN)/mypy schemas bus services infra observability
+
+check: lint typecheck test ## everything CI cares about
+
+clean: ## remove the virtualenv and local state
+	rm -rf $(VENV) .state

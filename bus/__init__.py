@@ -1,0 +1,1 @@
+"""NATS JetStream wiring: every stream, consumer and subject is declared here, once."""

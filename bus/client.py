@@ -1,0 +1,169 @@
+"""One connection per process; typed publish, subscribe, consume and request/reply over it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import BadRequestError
+from pydantic import BaseModel, ValidationError
+
+from bus.topology import ALL_STREAMS, Consumer, Stream
+from schemas.codec import decode_as, decode_event, encode
+from schemas.events import Envelope, Event
+
+log = logging.getLogger(__name__)
+
+EventHandler = Callable[[Event], Awaitable[None]]
+Q = TypeVar("Q", bound=BaseModel)
+R = TypeVar("R", bound=BaseModel)
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+def _headers(event: Envelope) -> dict[str, str]:
+    # The message id makes JetStream drop a re-published duplicate within the window; the trace
+    # headers let tools that only read headers follow the trace without decoding the body.
+    headers = {MSG_ID_HEADER: event.event_id}
+    if event.trace is not None:
+        headers["traceparent"] = event.trace.traceparent
+        if event.trace.tracestate:
+            headers["tracestate"] = event.trace.tracestate
+    return headers
+
+
+class Bus:
+    def __init__(self, nc: NatsClient) -> None:
+        self._nc = nc
+        self._js: JetStreamContext = nc.jetstream()
+        self._subs: list[Subscription] = []
+
+    @classmethod
+    async def connect(cls, url: str, name: str) -> Bus:
+        nc = await nats.connect(
+            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5
+        )
+        return cls(nc)
+
+    @property
+    def nc(self) -> NatsClient:
+        return self._nc
+
+    async def ensure_streams(self, streams: tuple[Stream, ...] = ALL_STREAMS) -> None:
+        """Create or update the streams; every service calls this, so start order is free."""
+        for stream in streams:
+            try:
+                await self._js.add_stream(stream.config())
+            except BadRequestError:
+                await self._js.update_stream(stream.config())
+
+    async def publish(self, subject: str, event: Envelope, *, durable: bool = True) -> None:
+        """Publish an event. ``durable`` waits for JetStream's ack; without it the message is
+        still stored by the stream but the caller does not wait a round trip (token deltas)."""
+        data = encode(event)
+        if durable:
+            await self._js.publish(subject, data, headers=_headers(event))
+        else:
+            await self._nc.publish(subject, data, headers=_headers(event))
+
+    async def subscribe(self, subject: str, handler: EventHandler) -> None:
+        """Core (non-durable) subscription: lowest latency, for live views of a stream."""
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                event = decode_event(msg.data)
+            except (ValidationError, ValueError):
+                log.exception("dropping undecodable message on %s", msg.subject)
+                return
+            await handler(event)
+
+        self._subs.append(await self._nc.subscribe(subject, cb=on_msg))
+
+    async def consume(
+        self,
+        consumer: Consumer,
+        handler: EventHandler,
+        *,
+        deliver_new_only: bool = False,
+    ) -> None:
+        """Durable consumer with explicit ack: a message is acked only after its handler
+        returned, re-delivered if the handler failed. Handlers must therefore be idempotent."""
+        config = ConsumerConfig(
+            durable_name=consumer.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=consumer.ack_wait_s,
+            filter_subject=consumer.filter_subject,
+            inactive_threshold=consumer.inactive_threshold_s,
+            deliver_policy=DeliverPolicy.NEW if deliver_new_only else DeliverPolicy.ALL,
+            max_ack_pending=4096,
+        )
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                event = decode_event(msg.data)
+            except (ValidationError, ValueError):
+                log.exception("terminating undecodable message on %s", msg.subject)
+                await msg.term()
+                return
+            try:
+                await handler(event)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("handler failed for %s; asking for redelivery", event.type)
+                await msg.nak(delay=1.0)
+                return
+            await msg.ack()
+
+        sub = await self._js.subscribe(
+            consumer.filter_subject,
+            queue=consumer.queue,
+            durable=consumer.durable,
+            stream=consumer.stream.name,
+            config=config,
+            cb=on_msg,
+            manual_ack=True,
+        )
+        self._subs.append(sub)
+
+    async def request(self, subject: str, query: BaseModel, reply: type[R], timeout: float) -> R:
+        msg = await self._nc.request(subject, encode(query), timeout=timeout)
+        return decode_as(reply, msg.data)
+
+    async def serve(
+        self,
+        subject: str,
+        query: type[Q],
+        handler: Callable[[Q], Awaitable[BaseModel]],
+        *,
+        queue: str,
+    ) -> None:
+        """Answer requests on ``subject``; replicas in one queue group share the load."""
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                answer = await handler(decode_as(query, msg.data))
+            except ValidationError:
+                log.exception("bad query on %s", subject)
+                return
+            await msg.respond(encode(answer))
+
+        self._subs.append(await self._nc.subscribe(subject, queue=queue, cb=on_msg))
+
+    async def close(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the connection may already be gone; closing anyway
+                log.debug("unsubscribe failed", exc_info=True)
+        self._subs.clear()
+        if not self._nc.is_closed:
+            await self._nc.drain()

@@ -1,0 +1,88 @@
+"""etcd wiring (ARCHITECTURE.md §4): worker registrations under leases, and a live view of them.
+
+aetcd is used because the ``etcd3`` package no longer imports with current protobuf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import aetcd
+
+from schemas.messages import WorkerRegistration
+
+log = logging.getLogger(__name__)
+
+WORKERS_PREFIX = b"/laneway/workers/"
+
+
+def connect_etcd(endpoints: str) -> aetcd.Client:
+    """``endpoints`` is ``host:port[,host:port…]``; aetcd talks to one member, the first."""
+    host, _, port = endpoints.split(",")[0].strip().removeprefix("http://").rpartition(":")
+    return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=5)
+
+
+class WorkerLease:
+    """Keeps a worker's registration alive; when the process dies the key expires with it."""
+
+    def __init__(self, client: aetcd.Client, registration: WorkerRegistration, ttl_s: int) -> None:
+        self._client = client
+        self._registration = registration
+        self._ttl_s = ttl_s
+        self._lease: aetcd.Lease | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def key(self) -> bytes:
+        return WORKERS_PREFIX + self._registration.worker_id.encode()
+
+    async def start(self) -> None:
+        self._lease = await self._client.lease(self._ttl_s)
+        await self._client.put(
+            self.key, self._registration.model_dump_json().encode(), lease=self._lease
+        )
+        self._task = asyncio.create_task(self._keep_alive(), name="etcd-keepalive")
+
+    async def _keep_alive(self) -> None:
+        assert self._lease is not None
+        while True:
+            await asyncio.sleep(self._ttl_s / 3)
+            try:
+                await self._lease.refresh()
+            except Exception:  # a missed refresh is retried; the TTL leaves room for two more
+                log.warning("lease refresh failed", exc_info=True)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._lease is not None:
+            with contextlib.suppress(Exception):
+                await self._lease.revoke()
+
+
+WorkersChanged = Callable[[dict[str, WorkerRegistration]], Awaitable[None]]
+
+
+async def watch_workers(client: aetcd.Client, on_change: WorkersChanged) -> None:
+    """Call ``on_change`` with the full live worker set now and after every change, forever."""
+    workers: dict[str, WorkerRegistration] = {}
+    snapshot = await client.get_prefix(WORKERS_PREFIX)
+    for kv in snapshot:
+        reg = WorkerRegistration.model_validate_json(kv.value)
+        workers[reg.worker_id] = reg
+    await on_change(dict(workers))
+    watch = await client.watch_prefix(
+        WORKERS_PREFIX, start_revision=snapshot.header.revision + 1
+    )
+    async for event in watch:
+        worker_id = event.kv.key[len(WORKERS_PREFIX) :].decode()
+        if event.kind == aetcd.EventKind.PUT:
+            workers[worker_id] = WorkerRegistration.model_validate_json(event.kv.value)
+        else:
+            workers.pop(worker_id, None)
+        await on_change(dict(workers))

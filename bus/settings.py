@@ -1,0 +1,15 @@
+"""Connection settings every service shares, read from ``LANEWAY_*`` environment variables."""
+
+from __future__ import annotations
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LANEWAY_", extra="ignore")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    etcd_endpoints: str = "127.0.0.1:2379"
+    # none | console | otlp | file:PATH (see observability.tracing)
+    trace_exporter: str = "none"
+    log_level: str = "INFO"

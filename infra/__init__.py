@@ -1,0 +1,1 @@
+"""Local cluster plumbing: embedded NATS and etcd, process supervision, the `laneway` CLI."""

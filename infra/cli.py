@@ -1,0 +1,83 @@
+"""The ``laneway`` command."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from infra.cluster import ClusterConfig, LocalCluster
+
+
+def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    up = sub.add_parser("up", help="start the whole local cluster and serve the OpenAI API")
+    up.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    up.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
+    up.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
+    up.add_argument("--etcd-endpoints", help="use this etcd (host:port) instead of an embedded one")
+    up.add_argument("--nats-port", type=int, help="port of the embedded NATS (default: free)")
+    up.add_argument("--etcd-port", type=int, help="port of the embedded etcd (default: free)")
+    up.add_argument("--workers", type=int, default=2, help="aggregated (prefill+decode) workers")
+    up.add_argument("--prefill-workers", type=int, default=0, help="prefill-only workers")
+    up.add_argument(
+        "--policy",
+        default="least_loaded",
+        choices=["round_robin", "random", "least_loaded"],
+        help="routing policy of the planner",
+    )
+    up.add_argument("--timing", default="dynamo-mocker", help="sim engine timing preset")
+    up.add_argument("--speedup", type=float, default=1.0, help="sim engine speed-up factor")
+    up.add_argument("--state-dir", type=Path, default=Path(".state"), help="data and logs")
+    up.add_argument("--trace-exporter", default="none", help="none | console | otlp | file:PATH")
+    up.set_defaults(func=_up)
+
+
+def _up(args: argparse.Namespace) -> int:
+    cluster = LocalCluster(
+        ClusterConfig(
+            state_dir=args.state_dir.resolve(),
+            http_host=args.host,
+            http_port=args.port,
+            nats_url=args.nats_url,
+            etcd_endpoints=args.etcd_endpoints,
+            nats_port=args.nats_port,
+            etcd_port=args.etcd_port,
+            workers=args.workers,
+            prefill_workers=args.prefill_workers,
+            policy=args.policy,
+            env={
+                "LANEWAY_TIMING": args.timing,
+                "LANEWAY_SPEEDUP": str(args.speedup),
+                "LANEWAY_TRACE_EXPORTER": args.trace_exporter,
+            },
+        )
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print("starting Laneway …", flush=True)
+    cluster.start()
+    try:
+        print(f"Laneway is serving the OpenAI API at {cluster.config.base_url}", flush=True)
+        for name, pid in cluster.pids().items():
+            print(f"  {name:<18} pid {pid}", flush=True)
+        print(f"logs: {cluster.logs}   (Ctrl-C stops everything)", flush=True)
+        stop.wait()
+    finally:
+        print("stopping …", flush=True)
+        cluster.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="laneway", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_up(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

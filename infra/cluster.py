@@ -1,0 +1,191 @@
+"""A whole local cluster as OS processes: embedded NATS and etcd (unless given), then ingress,
+planner, kv-indexer and the workers, each its own process; stopped in reverse order by PID."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bus.registry import WORKERS_PREFIX, connect_etcd
+from infra.embedded import EmbeddedServer, start_etcd, start_nats
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # If the supervisor is killed outright, its services must not outlive it.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ClusterConfig:
+    state_dir: Path
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    nats_url: str | None = None
+    etcd_endpoints: str | None = None
+    nats_port: int | None = None
+    etcd_port: int | None = None
+    workers: int = 2
+    prefill_workers: int = 0
+    policy: str = "least_loaded"
+    # Extra LANEWAY_* settings for every service (timing, speed-up, lease TTL, tracing, …).
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.http_host}:{self.http_port}/v1"
+
+
+@dataclass
+class Service:
+    name: str
+    module: str
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+
+
+class LocalCluster:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.servers: list[EmbeddedServer] = []
+        self.services: list[Service] = []
+        self.nats_url = config.nats_url or ""
+        self.etcd_endpoints = config.etcd_endpoints or ""
+
+    @property
+    def logs(self) -> Path:
+        return self.config.state_dir / "logs"
+
+    def start(self, timeout: float = 60.0) -> None:
+        cfg = self.config
+        self.logs.mkdir(parents=True, exist_ok=True)
+        try:
+            if not cfg.nats_url:
+                server = start_nats(cfg.state_dir, cfg.nats_port, self.logs / "nats.log")
+                self.servers.append(server)
+                self.nats_url = server.url
+            if not cfg.etcd_endpoints:
+                server = start_etcd(cfg.state_dir, cfg.etcd_port, self.logs / "etcd.log")
+                self.servers.append(server)
+                self.etcd_endpoints = server.url
+            self._plan_services()
+            for service in self.services:
+                self.spawn(service)
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _plan_services(self) -> None:
+        cfg = self.config
+        common = {
+            **cfg.env,
+            "LANEWAY_NATS_URL": self.nats_url,
+            "LANEWAY_ETCD_ENDPOINTS": self.etcd_endpoints,
+        }
+        self.services = [
+            Service("kv-indexer", "services.kv_indexer", common),
+            Service("planner", "services.planner", {**common, "LANEWAY_POLICY": cfg.policy}),
+        ]
+        self.services += [
+            Service(f"decode-worker-{i}", "services.decode_worker", common)
+            for i in range(cfg.workers)
+        ]
+        self.services += [
+            Service(f"prefill-worker-{i}", "services.prefill_worker", common)
+            for i in range(cfg.prefill_workers)
+        ]
+        self.services.append(
+            Service(
+                "ingress",
+                "services.ingress",
+                {**common, "LANEWAY_HOST": cfg.http_host, "LANEWAY_PORT": str(cfg.http_port)},
+            )
+        )
+
+    def spawn(self, service: Service) -> None:
+        log = open(self.logs / f"{service.name}.log", "ab")  # noqa: SIM115 - the child owns it
+        service.proc = subprocess.Popen(
+            [sys.executable, "-m", service.module],
+            env={**os.environ, **service.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+
+    def service(self, name: str) -> Service:
+        return next(s for s in self.services if s.name == name)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Ready when the API answers and every worker holds a lease in etcd."""
+        deadline = time.monotonic() + timeout
+        expected = self.config.workers + self.config.prefill_workers
+        while time.monotonic() < deadline:
+            self._check_alive()
+            if self._api_up() and self.registered_workers() >= expected:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"cluster not ready within {timeout:.0f}s; logs in {self.logs}")
+
+    def _check_alive(self) -> None:
+        for service in self.services:
+            if service.proc is not None and service.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{service.name} exited with code {service.proc.returncode}; "
+                    f"see {self.logs / (service.name + '.log')}"
+                )
+
+    def _api_up(self) -> bool:
+        try:
+            return httpx.get(self.config.base_url + "/models", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def registered_workers(self) -> int:
+        async def count() -> int:
+            client = connect_etcd(self.etcd_endpoints)
+            try:
+                return len(list(await client.get_prefix(WORKERS_PREFIX, keys_only=True)))
+            finally:
+                await client.close()
+
+        try:
+            return asyncio.run(count())
+        except Exception:  # etcd still starting
+            return 0
+
+    def stop(self, timeout: float = 15.0) -> None:
+        # Front door first, so that nothing new comes in while the back drains.
+        for service in reversed(self.services):
+            if service.proc is not None and service.proc.poll() is None:
+                service.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for service in reversed(self.services):
+            if service.proc is None:
+                continue
+            try:
+                service.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                service.proc.kill()
+                service.proc.wait()
+        for server in reversed(self.servers):
+            server.stop()
+        self.servers.clear()
+
+    def pids(self) -> dict[str, int]:
+        return {s.name: s.proc.pid for s in self.services if s.proc is not None}
+

@@ -1,0 +1,1 @@
+"""OpenTelemetry setup and trace-context propagation through events."""

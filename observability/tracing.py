@@ -1,0 +1,116 @@
+"""Tracing: one trace per request across processes, carried in each event's envelope.
+
+The exporter is a setting: ``none``, ``console``, ``otlp`` (HTTP, endpoint from the standard
+``OTEL_EXPORTER_OTLP_ENDPOINT``) or ``file:PATH`` (JSON lines, for tests and offline inspection).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+from opentelemetry.trace import Span
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from schemas.events import Envelope, TraceContext
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends one JSON object per finished span; several processes may share the file."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = []
+        for span in spans:
+            ctx = span.get_span_context()
+            parent = span.parent
+            lines.append(
+                json.dumps(
+                    {
+                        "name": span.name,
+                        "service": span.resource.attributes.get("service.name"),
+                        "trace_id": f"{ctx.trace_id:032x}" if ctx else None,
+                        "span_id": f"{ctx.span_id:016x}" if ctx else None,
+                        "parent_id": f"{parent.span_id:016x}" if parent else None,
+                        "start_ns": span.start_time,
+                        "end_ns": span.end_time,
+                        "attributes": dict(span.attributes or {}),
+                    }
+                )
+            )
+        with self._lock, open(self._path, "a", encoding="utf-8") as out:
+            out.write("\n".join(lines) + "\n")
+        return SpanExportResult.SUCCESS
+
+
+def _exporter(spec: str) -> SpanExporter | None:
+    if spec in ("", "none"):
+        return None
+    if spec == "console":
+        return ConsoleSpanExporter()
+    if spec == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    if spec.startswith("file:"):
+        return JsonLinesSpanExporter(Path(spec.removeprefix("file:")))
+    raise ValueError(f"unknown trace exporter {spec!r}: use none, console, otlp or file:PATH")
+
+
+def setup_tracing(service: str, instance: str, exporter: str) -> TracerProvider:
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service, "service.instance.id": instance})
+    )
+    span_exporter = _exporter(exporter)
+    if span_exporter is not None:
+        # Files are read by tests right after a request: write them at span end.
+        processor = (
+            SimpleSpanProcessor(span_exporter)
+            if isinstance(span_exporter, JsonLinesSpanExporter)
+            else BatchSpanProcessor(span_exporter)
+        )
+        provider.add_span_processor(processor)
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def trace_context(span: Span | None = None) -> TraceContext | None:
+    """The context of ``span`` (default: the active span), for the envelope of events it causes."""
+    carrier: dict[str, str] = {}
+    ctx = trace.set_span_in_context(span) if span is not None else None
+    _PROPAGATOR.inject(carrier, context=ctx)
+    if "traceparent" not in carrier:
+        return None
+    return TraceContext(traceparent=carrier["traceparent"], tracestate=carrier.get("tracestate"))
+
+
+def context_of(event: Envelope) -> otel_context.Context:
+    """The trace context that caused ``event``: new spans for its work continue that trace."""
+    if event.trace is None:
+        return otel_context.Context()
+    carrier = {"traceparent": event.trace.traceparent}
+    if event.trace.tracestate:
+        carrier["tracestate"] = event.trace.tracestate
+    return _PROPAGATOR.extract(carrier)

@@ -1,0 +1,1 @@
+"""Laneway's event contract: versioned, frozen pydantic models shared by every service."""

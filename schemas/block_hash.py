@@ -1,0 +1,34 @@
+"""Chained block hashes (ARCHITECTURE.md §5), the one function ingress, indexer and engines share.
+
+A block's hash covers its parent's hash and its own token ids, so two equal hashes imply two equal
+prefixes, not just two equal blocks. Only full blocks are hashed: engines cache whole blocks only.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+ROOT_HASH = 0
+_MASK = (1 << 64) - 1
+
+
+def hash_block(parent: int, token_ids: Sequence[int]) -> int:
+    """xxh3-64 of the parent hash (8 bytes, little endian) followed by the tokens as uint32."""
+    payload = (parent & _MASK).to_bytes(8, "little") + array("I", token_ids).tobytes()
+    return int(xxhash.xxh3_64_intdigest(payload))
+
+
+def chain_block_hashes(
+    token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH
+) -> tuple[int, ...]:
+    """Hashes of every full block of ``token_ids``; a trailing partial block gets none."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return tuple(hashes)

@@ -1,0 +1,49 @@
+"""Bytes ⇄ events, with upcasting of older schema versions on the way in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import orjson
+from pydantic import BaseModel, TypeAdapter
+
+from schemas.events import Event, Envelope
+
+M = TypeVar("M", bound=BaseModel)
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+
+# (type, version) -> function that turns that version's payload into version + 1.
+UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+
+_EVENT: TypeAdapter[Event] = TypeAdapter(Event)
+_CURRENT_VERSION: dict[str, int] = {}
+
+
+def _current_version(event_type: str) -> int:
+    if not _CURRENT_VERSION:
+        for model in Envelope.__subclasses__():
+            fields = model.model_fields
+            _CURRENT_VERSION[fields["type"].default] = fields["schema_version"].default
+    return _CURRENT_VERSION.get(event_type, 1)
+
+
+def encode(model: BaseModel) -> bytes:
+    return model.model_dump_json().encode()
+
+
+def decode_event(data: bytes) -> Event:
+    """Parse an event of any known type, upcasting it to the current schema version."""
+    raw: dict[str, Any] = orjson.loads(data)
+    event_type = raw.get("type", "")
+    version = int(raw.get("schema_version", 1))
+    while version < _current_version(event_type):
+        raw = UPCASTERS[(event_type, version)](raw)
+        version += 1
+        raw["schema_version"] = version
+    return _EVENT.validate_python(raw)
+
+
+def decode_as(model: type[M], data: bytes) -> M:
+    """Parse a message that is not an event (a query, a reply, a registration)."""
+    return model.model_validate_json(data)

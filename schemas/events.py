@@ -1,0 +1,256 @@
+"""Every event of ARCHITECTURE.md §2: one envelope, frozen payload models, documented units.
+
+Events are immutable facts. A field's meaning never changes once published: a new meaning gets a
+new ``schema_version`` and an upcaster in :mod:`schemas.codec`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TokenIds = tuple[int, ...]
+BlockHashes = tuple[Annotated[int, Field(ge=0, lt=1 << 64)], ...]
+Role = Literal["prefill", "decode", "both"]
+
+
+def new_id() -> str:
+    """A 32-hex-digit identifier, safe to use as a NATS subject token."""
+    return uuid.uuid4().hex
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TraceContext(Frozen):
+    """W3C trace context of the span that caused this event."""
+
+    traceparent: str = Field(description="W3C `traceparent` header value")
+    tracestate: str | None = Field(default=None, description="W3C `tracestate` header value")
+
+
+class Envelope(Frozen):
+    """Fields every event carries. Subclasses fix ``type`` and add their payload."""
+
+    event_id: str = Field(default_factory=new_id, description="unique id, used for de-duplication")
+    schema_version: int = Field(default=1, description="version of this event type's payload")
+    occurred_at: datetime = Field(default_factory=utc_now, description="UTC time of the fact")
+    source: str = Field(description="emitting service and instance, `service/instance`")
+    request_id: str | None = Field(default=None, description="request this event concerns")
+    session_id: str | None = Field(default=None, description="conversation the request belongs to")
+    trace: TraceContext | None = Field(default=None, description="trace context of the cause")
+
+
+class SamplingParams(Frozen):
+    """Generation settings as the client asked for them (OpenAI semantics)."""
+
+    max_tokens: int = Field(ge=1, description="maximum number of generated tokens")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 means greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus probability mass")
+    seed: int | None = Field(default=None, description="sampling seed; fixed seed, fixed output")
+    stop: tuple[str, ...] = Field(default=(), description="generation ends before any of these")
+    stop_token_ids: TokenIds = Field(default=(), description="generation ends after any of these")
+    ignore_eos: bool = Field(default=False, description="keep generating past end-of-sequence")
+
+
+class RequestSpec(Frozen):
+    """What a worker needs to serve a request; carried from ingress to the worker unchanged."""
+
+    model: str = Field(description="served model name the client asked for")
+    prompt_token_ids: TokenIds = Field(description="tokenized prompt, chat template applied")
+    block_size: int = Field(gt=0, description="tokens per block used for `block_hashes`")
+    block_hashes: BlockHashes = Field(description="chained hashes of the prompt's full blocks")
+    sampling: SamplingParams
+    reply_to: str = Field(description="ingress instance that streams the answer to the client")
+    deadline: datetime = Field(description="UTC time after which the client is no longer waiting")
+
+
+class RequestAccepted(Envelope):
+    """Ingress validated a client request and handed it to the planner."""
+
+    type: Literal["RequestAccepted"] = "RequestAccepted"
+    spec: RequestSpec
+
+
+class RouteCandidate(Frozen):
+    """One worker the planner weighed, with the inputs of its score."""
+
+    worker_id: str
+    cached_blocks: int = Field(ge=0, description="leading prompt blocks already in its cache")
+    running: int = Field(ge=0, description="requests it is running (reported + in flight)")
+    waiting: int = Field(ge=0, description="requests queued on it")
+    kv_usage: float = Field(ge=0.0, le=1.0, description="fraction of its KV blocks in use")
+    score: float = Field(description="policy cost; the lowest wins")
+
+
+class RouteDecided(Envelope):
+    """The planner chose a worker for a request."""
+
+    type: Literal["RouteDecided"] = "RouteDecided"
+    worker_id: str = Field(description="worker that serves the request")
+    policy: str = Field(description="routing policy that decided")
+    reason: str = Field(description="why this worker, in words")
+    candidates: tuple[RouteCandidate, ...] = Field(description="every worker weighed")
+    spec: RequestSpec
+
+
+class PrefillCompleted(Envelope):
+    """A prefill worker finished a request's prompt and is handing its KV to a decode worker."""
+
+    type: Literal["PrefillCompleted"] = "PrefillCompleted"
+    worker_id: str = Field(description="prefill worker")
+    decode_worker_id: str = Field(description="worker that will decode")
+    prefilled_tokens: int = Field(ge=0, description="prompt tokens computed (not from cache)")
+
+
+class KvTransferred(Envelope):
+    """A request's KV blocks arrived at the decode worker."""
+
+    type: Literal["KvTransferred"] = "KvTransferred"
+    from_worker_id: str
+    to_worker_id: str
+    block_hashes: BlockHashes
+    transfer_ms: float = Field(ge=0.0, description="time the hand-off took, milliseconds")
+
+
+class TokensGenerated(Envelope):
+    """Tokens one engine step produced for one request (never one message per token)."""
+
+    type: Literal["TokensGenerated"] = "TokensGenerated"
+    worker_id: str
+    index: int = Field(ge=0, description="position of the first token in the completion")
+    token_ids: TokenIds
+    text: str = Field(description="detokenized text of `token_ids`, stop strings removed")
+
+
+class Usage(Frozen):
+    """Token counts, as OpenAI reports them."""
+
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(default=0, ge=0, description="prompt tokens served from KV cache")
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class RequestFinished(Envelope):
+    """Terminal: the request completed normally."""
+
+    type: Literal["RequestFinished"] = "RequestFinished"
+    worker_id: str
+    finish_reason: FinishReason
+    usage: Usage
+    ttft_ms: float = Field(ge=0.0, description="route received to first token, milliseconds")
+    e2e_ms: float = Field(ge=0.0, description="route received to last token, milliseconds")
+
+
+FailureCode = Literal["worker_lost", "engine_error", "no_worker", "invalid_request", "timeout"]
+
+
+class RequestFailed(Envelope):
+    """Terminal: the request cannot complete."""
+
+    type: Literal["RequestFailed"] = "RequestFailed"
+    code: FailureCode
+    message: str
+    worker_id: str | None = None
+
+
+class CancellationRequested(Envelope):
+    """Ingress no longer wants a request's answer; whoever holds it ends it with RequestCancelled."""
+
+    type: Literal["CancellationRequested"] = "CancellationRequested"
+    reason: Literal["client_disconnected", "timeout"]
+
+
+class RequestCancelled(Envelope):
+    """Terminal: the request was stopped on the client's behalf."""
+
+    type: Literal["RequestCancelled"] = "RequestCancelled"
+    worker_id: str | None = None
+    reason: str
+    completion_tokens: int = Field(default=0, ge=0, description="tokens generated before the stop")
+
+
+class KvBlocksStored(Envelope):
+    """Blocks became cached on a worker. ``seq`` orders a worker's KV events (1, 2, 3, …)."""
+
+    type: Literal["KvBlocksStored"] = "KvBlocksStored"
+    worker_id: str
+    seq: int = Field(ge=1, description="per-worker KV event sequence number")
+    parent_hash: int | None = Field(default=None, description="hash of the block before the first")
+    block_hashes: BlockHashes
+
+
+class KvBlocksRemoved(Envelope):
+    """Blocks left a worker's cache (evicted or freed)."""
+
+    type: Literal["KvBlocksRemoved"] = "KvBlocksRemoved"
+    worker_id: str
+    seq: int = Field(ge=1)
+    block_hashes: BlockHashes
+
+
+class KvCleared(Envelope):
+    """A worker dropped its whole cache (restart, reset)."""
+
+    type: Literal["KvCleared"] = "KvCleared"
+    worker_id: str
+    seq: int = Field(ge=1)
+
+
+class WorkerLoadReported(Envelope):
+    """A worker's load, reported periodically and on change."""
+
+    type: Literal["WorkerLoadReported"] = "WorkerLoadReported"
+    worker_id: str
+    role: Role
+    running: int = Field(ge=0, description="requests being generated")
+    waiting: int = Field(ge=0, description="requests queued, not yet scheduled")
+    waiting_prefill_tokens: int = Field(ge=0, description="prompt tokens queued for prefill")
+    kv_blocks_used: int = Field(ge=0)
+    kv_blocks_total: int = Field(ge=0)
+
+
+class RoleMove(Frozen):
+    worker_id: str
+    from_role: Role
+    to_role: Role
+
+
+class RolesRebalanced(Envelope):
+    """The capacity planner moved workers between the prefill and decode pools."""
+
+    type: Literal["RolesRebalanced"] = "RolesRebalanced"
+    moves: tuple[RoleMove, ...]
+    reason: str
+
+
+Event = Annotated[
+    RequestAccepted
+    | RouteDecided
+    | PrefillCompleted
+    | KvTransferred
+    | TokensGenerated
+    | RequestFinished
+    | RequestFailed
+    | CancellationRequested
+    | RequestCancelled
+    | KvBlocksStored
+    | KvBlocksRemoved
+    | KvCleared
+    | WorkerLoadReported
+    | RolesRebalanced,
+    Field(discriminator="type"),
+]
+TerminalEvent = RequestFinished | RequestFailed | RequestCancelled
+KvEvent = KvBlocksStored | KvBlocksRemoved | KvCleared

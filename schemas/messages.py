@@ -1,0 +1,34 @@
+"""Messages that are not events: request/reply bodies and etcd records."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from schemas.events import BlockHashes, Frozen, Role
+
+
+class OverlapQuery(Frozen):
+    """Ask the kv-indexer how much of a prompt each worker already caches."""
+
+    block_hashes: BlockHashes = Field(description="chained hashes of the prompt's full blocks")
+
+
+class OverlapReply(Frozen):
+    """Per worker, the number of leading query blocks it caches; workers with none are absent."""
+
+    overlaps: dict[str, int]
+    indexed_blocks: int = Field(ge=0, description="distinct (worker, block) pairs in the index")
+
+
+class WorkerRegistration(Frozen):
+    """A worker's record in etcd (`workers/<id>`), alive as long as its lease."""
+
+    worker_id: str
+    role: Role
+    engine: str = Field(description="engine kind: sim, torch, trtllm")
+    model: str = Field(description="served model name")
+    block_size: int = Field(gt=0, description="tokens per KV block")
+    kv_blocks_total: int = Field(gt=0, description="KV cache capacity, in blocks")
+    max_num_seqs: int = Field(gt=0, description="most requests it runs at once")
+    kv_events: bool = Field(default=True, description="publishes KV events (else: approximate)")
+    pid: int = Field(description="OS process id, for operators")

@@ -1,0 +1,1 @@
+"""Laneway services: each package is one process; they meet only through events."""

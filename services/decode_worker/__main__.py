@@ -1,0 +1,3 @@
+from services.decode_worker.main import main
+
+main()

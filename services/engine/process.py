@@ -1,0 +1,82 @@
+"""Entry point shared by the worker services: settings, engine construction, wiring."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Literal
+
+from pydantic import Field
+
+from bus.client import Bus
+from bus.registry import WorkerLease, connect_etcd
+from bus.runtime import run_service
+from bus.settings import ServiceSettings
+from observability.tracing import setup_tracing
+from schemas.events import Role, new_id
+from services.engine.protocol import Engine
+from services.engine.serving import Worker, WorkerOptions
+from services.engine.sim import SimConfig, SimEngine, timing_preset
+from services.engine.tokenizer import ByteTokenizer
+
+
+class WorkerSettings(ServiceSettings):
+    worker_id: str = Field(default_factory=new_id)
+    role: Role = "both"
+    engine: Literal["sim"] = "sim"
+    model: str = "laneway-sim"
+    block_size: int = 16
+    num_gpu_blocks: int = 16384
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    # Timing model of the sim engine: dynamo-mocker, or fixed (fast, for tests and demos).
+    timing: str = "dynamo-mocker"
+    # Modelled time is divided by this: 10 runs the simulated GPU ten times faster.
+    speedup: float = Field(default=1.0, gt=0)
+    lease_ttl_s: int = Field(default=5, ge=1, le=10)
+    load_report_interval_s: float = 0.5
+    drain_timeout_s: float = 5.0
+
+
+def build_engine(settings: WorkerSettings) -> Engine:
+    config = SimConfig(
+        block_size=settings.block_size,
+        num_gpu_blocks=settings.num_gpu_blocks,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+    )
+    return SimEngine(config, timing_preset(settings.timing))
+
+
+def worker_main(default_role: Role) -> None:
+    # The service decides the role unless the operator set LANEWAY_ROLE explicitly.
+    settings = WorkerSettings() if "LANEWAY_ROLE" in os.environ else WorkerSettings(role=default_role)
+
+    async def main(stop: asyncio.Event) -> None:
+        setup_tracing("laneway-worker", settings.worker_id, settings.trace_exporter)
+        bus = await Bus.connect(settings.nats_url, f"worker-{settings.worker_id}")
+        await bus.ensure_streams()
+        etcd = connect_etcd(settings.etcd_endpoints)
+        worker = Worker(
+            bus,
+            build_engine(settings),
+            ByteTokenizer(),
+            WorkerOptions(
+                worker_id=settings.worker_id,
+                role=settings.role,
+                engine_kind=settings.engine,
+                model=settings.model,
+                speedup=settings.speedup,
+                lease_ttl_s=settings.lease_ttl_s,
+                load_report_interval_s=settings.load_report_interval_s,
+                drain_timeout_s=settings.drain_timeout_s,
+            ),
+        )
+        lease = WorkerLease(etcd, worker.registration(), settings.lease_ttl_s)
+        try:
+            await worker.run(lease, stop)
+        finally:
+            await bus.close()
+            await etcd.close()
+
+    run_service(main, settings.log_level)

@@ -1,0 +1,337 @@
+"""The worker process around an engine: takes routed requests from the bus, drives the engine's
+steps in real time, and publishes tokens, terminal events, KV events and load reports.
+
+Both worker services (prefill and decode) run this with their own role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.trace import Span
+
+from bus.client import Bus
+from bus.registry import WorkerLease
+from bus.topology import Subjects, worker_routes
+from schemas.events import (
+    CancellationRequested,
+    Envelope,
+    Event,
+    KvBlocksRemoved,
+    KvBlocksStored,
+    KvCleared,
+    RequestCancelled,
+    RequestFailed,
+    RequestFinished,
+    RequestSpec,
+    Role,
+    RouteDecided,
+    TokensGenerated,
+    Usage,
+    WorkerLoadReported,
+)
+from schemas.messages import WorkerRegistration
+from services.engine.protocol import (
+    BlocksRemoved,
+    BlocksStored,
+    Engine,
+    EngineRequest,
+    KvChange,
+    RequestOutput,
+)
+from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from observability.tracing import context_of, trace_context
+
+log = logging.getLogger(__name__)
+
+# How long a cancellation for a request this worker has not (yet) seen is remembered: the
+# cancel may overtake the route decision on its way here.
+EARLY_CANCEL_MEMORY_S = 60.0
+
+
+@dataclass
+class WorkerOptions:
+    worker_id: str
+    role: Role
+    engine_kind: str
+    model: str
+    speedup: float
+    lease_ttl_s: int
+    load_report_interval_s: float
+    drain_timeout_s: float
+
+
+@dataclass
+class _Active:
+    spec: RequestSpec
+    session_id: str | None
+    detok: IncrementalDetokenizer
+    span: Span
+    received: float
+    first_token: float | None = None
+    emitted: int = 0
+    cached_tokens: int = 0
+
+
+class Worker:
+    def __init__(
+        self, bus: Bus, engine: Engine, tokenizer: Tokenizer, options: WorkerOptions
+    ) -> None:
+        self._bus = bus
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._opt = options
+        self._source = f"worker/{options.worker_id}"
+        self._active: dict[str, _Active] = {}
+        self._early_cancels: dict[str, float] = {}
+        self._wake = asyncio.Event()
+        self._kv_seq = 0
+        self._background: set[asyncio.Task[None]] = set()
+        self._tracer = trace.get_tracer("laneway.worker")
+
+    def registration(self) -> WorkerRegistration:
+        return WorkerRegistration(
+            worker_id=self._opt.worker_id,
+            role=self._opt.role,
+            engine=self._opt.engine_kind,
+            model=self._opt.model,
+            block_size=self._engine.block_size,
+            kv_blocks_total=self._engine.kv_blocks_total,
+            max_num_seqs=self._engine.max_num_seqs,
+            pid=os.getpid(),
+        )
+
+    async def run(self, lease: WorkerLease, stop: asyncio.Event) -> None:
+        await lease.start()
+        await self._bus.subscribe(Subjects.cancellation_requested, self._on_cancel)
+        await self._bus.consume(worker_routes(self._opt.worker_id), self._on_route)
+        loops = [
+            asyncio.create_task(self._step_loop(), name="engine-steps"),
+            asyncio.create_task(self._report_loop(), name="load-reports"),
+        ]
+        log.info("worker %s (%s) ready", self._opt.worker_id, self._opt.role)
+        await stop.wait()
+        # Leave the pool first so that no new work is routed here, then let in-flight work end.
+        await lease.stop()
+        deadline = time.monotonic() + self._opt.drain_timeout_s
+        while self._active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._active):
+            await self._fail(request_id, "worker shut down before the request finished")
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, *self._background, return_exceptions=True)
+
+    # -- inputs ---------------------------------------------------------------------------
+
+    async def _on_route(self, event: Event) -> None:
+        if not isinstance(event, RouteDecided) or event.request_id is None:
+            return
+        request_id = event.request_id
+        if request_id in self._active:  # redelivery of a route we already hold
+            return
+        span = self._tracer.start_span("worker.generate", context=context_of(event))
+        span.set_attribute("laneway.request_id", request_id)
+        span.set_attribute("laneway.worker_id", self._opt.worker_id)
+        state = _Active(
+            spec=event.spec,
+            session_id=event.session_id,
+            detok=IncrementalDetokenizer(self._tokenizer, event.spec.sampling.stop),
+            span=span,
+            received=time.monotonic(),
+        )
+        self._active[request_id] = state
+        if self._early_cancels.pop(request_id, None) is not None:
+            await self._cancelled(request_id, "client_disconnected")
+            return
+        block_hashes = (
+            event.spec.block_hashes if event.spec.block_size == self._engine.block_size else ()
+        )
+        self._engine.add_request(
+            EngineRequest(request_id, event.spec.prompt_token_ids, event.spec.sampling, block_hashes)
+        )
+        self._wake.set()
+
+    async def _on_cancel(self, event: Event) -> None:
+        if not isinstance(event, CancellationRequested) or event.request_id is None:
+            return
+        if event.request_id in self._active:
+            self._engine.abort(event.request_id)
+            await self._cancelled(event.request_id, event.reason)
+            return
+        now = time.monotonic()
+        self._early_cancels[event.request_id] = now
+        for request_id, at in list(self._early_cancels.items()):
+            if now - at > EARLY_CANCEL_MEMORY_S:
+                del self._early_cancels[request_id]
+
+    # -- the engine, in real time ----------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._engine.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = loop.time()
+            result = self._engine.step()
+            remaining = result.duration_s / self._opt.speedup - (loop.time() - started)
+            # Sleeping (even zero) also lets the bus deliver new routes between steps.
+            await asyncio.sleep(max(0.0, remaining))
+            for output in result.outputs:
+                await self._on_output(output)
+            if result.kv_changes:
+                await self._publish_kv(result.kv_changes)
+
+    async def _on_output(self, output: RequestOutput) -> None:
+        state = self._active.get(output.request_id)
+        if state is None:  # cancelled while the step ran
+            return
+        if state.first_token is None:
+            state.first_token = time.monotonic()
+            state.cached_tokens = output.cached_tokens or 0
+        text = state.detok.push(output.new_token_ids)
+        finished = output.finished or state.detok.stopped
+        if finished and not state.detok.stopped:
+            text += state.detok.flush()
+        if output.new_token_ids:
+            await self._bus.publish(
+                Subjects.tokens(state.spec.reply_to),
+                TokensGenerated(
+                    source=self._source,
+                    request_id=output.request_id,
+                    session_id=state.session_id,
+                    worker_id=self._opt.worker_id,
+                    index=state.emitted,
+                    token_ids=output.new_token_ids,
+                    text=text,
+                ),
+                durable=False,
+            )
+            state.emitted += len(output.new_token_ids)
+        if not finished:
+            return
+        if not output.finished:  # a stop string ended it before the engine did
+            self._engine.abort(output.request_id)
+        reason = "stop" if state.detok.stopped else (output.finish_reason or "length")
+        now = time.monotonic()
+        del self._active[output.request_id]
+        finished_event = RequestFinished(
+            source=self._source,
+            request_id=output.request_id,
+            session_id=state.session_id,
+            trace=trace_context(state.span),
+            worker_id=self._opt.worker_id,
+            finish_reason=reason,
+            usage=Usage(
+                prompt_tokens=len(state.spec.prompt_token_ids),
+                completion_tokens=state.emitted,
+                cached_tokens=state.cached_tokens,
+            ),
+            ttft_ms=((state.first_token or now) - state.received) * 1000,
+            e2e_ms=(now - state.received) * 1000,
+        )
+        state.span.set_attribute("laneway.completion_tokens", state.emitted)
+        state.span.end()
+        self._publish_terminal(state, finished_event)
+
+    # -- outputs ---------------------------------------------------------------------------
+
+    def _publish_terminal(self, state: _Active, event: Envelope) -> None:
+        # Awaiting JetStream's ack here would stall every other request's next step; the
+        # publish is queued on the connection behind this request's token deltas, so order holds.
+        task = asyncio.create_task(
+            self._bus.publish(Subjects.request_terminal(state.spec.reply_to), event)
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancelled(self, request_id: str, reason: str) -> None:
+        state = self._active.pop(request_id)
+        state.span.set_attribute("laneway.cancelled", reason)
+        state.span.end()
+        self._publish_terminal(
+            state,
+            RequestCancelled(
+                source=self._source,
+                request_id=request_id,
+                session_id=state.session_id,
+                trace=trace_context(state.span),
+                worker_id=self._opt.worker_id,
+                reason=reason,
+                completion_tokens=state.emitted,
+            ),
+        )
+
+    async def _fail(self, request_id: str, message: str) -> None:
+        self._engine.abort(request_id)
+        state = self._active.pop(request_id)
+        state.span.set_attribute("laneway.failed", message)
+        state.span.end()
+        self._publish_terminal(
+            state,
+            RequestFailed(
+                source=self._source,
+                request_id=request_id,
+                session_id=state.session_id,
+                trace=trace_context(state.span),
+                code="engine_error",
+                message=message,
+                worker_id=self._opt.worker_id,
+            ),
+        )
+
+    async def _publish_kv(self, changes: list[KvChange]) -> None:
+        subject = Subjects.kv(self._opt.worker_id)
+        for change in changes:
+            self._kv_seq += 1
+            seq = self._kv_seq
+            event: Envelope
+            if isinstance(change, BlocksStored):
+                event = KvBlocksStored(
+                    source=self._source,
+                    worker_id=self._opt.worker_id,
+                    seq=seq,
+                    parent_hash=change.parent_hash,
+                    block_hashes=change.block_hashes,
+                )
+            elif isinstance(change, BlocksRemoved):
+                event = KvBlocksRemoved(
+                    source=self._source,
+                    worker_id=self._opt.worker_id,
+                    seq=seq,
+                    block_hashes=change.block_hashes,
+                )
+            else:
+                event = KvCleared(source=self._source, worker_id=self._opt.worker_id, seq=seq)
+            # Per-worker order is what the index needs; one connection preserves it.
+            await self._bus.publish(subject, event, durable=False)
+
+    async def _report_loop(self) -> None:
+        while True:
+            await self._report_load()
+            await asyncio.sleep(self._opt.load_report_interval_s)
+
+    async def _report_load(self) -> None:
+        load = self._engine.load()
+        await self._bus.publish(
+            Subjects.load(self._opt.worker_id),
+            WorkerLoadReported(
+                source=self._source,
+                worker_id=self._opt.worker_id,
+                role=self._opt.role,
+                running=load.running,
+                waiting=load.waiting,
+                waiting_prefill_tokens=load.waiting_prefill_tokens,
+                kv_blocks_used=load.kv_blocks_used,
+                kv_blocks_total=load.kv_blocks_total,
+            ),
+            durable=False,
+        )
+

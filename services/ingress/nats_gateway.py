@@ -1,0 +1,79 @@
+"""The live Gateway: requests out as RequestAccepted, answers back from this instance's subjects."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from opentelemetry import trace
+
+from bus.client import Bus
+from bus.topology import Subjects
+from observability.tracing import trace_context
+from schemas.events import (
+    CancellationRequested,
+    Event,
+    RequestAccepted,
+    RequestCancelled,
+    RequestFailed,
+    RequestFinished,
+    RequestSpec,
+    TokensGenerated,
+)
+from services.ingress.gateway import CancelReason, GatewayEvent
+
+_TERMINAL = (RequestFinished, RequestFailed, RequestCancelled)
+
+
+class NatsGateway:
+    def __init__(self, bus: Bus, instance_id: str) -> None:
+        self._bus = bus
+        self._instance_id = instance_id
+        self._source = f"ingress/{instance_id}"
+        self._streams: dict[str, asyncio.Queue[GatewayEvent]] = {}
+        self._tracer = trace.get_tracer("laneway.ingress")
+
+    async def start(self) -> None:
+        # Core subscriptions on this instance's own subjects: set up once, lowest latency.
+        await self._bus.subscribe(Subjects.tokens(self._instance_id), self._deliver)
+        await self._bus.subscribe(Subjects.request_terminal(self._instance_id), self._deliver)
+
+    async def _deliver(self, event: Event) -> None:
+        if isinstance(event, TokensGenerated | RequestFinished | RequestFailed | RequestCancelled):
+            queue = self._streams.get(event.request_id or "")
+            if queue is not None:
+                queue.put_nowait(event)
+
+    async def submit(
+        self, request_id: str, session_id: str | None, spec: RequestSpec
+    ) -> AsyncIterator[GatewayEvent]:
+        queue: asyncio.Queue[GatewayEvent] = asyncio.Queue()
+        self._streams[request_id] = queue
+        with self._tracer.start_as_current_span("ingress.request") as span:
+            span.set_attribute("laneway.request_id", request_id)
+            span.set_attribute("laneway.prompt_tokens", len(spec.prompt_token_ids))
+            try:
+                await self._bus.publish(
+                    Subjects.request_accepted,
+                    RequestAccepted(
+                        source=self._source,
+                        request_id=request_id,
+                        session_id=session_id,
+                        trace=trace_context(span),
+                        spec=spec,
+                    ),
+                )
+                while True:
+                    event = await queue.get()
+                    yield event
+                    if isinstance(event, _TERMINAL):
+                        span.set_attribute("laneway.outcome", event.type)
+                        return
+            finally:
+                del self._streams[request_id]
+
+    async def cancel(self, request_id: str, reason: CancelReason) -> None:
+        await self._bus.publish(
+            Subjects.cancellation_requested,
+            CancellationRequested(source=self._source, request_id=request_id, reason=reason),
+        )

@@ -1,0 +1,1 @@
+"""The kv-indexer service: a global prefix index folded from the workers' KV events."""

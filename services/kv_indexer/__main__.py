@@ -1,0 +1,3 @@
+from services.kv_indexer.main import main
+
+main()

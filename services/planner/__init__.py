@@ -1,0 +1,1 @@
+"""The planner service: decides which worker serves each request, and says why."""

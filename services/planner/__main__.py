@@ -1,0 +1,3 @@
+from services.planner.main import main
+
+main()

@@ -1,0 +1,78 @@
+"""The planner's view of the cluster: live workers, their latest load, and what it routed where.
+
+Plain bookkeeping with no I/O; the service feeds it events and asks it for candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.events import WorkerLoadReported
+from schemas.messages import WorkerRegistration
+from services.planner.policy import WorkerView
+
+# Roles that decode, and so can serve a request end to end in aggregated mode.
+SERVING_ROLES = frozenset({"both", "decode"})
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    worker_id: str
+    reply_to: str
+    session_id: str | None
+
+
+class ClusterView:
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerRegistration] = {}
+        self._load: dict[str, WorkerLoadReported] = {}
+        self._routed: dict[str, Routed] = {}
+        self._in_flight: dict[str, int] = {}
+
+    def set_workers(self, workers: dict[str, WorkerRegistration]) -> dict[str, Routed]:
+        """Replace the live set; returns the requests that were in flight on workers now gone."""
+        gone = self.workers.keys() - workers.keys()
+        self.workers = workers
+        lost = {rid: r for rid, r in self._routed.items() if r.worker_id in gone}
+        for request_id in lost:
+            self.finished(request_id)
+        for worker_id in gone:
+            self._load.pop(worker_id, None)
+            self._in_flight.pop(worker_id, None)
+        return lost
+
+    def report(self, load: WorkerLoadReported) -> None:
+        if load.worker_id in self.workers:
+            self._load[load.worker_id] = load
+
+    def routed(self, request_id: str, route: Routed) -> None:
+        self._routed[request_id] = route
+        self._in_flight[route.worker_id] = self._in_flight.get(route.worker_id, 0) + 1
+
+    def is_routed(self, request_id: str) -> bool:
+        return request_id in self._routed
+
+    def finished(self, request_id: str) -> None:
+        route = self._routed.pop(request_id, None)
+        if route is not None and route.worker_id in self._in_flight:
+            self._in_flight[route.worker_id] -= 1
+
+    def candidates(self, cached_blocks: dict[str, int] | None = None) -> list[WorkerView]:
+        views = []
+        for worker_id, reg in self.workers.items():
+            if reg.role not in SERVING_ROLES:
+                continue
+            load = self._load.get(worker_id)
+            views.append(
+                WorkerView(
+                    worker_id=worker_id,
+                    running=load.running if load else 0,
+                    waiting=load.waiting if load else 0,
+                    kv_usage=load.kv_blocks_used / load.kv_blocks_total
+                    if load and load.kv_blocks_total
+                    else 0.0,
+                    in_flight=self._in_flight.get(worker_id, 0),
+                    cached_blocks=(cached_blocks or {}).get(worker_id, 0),
+                )
+            )
+        return views

@@ -1,0 +1,155 @@
+"""The planner's subscribers: thin adapters between events and the policy."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from opentelemetry import trace
+
+from bus.client import Bus
+from bus.topology import Subjects
+from observability.tracing import context_of, trace_context
+from schemas.events import (
+    Event,
+    FailureCode,
+    RequestAccepted,
+    RequestCancelled,
+    RequestFailed,
+    RequestFinished,
+    RouteCandidate,
+    RouteDecided,
+    WorkerLoadReported,
+    utc_now,
+)
+from schemas.messages import OverlapQuery, OverlapReply, WorkerRegistration
+from services.planner.cluster import ClusterView, Routed
+from services.planner.policy import Policy, RouteRequest
+
+log = logging.getLogger(__name__)
+
+
+class Planner:
+    def __init__(
+        self, bus: Bus, policy: Policy, instance_id: str, overlap_timeout_s: float = 0.05
+    ) -> None:
+        self._bus = bus
+        self._policy = policy
+        self._source = f"planner/{instance_id}"
+        self._overlap_timeout_s = overlap_timeout_s
+        self.cluster = ClusterView()
+        self._tracer = trace.get_tracer("laneway.planner")
+
+    async def on_request(self, event: Event) -> None:
+        if not isinstance(event, RequestAccepted) or event.request_id is None:
+            return
+        if self.cluster.is_routed(event.request_id):  # redelivered after a lost ack
+            return
+        if event.spec.deadline < utc_now():  # replayed or stuck: nobody waits for it any more
+            await self._fail(event, "timeout", "the request's deadline passed before routing")
+            return
+        with self._tracer.start_as_current_span(
+            "planner.route", context=context_of(event)
+        ) as span:
+            span.set_attribute("laneway.request_id", event.request_id)
+            await self._route(event)
+
+    async def _route(self, event: RequestAccepted) -> None:
+        assert event.request_id is not None
+        spec = event.spec
+        overlaps: dict[str, int] | None = None
+        if self._policy.needs_overlap and spec.block_hashes:
+            overlaps = await self._overlaps(spec.block_hashes)
+        candidates = self.cluster.candidates(overlaps)
+        if not candidates:
+            await self._fail(event, "no_worker", "no worker is registered to serve this model")
+            return
+        choice = self._policy.choose(
+            RouteRequest(
+                event.request_id, len(spec.prompt_token_ids), spec.block_hashes, event.session_id
+            ),
+            candidates,
+        )
+        trace.get_current_span().set_attribute("laneway.worker_id", choice.worker_id)
+        self.cluster.routed(
+            event.request_id, Routed(choice.worker_id, spec.reply_to, event.session_id)
+        )
+        await self._bus.publish(
+            Subjects.route(choice.worker_id),
+            RouteDecided(
+                # One decision per request: a re-routing after a crash is dropped as a duplicate.
+                event_id=f"route-{event.request_id}",
+                source=self._source,
+                request_id=event.request_id,
+                session_id=event.session_id,
+                trace=trace_context(),
+                worker_id=choice.worker_id,
+                policy=self._policy.name,
+                reason=choice.reason,
+                candidates=tuple(
+                    RouteCandidate(
+                        worker_id=c.worker_id,
+                        cached_blocks=c.cached_blocks,
+                        running=max(c.running, c.in_flight),
+                        waiting=c.waiting,
+                        kv_usage=min(1.0, c.kv_usage),
+                        score=choice.scores[c.worker_id],
+                    )
+                    for c in candidates
+                ),
+                spec=spec,
+            ),
+        )
+
+    async def _fail(self, event: RequestAccepted, code: FailureCode, message: str) -> None:
+        await self._bus.publish(
+            Subjects.request_terminal(event.spec.reply_to),
+            RequestFailed(
+                event_id=f"failed-{event.request_id}",
+                source=self._source,
+                request_id=event.request_id,
+                session_id=event.session_id,
+                trace=trace_context(),
+                code=code,
+                message=message,
+            ),
+        )
+
+    async def _overlaps(self, block_hashes: tuple[int, ...]) -> dict[str, int]:
+        started = time.monotonic()
+        try:
+            reply = await self._bus.request(
+                Subjects.overlap_query,
+                OverlapQuery(block_hashes=block_hashes),
+                OverlapReply,
+                timeout=self._overlap_timeout_s,
+            )
+        except Exception:  # no indexer, or too slow: route on load alone rather than stall
+            log.warning("overlap query failed after %.1f ms", (time.monotonic() - started) * 1e3)
+            return {}
+        return reply.overlaps
+
+    async def on_terminal(self, event: Event) -> None:
+        if isinstance(event, RequestFinished | RequestFailed | RequestCancelled) and event.request_id:
+            self.cluster.finished(event.request_id)
+
+    async def on_load(self, event: Event) -> None:
+        if isinstance(event, WorkerLoadReported):
+            self.cluster.report(event)
+
+    async def on_workers(self, workers: dict[str, WorkerRegistration]) -> None:
+        lost = self.cluster.set_workers(workers)
+        for request_id, route in lost.items():
+            log.warning("worker %s lost with request %s in flight", route.worker_id, request_id)
+            await self._bus.publish(
+                Subjects.request_terminal(route.reply_to),
+                RequestFailed(
+                    event_id=f"failed-{request_id}",
+                    source=self._source,
+                    request_id=request_id,
+                    session_id=route.session_id,
+                    code="worker_lost",
+                    message=f"worker {route.worker_id} stopped responding (lease expired)",
+                    worker_id=route.worker_id,
+                ),
+            )

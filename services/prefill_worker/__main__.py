@@ -1,0 +1,3 @@
+from services.prefill_worker.main import main
+
+main()

@@ -1,0 +1,61 @@
+"""Worker leases and the live worker view against a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from bus.registry import WorkerLease, connect_etcd, watch_workers
+from infra.embedded import EmbeddedServer
+from schemas.messages import WorkerRegistration
+
+
+def registration(worker_id: str) -> WorkerRegistration:
+    return WorkerRegistration(
+        worker_id=worker_id,
+        role="both",
+        engine="sim",
+        model="m",
+        block_size=16,
+        kv_blocks_total=10,
+        max_num_seqs=4,
+        pid=1,
+    )
+
+
+async def test_watch_sees_registration_and_lease_expiry(etcd_server: EmbeddedServer) -> None:
+    views: list[set[str]] = []
+
+    async def on_change(workers: dict[str, WorkerRegistration]) -> None:
+        views.append(set(workers))
+
+    watcher_client = connect_etcd(etcd_server.url)
+    worker_client = connect_etcd(etcd_server.url)
+    watcher = asyncio.create_task(watch_workers(watcher_client, on_change))
+    lease = WorkerLease(worker_client, registration("leased"), ttl_s=1)
+    await lease.start()
+    deadline = time.monotonic() + 5
+    while "leased" not in (views[-1] if views else set()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert "leased" in views[-1]
+
+    # The worker dies: its keep-alive stops, and the key goes with the lease.
+    assert lease._task is not None
+    lease._task.cancel()
+    deadline = time.monotonic() + 5
+    while "leased" in views[-1] and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert "leased" not in views[-1]
+    watcher.cancel()
+    await watcher_client.close()
+    await worker_client.close()
+
+
+async def test_stopping_a_lease_removes_the_worker_at_once(etcd_server: EmbeddedServer) -> None:
+    client = connect_etcd(etcd_server.url)
+    lease = WorkerLease(client, registration("graceful"), ttl_s=10)
+    await lease.start()
+    assert (await client.get(lease.key)) is not None
+    await lease.stop()
+    assert (await client.get(lease.key)) is None
+    await client.close()

@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import orjson
+import pytest
+from pydantic import ValidationError
+
+from schemas import codec
+from schemas.block_hash import chain_block_hashes, hash_block
+from schemas.events import (
+    CancellationRequested,
+    KvBlocksRemoved,
+    KvBlocksStored,
+    KvCleared,
+    KvTransferred,
+    PrefillCompleted,
+    RequestAccepted,
+    RequestCancelled,
+    RequestFailed,
+    RequestFinished,
+    RequestSpec,
+    RoleMove,
+    RolesRebalanced,
+    RouteCandidate,
+    RouteDecided,
+    SamplingParams,
+    TokensGenerated,
+    Usage,
+    WorkerLoadReported,
+)
+
+SPEC = RequestSpec(
+    model="m",
+    prompt_token_ids=(1, 2, 3),
+    block_size=2,
+    block_hashes=chain_block_hashes((1, 2, 3), 2),
+    sampling=SamplingParams(max_tokens=4, stop=("x",), seed=3),
+    reply_to="ing",
+    deadline=datetime(2030, 1, 1, tzinfo=UTC),
+)
+SRC = {"source": "test/1", "request_id": "r1"}
+
+EXAMPLES = [
+    RequestAccepted(**SRC, spec=SPEC),
+    RouteDecided(
+        **SRC,
+        worker_id="w",
+        policy="p",
+        reason="why",
+        candidates=(RouteCandidate(
+            worker_id="w", cached_blocks=1, running=0, waiting=0, kv_usage=0.5, score=1.0
+        ),),
+        spec=SPEC,
+    ),
+    PrefillCompleted(**SRC, worker_id="p", decode_worker_id="d", prefilled_tokens=3),
+    KvTransferred(**SRC, from_worker_id="p", to_worker_id="d", block_hashes=(7,), transfer_ms=1),
+    TokensGenerated(**SRC, worker_id="w", index=0, token_ids=(5, 6), text="ab"),
+    RequestFinished(
+        **SRC,
+        worker_id="w",
+        finish_reason="length",
+        usage=Usage(prompt_tokens=3, completion_tokens=4),
+        ttft_ms=1,
+        e2e_ms=2,
+    ),
+    RequestFailed(**SRC, code="worker_lost", message="gone"),
+    CancellationRequested(**SRC, reason="timeout"),
+    RequestCancelled(**SRC, reason="client_disconnected"),
+    KvBlocksStored(source="w/1", worker_id="w", seq=1, parent_hash=None, block_hashes=(2**64 - 1,)),
+    KvBlocksRemoved(source="w/1", worker_id="w", seq=2, block_hashes=(1,)),
+    KvCleared(source="w/1", worker_id="w", seq=3),
+    WorkerLoadReported(
+        source="w/1",
+        worker_id="w",
+        role="both",
+        running=1,
+        waiting=0,
+        waiting_prefill_tokens=0,
+        kv_blocks_used=1,
+        kv_blocks_total=2,
+    ),
+    RolesRebalanced(
+        source="p/1", moves=(RoleMove(worker_id="w", from_role="decode", to_role="prefill"),),
+        reason="ttft",
+    ),
+]
+
+
+@pytest.mark.parametrize("event", EXAMPLES, ids=lambda e: e.type)
+def test_every_event_round_trips(event: object) -> None:
+    assert codec.decode_event(codec.encode(event)) == event  # type: ignore[arg-type]
+
+
+def test_events_are_frozen_and_strict() -> None:
+    event = EXAMPLES[0]
+    with pytest.raises(ValidationError):
+        event.request_id = "other"  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        KvCleared(source="s", worker_id="w", seq=1, surprise=True)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError):
+        KvBlocksRemoved(source="s", worker_id="w", seq=1, block_hashes=(2**64,))
+
+
+def test_every_field_is_documented_or_self_explanatory() -> None:
+    for event in EXAMPLES:
+        assert type(event).__doc__, type(event).__name__
+
+
+def test_old_versions_are_upcast(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A version-0 KvCleared named the worker "node"; the upcaster renames it.
+    raw = orjson.loads(codec.encode(EXAMPLES[11]))
+    raw["schema_version"] = 0
+    raw["node"] = raw.pop("worker_id")
+
+    def v0_to_v1(old: dict[str, object]) -> dict[str, object]:
+        new = dict(old)
+        new["worker_id"] = new.pop("node")
+        return new
+
+    monkeypatch.setitem(codec.UPCASTERS, ("KvCleared", 0), v0_to_v1)
+    assert codec.decode_event(orjson.dumps(raw)) == EXAMPLES[11]
+
+
+def test_block_hashes_chain_the_prefix() -> None:
+    a = chain_block_hashes([1, 2, 3, 4, 5], 2)
+    b = chain_block_hashes([1, 2, 3, 4, 9, 9], 2)
+    c = chain_block_hashes([9, 9, 3, 4], 2)
+    assert len(a) == 2 and len(b) == 3  # partial blocks get no hash
+    assert a == b[:2]
+    assert a[1] != c[1]  # same block, different prefix
+    assert a[0] == hash_block(0, [1, 2])
+    assert all(0 <= h < 2**64 for h in a + b + c)
