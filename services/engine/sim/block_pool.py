@@ -1,0 +1,126 @@
+"""The paged KV cache's blocks and its prefix cache, keyed by chained block hashes.
+
+Only what the accounting needs is kept: how many blocks hold nothing, which hashes are cached, how
+many running requests share each cached block, and the order idle cached blocks are evicted in.
+Block ids and contents are not modelled: a chained hash stands for a block's whole prefix.
+
+Each cached hash has exactly one block. A request that computes a block whose hash another block
+already caches keeps its copy private (uncached), so the cached set changes only when a hash first
+appears or its block is reused, and every change is reported as a ``KvChange``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from services.engine.protocol import BlocksRemoved, BlocksStored, KvChange
+
+# A block-table entry: the hash of a cached block the request shares, or None for a block only
+# the request itself uses (partly filled, not yet computed, or a duplicate of a cached one).
+BlockRef = int | None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._empty = num_blocks
+        # Cached hash -> running requests holding its block (0 while idle).
+        self._refs: dict[int, int] = {}
+        # Idle cached blocks, least recently released first: the eviction order.
+        self._idle: OrderedDict[int, None] = OrderedDict()
+        self._changes: list[KvChange] = []
+
+    @property
+    def num_used(self) -> int:
+        """Blocks held by running requests; idle cached blocks count as free, as in vLLM."""
+        return self.num_blocks - self._empty - len(self._idle)
+
+    @property
+    def num_free(self) -> int:
+        return self._empty + len(self._idle)
+
+    def cached_hashes(self) -> set[int]:
+        return set(self._refs)
+
+    def count_hits(self, hashes: Sequence[int], limit: int) -> tuple[int, int]:
+        """How many leading ``hashes`` (at most ``limit``) are cached, and how many of those are
+        idle (they stop counting as free once a request takes them)."""
+        refs = self._refs
+        hits = idle = 0
+        while hits < limit:
+            held = refs.get(hashes[hits])
+            if held is None:
+                break
+            if held == 0:
+                idle += 1
+            hits += 1
+        return hits, idle
+
+    def take_cached(self, hashes: Sequence[int]) -> None:
+        """Share the cached blocks of ``hashes`` (all cached) with one more request."""
+        refs, idle = self._refs, self._idle
+        for h in hashes:
+            held = refs[h]
+            if held == 0:
+                del idle[h]
+            refs[h] = held + 1
+
+    def allocate(self, n: int) -> bool:
+        """Take ``n`` blocks, empty ones first, then evicting idle cached blocks oldest first;
+        False (and nothing taken) if fewer than ``n`` are free."""
+        if n > self._empty + len(self._idle):
+            return False
+        from_empty = min(n, self._empty)
+        self._empty -= from_empty
+        if n > from_empty:
+            refs, idle = self._refs, self._idle
+            evicted = []
+            for _ in range(n - from_empty):
+                h, _ = idle.popitem(last=False)
+                del refs[h]
+                evicted.append(h)
+            self._changes.append(BlocksRemoved(tuple(evicted)))
+        return True
+
+    def cache(self, parent: int | None, hashes: Sequence[int]) -> list[bool]:
+        """Offer a request's just-computed private blocks to the cache: ``hashes`` are consecutive
+        blocks, the first the child of ``parent``. True where the request's block became the
+        cached (and shared) one; False where the hash was cached already and it stays private."""
+        refs = self._refs
+        became_cached = []
+        run: list[int] = []
+        run_parent = prev = parent
+        for h in hashes:
+            if h in refs:
+                if run:
+                    self._changes.append(BlocksStored(tuple(run), run_parent))
+                    run = []
+                became_cached.append(False)
+            else:
+                if not run:
+                    run_parent = prev
+                refs[h] = 1
+                run.append(h)
+                became_cached.append(True)
+            prev = h
+        if run:
+            self._changes.append(BlocksStored(tuple(run), run_parent))
+        return became_cached
+
+    def release(self, table: Sequence[BlockRef]) -> None:
+        """Give back a request's blocks. Its last block is released first, so a prefix's tail is
+        evicted before its head, as vLLM frees a request's blocks in reverse."""
+        refs, idle = self._refs, self._idle
+        for ref in reversed(table):
+            if ref is None:
+                self._empty += 1
+                continue
+            held = refs[ref] - 1
+            refs[ref] = held
+            if held == 0:
+                idle[ref] = None
+
+    def drain_changes(self) -> list[KvChange]:
+        changes, self._changes = self._changes, []
+        return changes

@@ -1,0 +1,32 @@
+"""Deterministic made-up output text, as byte tokens of the byte-level tokenizer."""
+
+from __future__ import annotations
+
+import random
+
+_VOCABULARY = (
+    "the of and to in is it that was for on are with as be at by this have from or one "
+    "had not but what all were when we there can an your which their said if do will each "
+    "about how up out them then she many some so these would other into has more her two "
+    "like him see time could no make than first been its who now people my made over did "
+    "down only way find use may water long little very after words called just where most "
+    "know get through back much before go good new write our used me man too any day same "
+    "right look think also around another came come work three word must because does part"
+)
+_WORDS = tuple(w.encode() for w in _VOCABULARY.split())
+
+
+class WordStream:
+    """Lowercase words separated by spaces, one byte at a time, fixed by the seed."""
+
+    __slots__ = ("_pending", "_rng")
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+        self._pending: list[int] = []
+
+    def next_token(self) -> int:
+        if not self._pending:
+            # Reversed so that pop() hands the bytes out in order.
+            self._pending = list(reversed(self._rng.choice(_WORDS) + b" "))
+        return self._pending.pop()

@@ -1,0 +1,63 @@
+"""How long a step takes on the modelled hardware, from what the step computed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class TimingModel(Protocol):
+    def step_ms(self, prefill_tokens: int, decode_seqs: int, kv_usage: float) -> float:
+        """Milliseconds for a step that computes ``prefill_tokens`` uncached prompt tokens and one
+        token for each of ``decode_seqs`` decoding requests, with ``kv_usage`` (0 to 1) of the KV
+        cache's tokens held by running requests."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class DynamoMockerTiming:
+    """The polynomial perf model of Dynamo's mocker (``PerfModel::Polynomial``).
+
+    Dynamo's vLLM mocker runs a pass as a prefill phase followed by a decode phase and ends the
+    pass at ``start + prefill + decode`` (``execute_pass_internal``), so a mixed step costs the sum.
+    Dynamo also charges the decode phase when the only token-emitting requests are ones whose
+    prefill just finished; here a step that only prefills is charged prefill time alone.
+    """
+
+    def step_ms(self, prefill_tokens: int, decode_seqs: int, kv_usage: float) -> float:
+        ms = 0.0
+        if prefill_tokens > 0:
+            t = float(prefill_tokens)
+            ms += 4.209989e-7 * t * t + 1.518344e-2 * t + 16.50142
+        if decode_seqs > 0:
+            p = kv_usage
+            ms += max(1.0, -25.74 * p * p + 54.01 * p + 5.74)
+        return ms
+
+
+@dataclass(frozen=True, slots=True)
+class FixedTiming:
+    """Linear and cheap, so live tests can run many steps quickly."""
+
+    prefill_ms_per_token: float = 0.02
+    decode_ms_per_step: float = 5.0
+
+    def step_ms(self, prefill_tokens: int, decode_seqs: int, kv_usage: float) -> float:
+        decode_ms = self.decode_ms_per_step if decode_seqs > 0 else 0.0
+        return prefill_tokens * self.prefill_ms_per_token + decode_ms
+
+
+_PRESETS: dict[str, Callable[[], TimingModel]] = {
+    "dynamo-mocker": DynamoMockerTiming,
+    "fixed": FixedTiming,
+}
+
+
+def timing_preset(name: str) -> TimingModel:
+    try:
+        factory = _PRESETS[name]
+    except KeyError:
+        known = ", ".join(sorted(_PRESETS))
+        raise ValueError(f"unknown timing preset {name!r}; known: {known}") from None
+    return factory()
