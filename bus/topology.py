@@ -57,6 +57,7 @@ class Subjects:
     request_accepted = f"{_PREFIX}.req.accepted"
     cancellation_requested = f"{_PREFIX}.req.cancel"
     all_request_terminals = f"{_PREFIX}.req.done.>"
+    all_routes = f"{_PREFIX}.route.>"
     all_kv = f"{_PREFIX}.kv.>"
     all_load = f"{_PREFIX}.load.>"
     # Core NATS request/reply, deliberately outside every stream: queries are not facts.

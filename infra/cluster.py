@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,10 +164,12 @@ class LocalCluster:
             finally:
                 await client.close()
 
-        try:
-            return asyncio.run(count())
-        except Exception:  # etcd still starting
-            return 0
+        # A thread of its own, so that this also works when the caller runs an event loop.
+        with ThreadPoolExecutor(1) as pool:
+            try:
+                return pool.submit(asyncio.run, count()).result()
+            except Exception:  # etcd still starting
+                return 0
 
     def stop(self, timeout: float = 15.0) -> None:
         # Front door first, so that nothing new comes in while the back drains.
@@ -187,5 +190,7 @@ class LocalCluster:
         self.servers.clear()
 
     def pids(self) -> dict[str, int]:
-        return {s.name: s.proc.pid for s in self.services if s.proc is not None}
+        pids = {f"{s.name} (embedded)": s.proc.pid for s in self.servers}
+        pids.update({s.name: s.proc.pid for s in self.services if s.proc is not None})
+        return pids
 

@@ -1,0 +1,238 @@
+"""The OpenAI API end to end: the official client against real processes over NATS and etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import openai
+import pytest
+
+from bus.client import Bus
+from bus.topology import Subjects
+from infra.cluster import LocalCluster
+from schemas.events import Event, RequestCancelled
+from services.engine.tokenizer import ByteTokenizer
+from tests.conftest import ClusterFactory
+
+MODEL = "laneway-sim"
+
+
+@pytest.fixture(scope="module")
+def spans_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("spans") / "spans.jsonl"
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_factory: ClusterFactory, spans_file: Path) -> LocalCluster:
+    return cluster_factory(workers=2, env={"LANEWAY_TRACE_EXPORTER": f"file:{spans_file}"})
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="unused", max_retries=0)
+
+
+def chat_prompt_tokens(content: str) -> int:
+    return len(ByteTokenizer().encode(f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"))
+
+
+async def test_models_lists_the_served_model(client: openai.AsyncOpenAI) -> None:
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_chat_completion_with_usage(client: openai.AsyncOpenAI) -> None:
+    reply = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=12, seed=1
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.role == "assistant"
+    assert len(choice.message.content or "") == 12  # byte tokens, ASCII text
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.prompt_tokens == chat_prompt_tokens("hello")
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
+
+
+async def test_streamed_chat_equals_unstreamed_for_a_seed(client: openai.AsyncOpenAI) -> None:
+    messages = [{"role": "user", "content": "tell me a story"}]
+    whole = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=40, seed=5  # type: ignore[arg-type]
+    )
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_completion_tokens=40,
+        seed=5,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, finish, usage = [], None, None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(parts) == whole.choices[0].message.content
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == 40
+
+
+async def test_completions_stream_and_not(client: openai.AsyncOpenAI) -> None:
+    whole = await client.completions.create(model=MODEL, prompt="Once upon", max_tokens=9, seed=2)
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (9, 9)
+    stream = await client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=9, seed=2, stream=True
+    )
+    text = "".join([c.choices[0].text async for c in stream if c.choices])
+    assert text == whole.choices[0].text
+
+
+async def test_stop_string_ends_generation(client: openai.AsyncOpenAI) -> None:
+    free = await client.completions.create(model=MODEL, prompt="x", max_tokens=60, seed=3)
+    text = free.choices[0].text
+    stop = text[20:22]
+    first = text.find(stop)
+    stopped = await client.completions.create(
+        model=MODEL, prompt="x", max_tokens=60, seed=3, stop=[stop]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[:first]
+
+
+async def test_repeated_prompt_is_served_from_cache(client: openai.AsyncOpenAI) -> None:
+    prompt = "the same long context " * 20
+    await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, user="same-user")
+    await asyncio.sleep(0.3)
+    cached = 0
+    for _ in range(4):  # whichever worker it lands on, one of them has the prefix after two
+        again = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert again.usage is not None and again.usage.prompt_tokens_details is not None
+        cached = max(cached, again.usage.prompt_tokens_details.cached_tokens or 0)
+    assert cached >= 16 * ((len(prompt) - 1) // 16) - 16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": 3.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ],
+)
+async def test_invalid_parameters_are_400_naming_the_field(
+    client: openai.AsyncOpenAI, kwargs: dict[str, object], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], **kwargs  # type: ignore[arg-type,call-overload]
+        )
+    assert err.value.status_code == 400
+    assert err.value.param == param
+
+
+async def test_missing_messages_is_400(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(model=MODEL, messages=[])
+    assert err.value.param == "messages"
+
+
+async def test_unknown_model_is_404(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        await client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert err.value.code == "model_not_found"
+
+
+async def test_prompt_too_long_is_rejected(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(model=MODEL, prompt="x" * 40000, max_tokens=1)
+    assert err.value.code == "context_length_exceeded"
+
+
+async def test_client_disconnect_cancels_the_request(
+    client: openai.AsyncOpenAI, cluster: LocalCluster
+) -> None:
+    bus = await Bus.connect(cluster.nats_url, "test-observer")
+    ended: list[Event] = []
+    await bus.subscribe(Subjects.all_request_terminals, lambda e: _append(ended, e))
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "go on forever"}],
+        max_tokens=5000,
+        stream=True,
+    )
+    async for _chunk in stream:
+        break
+    await stream.close()
+    for _ in range(50):
+        if any(isinstance(e, RequestCancelled) for e in ended):
+            break
+        await asyncio.sleep(0.1)
+    await bus.close()
+    cancelled = [e for e in ended if isinstance(e, RequestCancelled)]
+    assert len(cancelled) == 1
+    assert cancelled[0].reason == "client_disconnected"
+    assert 0 < cancelled[0].completion_tokens < 5000
+
+
+async def _append(sink: list[Event], event: Event) -> None:
+    sink.append(event)
+
+
+async def test_one_request_is_one_trace_across_processes(
+    client: openai.AsyncOpenAI, spans_file: Path
+) -> None:
+    reply = await client.completions.create(model=MODEL, prompt="trace me", max_tokens=3)
+    request_id = reply.id.removeprefix("cmpl-")
+    traces: dict[str, set[str]] = defaultdict(set)
+    for _ in range(50):
+        traces.clear()
+        for line in spans_file.read_text().splitlines():
+            span = json.loads(line)
+            if span["attributes"].get("laneway.request_id") == request_id:
+                traces[span["trace_id"]].add(span["service"])
+        if traces and next(iter(traces.values())) >= {"laneway-worker"}:
+            break
+        await asyncio.sleep(0.1)
+    assert len(traces) == 1
+    assert next(iter(traces.values())) == {
+        "laneway-ingress",
+        "laneway-planner",
+        "laneway-worker",
+    }
+
+
+async def test_metrics_are_prometheus_text(cluster: LocalCluster) -> None:
+    import httpx
+
+    async with httpx.AsyncClient() as http:
+        body = (await http.get(cluster.config.base_url.removesuffix("/v1") + "/metrics")).text
+    assert "# TYPE" in body
+
+
+async def test_no_worker_is_503(cluster_factory: ClusterFactory) -> None:
+    empty = cluster_factory(workers=0)
+    client = openai.AsyncOpenAI(base_url=empty.config.base_url, api_key="x", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.completions.create(model=MODEL, prompt="anyone?", max_tokens=2)
+    assert err.value.status_code == 503
+
+
+async def test_timeout_is_504(cluster_factory: ClusterFactory) -> None:
+    slow = cluster_factory(
+        workers=1, env={"LANEWAY_REQUEST_TIMEOUT_S": "1", "LANEWAY_SPEEDUP": "0.05"}
+    )
+    client = openai.AsyncOpenAI(base_url=slow.config.base_url, api_key="x", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.completions.create(model=MODEL, prompt="slowly", max_tokens=500)
+    assert err.value.status_code == 504
