@@ -1,0 +1,89 @@
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import orjson
+
+from schemas.events import RequestCancelled, RequestFailed
+
+# HTTP status of each failure code a gateway can report; unknown codes count as our fault (500).
+_FAILURE_STATUS = {
+    "no_worker": 503,
+    "worker_lost": 502,
+    "engine_error": 500,
+    "invalid_request": 400,
+    "timeout": 504,
+}
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    500: "server_error",
+    502: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPE_BY_STATUS.get(status, "server_error")
+
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.type,
+                    "param": self.param,
+                    "code": self.code,
+                }
+            }
+        )
+
+
+class InvalidRequest(ApiError):
+    """A 400 that names the offending request field, as OpenAI does."""
+
+    def __init__(self, message: str, param: str | None, code: str | None = None) -> None:
+        super().__init__(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def request_timeout() -> ApiError:
+    return ApiError(504, "The request timed out before the model finished.", code="timeout")
+
+
+def from_terminal(event: RequestFailed | RequestCancelled) -> ApiError:
+    if isinstance(event, RequestFailed):
+        return ApiError(_FAILURE_STATUS.get(event.code, 500), event.message, code=event.code)
+    # We only stop reading after asking for a cancellation ourselves, so a cancellation that
+    # reaches the client was decided elsewhere in the cluster.
+    if event.reason == "timeout":
+        return request_timeout()
+    return ApiError(500, f"The request was cancelled: {event.reason}.", code="cancelled")
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, "The server had an error while processing your request.")

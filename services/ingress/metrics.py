@@ -1,0 +1,76 @@
+"""Prometheus metrics of one ingress app, in its own registry so that several apps (tests, or
+more than one per process) never share or collide on counters."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Client closed the connection before the answer was complete (nginx's convention).
+CLIENT_CLOSED_STATUS = 499
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class IngressMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._requests = Counter(
+            "laneway_ingress_requests",
+            "HTTP requests by endpoint and final status (499: client went away).",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "laneway_ingress_requests_in_flight",
+            "Completion requests waiting on the cluster.",
+            registry=self.registry,
+        )
+        self._ttft = Histogram(
+            "laneway_ingress_ttft_seconds",
+            "Request received to first generated token, seconds.",
+            ["endpoint"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self._e2e = Histogram(
+            "laneway_ingress_e2e_latency_seconds",
+            "Request received to terminal event, seconds, for completed requests.",
+            ["endpoint"],
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self._prompt_tokens = Counter(
+            "laneway_ingress_prompt_tokens",
+            "Prompt tokens of completed requests.",
+            registry=self.registry,
+        )
+        self._cached_tokens = Counter(
+            "laneway_ingress_cached_prompt_tokens",
+            "Prompt tokens of completed requests that were served from a KV cache.",
+            registry=self.registry,
+        )
+        self._completion_tokens = Counter(
+            "laneway_ingress_completion_tokens",
+            "Generated tokens of completed requests.",
+            registry=self.registry,
+        )
+
+    def request_done(self, endpoint: str, status: int) -> None:
+        self._requests.labels(endpoint, str(status)).inc()
+
+    def first_token(self, endpoint: str, seconds: float) -> None:
+        self._ttft.labels(endpoint).observe(seconds)
+
+    def completed(
+        self, endpoint: str, seconds: float, prompt: int, cached: int, completion: int
+    ) -> None:
+        self._e2e.labels(endpoint).observe(seconds)
+        self._prompt_tokens.inc(prompt)
+        self._cached_tokens.inc(cached)
+        self._completion_tokens.inc(completion)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

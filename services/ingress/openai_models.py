@@ -1,0 +1,279 @@
+"""Parsing and validation of OpenAI request bodies.
+
+Checked by hand rather than by pydantic: these run once per request on the hot path, and plain
+checks cost a fraction of model validation while naming the offending field just as precisely.
+Fields we do not know are ignored, as OpenAI does; fields we know but cannot honour (``n`` > 1,
+``logprobs``, ``echo``, ``best_of`` > 1) are refused rather than silently answered wrongly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from services.ingress.errors import InvalidRequest
+
+MAX_STOP_SEQUENCES = 4
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """What both endpoints share. ``max_tokens`` stays None when the client left it out: its
+    default depends on the prompt length and the server settings."""
+
+    model: str
+    stream: bool
+    include_usage: bool
+    user: str | None
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    messages: tuple[Message, ...]
+    params: Params
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    prompt: str | tuple[int, ...]
+    params: Params
+
+
+def parse_chat_request(body: bytes) -> ChatRequest:
+    data = _json_object(body)
+    messages = _messages(_required(data, "messages"))
+    # max_completion_tokens replaced max_tokens in OpenAI's chat API; the newer name wins.
+    max_tokens = _optional_int(data, "max_completion_tokens", minimum=1)
+    if max_tokens is None:
+        max_tokens = _optional_int(data, "max_tokens", minimum=1)
+    return ChatRequest(messages, _params(data, max_tokens))
+
+
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    data = _json_object(body)
+    prompt = _prompt(_required(data, "prompt"))
+    if data.get("echo"):
+        raise InvalidRequest("'echo' is not supported.", "echo")
+    best_of = _optional_int(data, "best_of", minimum=1)
+    if best_of not in (None, 1):
+        raise InvalidRequest("Only best_of=1 is supported.", "best_of")
+    return CompletionRequest(prompt, _params(data, _optional_int(data, "max_tokens", minimum=1)))
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise InvalidRequest(
+            "We could not parse the JSON body of your request. (HINT: This likely means you "
+            "aren't using your HTTP library correctly.)",
+            None,
+        ) from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("The request body must be a JSON object.", None)
+    return data
+
+
+def _params(data: dict[str, Any], max_tokens: int | None) -> Params:
+    model = _required(data, "model")
+    if not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    stream = _optional_bool(data, "stream")
+    include_usage = False
+    options = data.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise InvalidRequest(
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                "stream_options",
+            )
+        if not isinstance(options, dict):
+            raise _type_error("stream_options", "an object", options)
+        include_usage = _optional_bool(options, "include_usage", "stream_options.include_usage")
+    n = _optional_int(data, "n", minimum=1)
+    if n not in (None, 1):
+        raise InvalidRequest("Only n=1 is supported.", "n")
+    if data.get("logprobs") not in (None, False):
+        raise InvalidRequest("'logprobs' is not supported.", "logprobs")
+    user = data.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _type_error("user", "a string", user)
+    temperature = _optional_number(data, "temperature", 1.0)
+    if not 0.0 <= temperature <= 2.0:
+        raise _range_error("temperature", "between 0 and 2", temperature)
+    top_p = _optional_number(data, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise _range_error("top_p", "greater than 0 and at most 1", top_p)
+    return Params(
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        user=user,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=_optional_int(data, "seed"),
+        stop=_stop(data.get("stop")),
+        stop_token_ids=_int_list(data, "stop_token_ids"),
+        ignore_eos=_optional_bool(data, "ignore_eos"),
+    )
+
+
+def _messages(value: object) -> tuple[Message, ...]:
+    if not isinstance(value, list):
+        raise _type_error("messages", "an array", value)
+    if not value:
+        raise InvalidRequest("'messages' must contain at least one message.", "messages")
+    messages = []
+    for i, item in enumerate(value):
+        param = f"messages[{i}]"
+        if not isinstance(item, dict):
+            raise _type_error(param, "an object", item)
+        role = item.get("role")
+        if role not in _ROLES:
+            raise InvalidRequest(
+                f"Invalid value for '{param}.role': expected one of {', '.join(sorted(_ROLES))}.",
+                f"{param}.role",
+            )
+        # "developer" is OpenAI's newer name for the system role; templates know only "system".
+        messages.append(
+            Message("system" if role == "developer" else role, _content(item, role, param))
+        )
+    return tuple(messages)
+
+
+def _content(message: dict[str, Any], role: str, param: str) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    # An assistant turn that only called tools has no content.
+    if content is None and role == "assistant":
+        return ""
+    param = f"{param}.content"
+    if not isinstance(content, list):
+        raise _type_error(param, "a string or an array of content parts", content)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise InvalidRequest("Only text content parts are supported.", f"{param}[{j}].type")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _type_error(f"{param}[{j}].text", "a string", text)
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _prompt(value: object) -> str | tuple[int, ...]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(type(t) is int for t in value):
+            return tuple(value)
+        if len(value) == 1:
+            (only,) = value
+            if isinstance(only, str):
+                return only
+            if isinstance(only, list) and only and all(type(t) is int for t in only):
+                return tuple(only)
+        elif all(isinstance(p, str | list) for p in value):
+            raise InvalidRequest("Batched prompts are not supported: send one prompt.", "prompt")
+    raise _type_error(
+        "prompt", "a non-empty string, array of token ids, or array of one of these", value
+    )
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise _type_error("stop", "a string or an array of strings", value)
+    if len(value) > MAX_STOP_SEQUENCES:
+        raise InvalidRequest(
+            f"'stop' accepts at most {MAX_STOP_SEQUENCES} sequences, got {len(value)}.", "stop"
+        )
+    return tuple(value)
+
+
+def _required(data: dict[str, Any], name: str) -> object:
+    value = data.get(name)
+    if value is None:
+        raise InvalidRequest(f"Missing required parameter: '{name}'.", name)
+    return value
+
+
+def _optional_bool(data: dict[str, Any], name: str, param: str | None = None) -> bool:
+    value = data.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _type_error(param or name, "a boolean", value)
+    return value
+
+
+def _optional_int(data: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    # bool is an int subclass; JSON true is not a count.
+    if type(value) is not int:
+        raise _type_error(name, "an integer", value)
+    if minimum is not None and value < minimum:
+        raise _range_error(name, f"at least {minimum}", value)
+    return value
+
+
+def _optional_number(data: dict[str, Any], name: str, default: float) -> float:
+    value = data.get(name)
+    if value is None:
+        return default
+    if type(value) is not int and type(value) is not float:
+        raise _type_error(name, "a number", value)
+    return float(value)
+
+
+def _int_list(data: dict[str, Any], name: str) -> tuple[int, ...]:
+    value = data.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
+        raise _type_error(name, "an array of token ids", value)
+    return tuple(value)
+
+
+_JSON_TYPE_NAMES = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a decimal number",
+    str: "a string",
+    list: "an array",
+    dict: "an object",
+}
+
+
+def _type_error(param: str, expected: str, got: object) -> InvalidRequest:
+    actual = _JSON_TYPE_NAMES.get(type(got), "null")
+    return InvalidRequest(
+        f"Invalid type for '{param}': expected {expected}, but got {actual} instead.", param
+    )
+
+
+def _range_error(param: str, expected: str, got: object) -> InvalidRequest:
+    return InvalidRequest(f"Invalid value for '{param}': expected {expected}, got {got}.", param)

@@ -1,0 +1,126 @@
+"""An in-memory Gateway that replays a script of events, recording what the API asked of it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from schemas.events import (
+    FailureCode,
+    FinishReason,
+    RequestCancelled,
+    RequestFailed,
+    RequestFinished,
+    RequestSpec,
+    TokensGenerated,
+    Usage,
+)
+from services.ingress.gateway import CancelReason, GatewayEvent
+
+SOURCE = "worker/fake"
+
+
+@dataclass(frozen=True)
+class Tokens:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: FinishReason = "stop"
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Fail:
+    code: FailureCode
+    message: str = "it broke"
+
+
+@dataclass(frozen=True)
+class Hang:
+    """Wait until the request is cancelled, then end it as a worker would."""
+
+
+@dataclass(frozen=True)
+class Raise:
+    error: Exception
+
+
+Step = Tokens | Finish | Fail | Hang | Raise
+
+
+@dataclass
+class Submitted:
+    request_id: str
+    session_id: str | None
+    spec: RequestSpec
+
+
+@dataclass
+class FakeGateway:
+    script: Sequence[Step] = (Tokens("Hel"), Tokens("lo"), Finish())
+    submitted: list[Submitted] = field(default_factory=list)
+    cancelled: list[tuple[str, CancelReason]] = field(default_factory=list)
+    closed: list[str] = field(default_factory=list)
+    _cancel_events: dict[str, asyncio.Event] = field(default_factory=dict)
+
+    async def submit(
+        self, request_id: str, session_id: str | None, spec: RequestSpec
+    ) -> AsyncIterator[GatewayEvent]:
+        self.submitted.append(Submitted(request_id, session_id, spec))
+        cancelled = self._cancel_events[request_id] = asyncio.Event()
+        generated = 0
+        try:
+            for step in self.script:
+                match step:
+                    case Tokens(text):
+                        ids = tuple(text.encode())
+                        yield TokensGenerated(
+                            source=SOURCE,
+                            request_id=request_id,
+                            worker_id="w0",
+                            index=generated,
+                            token_ids=ids,
+                            text=text,
+                        )
+                        generated += len(ids)
+                    case Finish(reason, cached_tokens):
+                        usage = Usage(
+                            prompt_tokens=len(spec.prompt_token_ids),
+                            completion_tokens=generated,
+                            cached_tokens=cached_tokens,
+                        )
+                        yield RequestFinished(
+                            source=SOURCE,
+                            request_id=request_id,
+                            worker_id="w0",
+                            finish_reason=reason,
+                            usage=usage,
+                            ttft_ms=1.0,
+                            e2e_ms=2.0,
+                        )
+                        return
+                    case Fail(code, message):
+                        yield RequestFailed(
+                            source=SOURCE,
+                            request_id=request_id,
+                            code=code,
+                            message=message,
+                        )
+                        return
+                    case Hang():
+                        await cancelled.wait()
+                        yield RequestCancelled(
+                            source=SOURCE, request_id=request_id, reason="cancelled"
+                        )
+                        return
+                    case Raise(error):
+                        raise error
+        finally:
+            self.closed.append(request_id)
+
+    async def cancel(self, request_id: str, reason: CancelReason) -> None:
+        self.cancelled.append((request_id, reason))
+        self._cancel_events[request_id].set()

@@ -1,0 +1,55 @@
+"""Building an app around a FakeGateway, and reading its SSE answers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+from starlette.applications import Starlette
+
+from services.engine.tokenizer import ByteTokenizer
+from services.ingress.api import IngressApiSettings, create_app
+from tests.ingress.fakes import FakeGateway, Step
+
+MODEL = "laneway-sim"
+
+
+@dataclass
+class Harness:
+    app: Starlette
+    gateway: FakeGateway
+    client: httpx.AsyncClient
+
+
+@asynccontextmanager
+async def harness(script: Sequence[Step] | None = None, **settings: Any) -> AsyncIterator[Harness]:
+    gateway = FakeGateway() if script is None else FakeGateway(script=script)
+    app = create_app(
+        gateway, ByteTokenizer(), IngressApiSettings(instance_id="ingress-1", **settings)
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
+        yield Harness(app, gateway, client)
+
+
+def sse_data(body: str) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, JSON-decoded except ``[DONE]``."""
+    assert body.endswith("\n\n")
+    out: list[Any] = []
+    for event in body.split("\n\n")[:-1]:
+        assert event.startswith("data: "), event
+        data = event.removeprefix("data: ")
+        out.append(data if data == "[DONE]" else orjson.loads(data))
+    return out
+
+
+def chat_body(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **fields}
+
+
+def completion_body(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "Once upon", **fields}
