@@ -48,9 +48,7 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str) -> Bus:
-        nc = await nats.connect(
-            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5
-        )
+        nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         return cls(nc)
 
     @property

@@ -76,9 +76,7 @@ async def watch_workers(client: aetcd.Client, on_change: WorkersChanged) -> None
         reg = WorkerRegistration.model_validate_json(kv.value)
         workers[reg.worker_id] = reg
     await on_change(dict(workers))
-    watch = await client.watch_prefix(
-        WORKERS_PREFIX, start_revision=snapshot.header.revision + 1
-    )
+    watch = await client.watch_prefix(WORKERS_PREFIX, start_revision=snapshot.header.revision + 1)
     async for event in watch:
         worker_id = event.kv.key[len(WORKERS_PREFIX) :].decode()
         if event.kind == aetcd.EventKind.PUT:

@@ -11,7 +11,7 @@ ServiceMain = Callable[[asyncio.Event], Awaitable[None]]
 
 
 def run_service(main: ServiceMain, log_level: str = "INFO") -> None:
-    """Run ``main(stop)`` until SIGINT/SIGTERM sets ``stop``; ``main`` then cleans up and returns."""
+    """Run ``main(stop)`` until SIGINT/SIGTERM sets ``stop``; ``main`` then cleans up."""
     logging.basicConfig(
         level=log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

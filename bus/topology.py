@@ -45,8 +45,9 @@ KV = Stream("LW_KV", (f"{_PREFIX}.kv.>",), StorageType.FILE, DAY_S)
 # Token deltas, one subject per ingress instance. Short-lived: only the live client needs them.
 TOKENS = Stream("LW_TOKENS", (f"{_PREFIX}.tok.>",), StorageType.MEMORY, 60.0)
 # Worker load reports; only the latest per worker matters.
-LOAD = Stream("LW_LOAD", (f"{_PREFIX}.load.>",), StorageType.MEMORY, 600.0,
-              keep_last_per_subject=True)
+LOAD = Stream(
+    "LW_LOAD", (f"{_PREFIX}.load.>",), StorageType.MEMORY, 600.0, keep_last_per_subject=True
+)
 
 ALL_STREAMS = (REQUESTS, ROUTES, KV, TOKENS, LOAD)
 
@@ -104,9 +105,7 @@ PLANNER_INTAKE = Consumer("planner", REQUESTS, Subjects.request_accepted, queue=
 
 def kv_indexer_intake(instance_id: str) -> Consumer:
     # Not shared: every indexer replica needs every KV event to hold the whole index.
-    return Consumer(
-        f"kv-indexer-{instance_id}", KV, Subjects.all_kv, inactive_threshold_s=300.0
-    )
+    return Consumer(f"kv-indexer-{instance_id}", KV, Subjects.all_kv, inactive_threshold_s=300.0)
 
 
 def worker_routes(worker_id: str) -> Consumer:

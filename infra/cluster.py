@@ -193,4 +193,3 @@ class LocalCluster:
         pids = {f"{s.name} (embedded)": s.proc.pid for s in self.servers}
         pids.update({s.name: s.proc.pid for s in self.services if s.proc is not None})
         return pids
-

@@ -68,7 +68,9 @@ class EmbeddedServer:
         stop_process(self.proc)
 
 
-def start_nats(data_dir: Path, port: int | None = None, log_file: Path | None = None) -> EmbeddedServer:
+def start_nats(
+    data_dir: Path, port: int | None = None, log_file: Path | None = None
+) -> EmbeddedServer:
     port = port or free_port()
     store = data_dir / "nats"
     store.mkdir(parents=True, exist_ok=True)
@@ -83,7 +85,9 @@ def start_nats(data_dir: Path, port: int | None = None, log_file: Path | None = 
     return EmbeddedServer("nats", proc, f"nats://127.0.0.1:{port}")
 
 
-def start_etcd(data_dir: Path, port: int | None = None, log_file: Path | None = None) -> EmbeddedServer:
+def start_etcd(
+    data_dir: Path, port: int | None = None, log_file: Path | None = None
+) -> EmbeddedServer:
     port = port or free_port()
     peer = free_port()
     store = data_dir / "etcd"
@@ -94,14 +98,22 @@ def start_etcd(data_dir: Path, port: int | None = None, log_file: Path | None = 
     proc = subprocess.Popen(
         [
             find_binary("etcd"),
-            "--name", "laneway",
-            "--data-dir", str(store),
-            "--listen-client-urls", client_url,
-            "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url,
-            "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"laneway={peer_url}",
-            "--log-level", "warn",
+            "--name",
+            "laneway",
+            "--data-dir",
+            str(store),
+            "--listen-client-urls",
+            client_url,
+            "--advertise-client-urls",
+            client_url,
+            "--listen-peer-urls",
+            peer_url,
+            "--initial-advertise-peer-urls",
+            peer_url,
+            "--initial-cluster",
+            f"laneway={peer_url}",
+            "--log-level",
+            "warn",
         ],
         stdout=out,
         stderr=subprocess.STDOUT,

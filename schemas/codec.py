@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import BaseModel, TypeAdapter
 
-from schemas.events import Event, Envelope
+from schemas.events import Envelope, Event
 
 M = TypeVar("M", bound=BaseModel)
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]

@@ -166,7 +166,7 @@ class RequestFailed(Envelope):
 
 
 class CancellationRequested(Envelope):
-    """Ingress no longer wants a request's answer; whoever holds it ends it with RequestCancelled."""
+    """Ingress no longer wants the answer; whoever holds the request ends it (RequestCancelled)."""
 
     type: Literal["CancellationRequested"] = "CancellationRequested"
     reason: Literal["client_disconnected", "timeout"]

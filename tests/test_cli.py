@@ -1,4 +1,4 @@
-"""`laneway up`, as `make run` runs it: separate processes, a working API, nothing left after Ctrl-C."""
+"""`laneway up` as `make run` runs it: separate processes, a working API, nothing left after."""
 
 from __future__ import annotations
 
@@ -28,8 +28,18 @@ def _alive(pid: int) -> bool:
 def test_up_serves_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "infra.cli", "up", "--port", str(port),
-         "--state-dir", str(tmp_path), "--timing", "fixed"],
+        [
+            sys.executable,
+            "-m",
+            "infra.cli",
+            "up",
+            "--port",
+            str(port),
+            "--state-dir",
+            str(tmp_path),
+            "--timing",
+            "fixed",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -44,8 +54,10 @@ def test_up_serves_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
             break
     output = "".join(lines)
     assert f"http://127.0.0.1:{port}/v1" in output, output
-    pids = {name: int(pid) for name, pid in re.findall(r"^\s+(\S+(?: \(embedded\))?)\s+pid (\d+)",
-                                                       output, re.M)}
+    pids = {
+        name: int(pid)
+        for name, pid in re.findall(r"^\s+(\S+(?: \(embedded\))?)\s+pid (\d+)", output, re.M)
+    }
     services = {name.rsplit("-", 1)[0] if name[-1].isdigit() else name for name in pids}
     assert {"ingress", "planner", "kv-indexer", "decode-worker"} <= services
     assert sum(name.startswith("decode-worker") for name in pids) == 2

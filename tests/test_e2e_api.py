@@ -36,7 +36,9 @@ def client(cluster: LocalCluster) -> openai.AsyncOpenAI:
 
 
 def chat_prompt_tokens(content: str) -> int:
-    return len(ByteTokenizer().encode(f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"))
+    return len(
+        ByteTokenizer().encode(f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n")
+    )
 
 
 async def test_models_lists_the_served_model(client: openai.AsyncOpenAI) -> None:
@@ -61,7 +63,10 @@ async def test_chat_completion_with_usage(client: openai.AsyncOpenAI) -> None:
 async def test_streamed_chat_equals_unstreamed_for_a_seed(client: openai.AsyncOpenAI) -> None:
     messages = [{"role": "user", "content": "tell me a story"}]
     whole = await client.chat.completions.create(
-        model=MODEL, messages=messages, max_completion_tokens=40, seed=5  # type: ignore[arg-type]
+        model=MODEL,
+        messages=messages,
+        max_completion_tokens=40,
+        seed=5,  # type: ignore[arg-type]
     )
     stream = await client.chat.completions.create(
         model=MODEL,
@@ -133,7 +138,9 @@ async def test_invalid_parameters_are_400_naming_the_field(
 ) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], **kwargs  # type: ignore[arg-type,call-overload]
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            **kwargs,  # type: ignore[arg-type,call-overload]
         )
     assert err.value.status_code == 400
     assert err.value.param == param

@@ -3,7 +3,6 @@ in flight there ends with an error, never a hang."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time

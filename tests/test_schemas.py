@@ -48,9 +48,11 @@ EXAMPLES = [
         worker_id="w",
         policy="p",
         reason="why",
-        candidates=(RouteCandidate(
-            worker_id="w", cached_blocks=1, running=0, waiting=0, kv_usage=0.5, score=1.0
-        ),),
+        candidates=(
+            RouteCandidate(
+                worker_id="w", cached_blocks=1, running=0, waiting=0, kv_usage=0.5, score=1.0
+            ),
+        ),
         spec=SPEC,
     ),
     PrefillCompleted(**SRC, worker_id="p", decode_worker_id="d", prefilled_tokens=3),
@@ -81,7 +83,8 @@ EXAMPLES = [
         kv_blocks_total=2,
     ),
     RolesRebalanced(
-        source="p/1", moves=(RoleMove(worker_id="w", from_role="decode", to_role="prefill"),),
+        source="p/1",
+        moves=(RoleMove(worker_id="w", from_role="decode", to_role="prefill"),),
         reason="ttft",
     ),
 ]

@@ -50,7 +50,9 @@ def build_engine(settings: WorkerSettings) -> Engine:
 
 def worker_main(default_role: Role) -> None:
     # The service decides the role unless the operator set LANEWAY_ROLE explicitly.
-    settings = WorkerSettings() if "LANEWAY_ROLE" in os.environ else WorkerSettings(role=default_role)
+    settings = (
+        WorkerSettings() if "LANEWAY_ROLE" in os.environ else WorkerSettings(role=default_role)
+    )
 
     async def main(stop: asyncio.Event) -> None:
         setup_tracing("laneway-worker", settings.worker_id, settings.trace_exporter)

@@ -18,6 +18,7 @@ from opentelemetry.trace import Span
 from bus.client import Bus
 from bus.registry import WorkerLease
 from bus.topology import Subjects, worker_routes
+from observability.tracing import context_of, trace_context
 from schemas.events import (
     CancellationRequested,
     Envelope,
@@ -45,7 +46,6 @@ from services.engine.protocol import (
     RequestOutput,
 )
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from observability.tracing import context_of, trace_context
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,9 @@ class Worker:
             event.spec.block_hashes if event.spec.block_size == self._engine.block_size else ()
         )
         self._engine.add_request(
-            EngineRequest(request_id, event.spec.prompt_token_ids, event.spec.sampling, block_hashes)
+            EngineRequest(
+                request_id, event.spec.prompt_token_ids, event.spec.sampling, block_hashes
+            )
         )
         self._wake.set()
 
@@ -334,4 +336,3 @@ class Worker:
             ),
             durable=False,
         )
-

@@ -48,9 +48,7 @@ class Planner:
         if event.spec.deadline < utc_now():  # replayed or stuck: nobody waits for it any more
             await self._fail(event, "timeout", "the request's deadline passed before routing")
             return
-        with self._tracer.start_as_current_span(
-            "planner.route", context=context_of(event)
-        ) as span:
+        with self._tracer.start_as_current_span("planner.route", context=context_of(event)) as span:
             span.set_attribute("laneway.request_id", event.request_id)
             await self._route(event)
 
@@ -130,7 +128,10 @@ class Planner:
         return reply.overlaps
 
     async def on_terminal(self, event: Event) -> None:
-        if isinstance(event, RequestFinished | RequestFailed | RequestCancelled) and event.request_id:
+        if (
+            isinstance(event, RequestFinished | RequestFailed | RequestCancelled)
+            and event.request_id
+        ):
             self.cluster.finished(event.request_id)
 
     async def on_load(self, event: Event) -> None:
