@@ -69,7 +69,22 @@ WorkersChanged = Callable[[dict[str, WorkerRegistration]], Awaitable[None]]
 
 
 async def watch_workers(client: aetcd.Client, on_change: WorkersChanged) -> None:
-    """Call ``on_change`` with the full live worker set now and after every change, forever."""
+    """Call ``on_change`` with the full live worker set now and after every change, forever.
+
+    A broken watch (etcd restarting, a network blip) is re-established from a fresh snapshot,
+    so no change is missed for good.
+    """
+    while True:
+        try:
+            await _watch_once(client, on_change)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.warning("worker watch broke; re-reading from etcd", exc_info=True)
+            await asyncio.sleep(1.0)
+
+
+async def _watch_once(client: aetcd.Client, on_change: WorkersChanged) -> None:
     workers: dict[str, WorkerRegistration] = {}
     snapshot = await client.get_prefix(WORKERS_PREFIX)
     for kv in snapshot:

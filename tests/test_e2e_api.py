@@ -13,7 +13,9 @@ import pytest
 from bus.client import Bus
 from bus.topology import Subjects
 from infra.cluster import LocalCluster
+from schemas.block_hash import chain_block_hashes
 from schemas.events import Event, RequestCancelled
+from schemas.messages import OverlapQuery, OverlapReply
 from services.engine.tokenizer import ByteTokenizer
 from tests.conftest import ClusterFactory
 
@@ -243,3 +245,24 @@ async def test_timeout_is_504(cluster_factory: ClusterFactory) -> None:
     with pytest.raises(openai.APIStatusError) as err:
         await client.completions.create(model=MODEL, prompt="slowly", max_tokens=500)
     assert err.value.status_code == 504
+
+
+async def test_kv_indexer_knows_where_a_prompt_is_cached(
+    client: openai.AsyncOpenAI, cluster: LocalCluster
+) -> None:
+    prompt = "index this prefix please " * 8  # 200 bytes: 12 full blocks of 16
+    reply = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert reply.usage is not None
+    hashes = chain_block_hashes(ByteTokenizer().encode(prompt), 16)
+    bus = await Bus.connect(cluster.nats_url, "test-indexer-query")
+    overlaps: dict[str, int] = {}
+    for _ in range(50):  # KV events reach the indexer asynchronously
+        answer = await bus.request(
+            Subjects.overlap_query, OverlapQuery(block_hashes=hashes), OverlapReply, timeout=2
+        )
+        overlaps = answer.overlaps
+        if overlaps:
+            break
+        await asyncio.sleep(0.1)
+    await bus.close()
+    assert list(overlaps.values()) == [len(hashes)]
