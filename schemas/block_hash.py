@@ -17,7 +17,9 @@ _MASK = (1 << 64) - 1
 
 def hash_block(parent: int, token_ids: Sequence[int]) -> int:
     """xxh3-64 of the parent hash (8 bytes, little endian) followed by the tokens as uint32."""
-    payload = (parent & _MASK).to_bytes(8, "little") + array("I", token_ids).tobytes()
+    # array() would read a bytes object as raw machine words, not as a sequence of ids.
+    ids = memoryview(token_ids).tolist() if isinstance(token_ids, bytes | bytearray) else token_ids
+    payload = (parent & _MASK).to_bytes(8, "little") + array("I", ids).tobytes()
     return int(xxhash.xxh3_64_intdigest(payload))
 
 

@@ -134,3 +134,7 @@ def test_block_hashes_chain_the_prefix() -> None:
     assert a[1] != c[1]  # same block, different prefix
     assert a[0] == hash_block(0, [1, 2])
     assert all(0 <= h < 2**64 for h in a + b + c)
+
+
+def test_block_hash_reads_bytes_as_token_ids() -> None:
+    assert hash_block(5, b"\x01\x02") == hash_block(5, [1, 2]) == hash_block(5, bytearray([1, 2]))

@@ -7,6 +7,7 @@ the live worker waits it out (divided by a speed-up), the offline simulator adva
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -16,7 +17,7 @@ from schemas.events import SamplingParams
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: Sequence[int]
     sampling: SamplingParams
     # Chained hashes of the prompt's full blocks at the engine's block size; empty means
     # "compute them yourself".

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from schemas.block_hash import ROOT_HASH, chain_block_hashes, hash_block
@@ -14,7 +15,7 @@ from services.engine.sim.text import WordStream
 @dataclass(slots=True, eq=False)
 class SimRequest:
     request_id: str
-    prompt: tuple[int, ...]
+    prompt: Sequence[int]
     max_tokens: int
     stop_token_ids: frozenset[int]
     words: WordStream

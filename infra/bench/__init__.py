@@ -1,0 +1,1 @@
+"""`laneway bench`: replay real request traces offline (simulated clock) or live."""

@@ -1,0 +1,116 @@
+"""What a replay measured, per request and per worker, and the report built from it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """Times in seconds from the start of the replay."""
+
+    arrival_s: float
+    prompt_tokens: int
+    worker_id: str = ""
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    failed: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.last_token_s is not None and not self.failed
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    # (start, end) of every busy interval, in seconds from the start of the replay.
+    busy: list[tuple[float, float]] = field(default_factory=list)
+    requests: int = 0
+
+    def busy_s(self) -> float:
+        return sum(end - start for start, end in self.busy)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    return {
+        "mean": sum(values) / len(values) if values else math.nan,
+        "p50": percentile(values, 50),
+        "p95": percentile(values, 95),
+        "p99": percentile(values, 99),
+    }
+
+
+def build_report(
+    requests: Sequence[RequestRecord],
+    workers: dict[str, WorkerRecord],
+    wall_s: float,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    done = [r for r in requests if r.done]
+    ttft = [((r.first_token_s or 0.0) - r.arrival_s) * 1000 for r in done]
+    e2e = [((r.last_token_s or 0.0) - r.arrival_s) * 1000 for r in done]
+    # Inter-token latency per request: its decode time spread over its tokens after the first.
+    itl = [
+        ((r.last_token_s or 0.0) - (r.first_token_s or 0.0)) * 1000 / (r.output_tokens - 1)
+        for r in done
+        if r.output_tokens > 1
+    ]
+    prompt = sum(r.prompt_tokens for r in done)
+    start = min((r.arrival_s for r in requests), default=0.0)
+    end = max((r.last_token_s or r.arrival_s for r in requests), default=0.0)
+    span = max(end - start, 1e-9)
+    busy = {w: rec.busy_s() / span for w, rec in sorted(workers.items())}
+    mean_busy = sum(busy.values()) / len(busy) if busy else 0.0
+    report: dict[str, Any] = {
+        "requests": len(requests),
+        "completed": len(done),
+        "failed": len(requests) - len(done),
+        "prefix_hit_rate": sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
+        "ttft_ms": summary(ttft),
+        "itl_ms": summary(itl),
+        "e2e_ms": summary(e2e),
+        "util_variance": sum((b - mean_busy) ** 2 for b in busy.values()) / len(busy)
+        if busy
+        else 0.0,
+        "worker_busy_fraction": busy,
+        "worker_requests": {w: rec.requests for w, rec in sorted(workers.items())},
+        "duration_s": span,
+        "wall_s": wall_s,
+    }
+    report.update(extra or {})
+    return report
+
+
+def busy_timeline(
+    workers: dict[str, WorkerRecord], end_s: float, bins: int = 60
+) -> dict[str, list[float]]:
+    """Per worker, the busy fraction of each of ``bins`` equal windows of the replay."""
+    width = max(end_s, 1e-9) / bins
+    timeline = {}
+    for worker_id, rec in sorted(workers.items()):
+        frac = [0.0] * bins
+        for start, end in rec.busy:
+            b = int(start // width)
+            while start < end and b < bins:
+                edge = min(end, (b + 1) * width)
+                frac[b] += (edge - start) / width
+                start = edge
+                b += 1
+        timeline[worker_id] = [min(1.0, f) for f in frac]
+    return timeline
