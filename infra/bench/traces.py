@@ -114,7 +114,6 @@ class PromptFactory:
     def block_hashes(self, request: TraceRequest) -> tuple[int, ...]:
         ids = self.ids_for(request)
         full_blocks = request.input_length // self.block_size
-        per_trace_block = TRACE_BLOCK_SIZE // self.block_size
         hashes: list[int] = []
         parent = ROOT_HASH
         for hash_id in ids:
