@@ -8,6 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
+from infra.bench import run as bench
 from infra.cluster import ClusterConfig, LocalCluster
 
 
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="laneway", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_up(sub)
+    bench.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

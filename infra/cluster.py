@@ -145,9 +145,11 @@ class LocalCluster:
     def _check_alive(self) -> None:
         for service in self.services:
             if service.proc is not None and service.proc.poll() is not None:
+                log = self.logs / f"{service.name}.log"
+                tail = log.read_text(errors="replace").splitlines()[-15:]
                 raise RuntimeError(
                     f"{service.name} exited with code {service.proc.returncode}; "
-                    f"see {self.logs / (service.name + '.log')}"
+                    f"end of {log}:\n" + "\n".join(tail)
                 )
 
     def _api_up(self) -> bool:

@@ -6,7 +6,6 @@ caller owns, and are stopped by PID.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
@@ -118,7 +117,6 @@ def start_etcd(
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={**os.environ, "ETCD_UNSUPPORTED_ARCH": os.environ.get("ETCD_UNSUPPORTED_ARCH", "")},
     )
     wait_for_port(port, proc, "etcd", 30)
     return EmbeddedServer("etcd", proc, f"127.0.0.1:{port}")

@@ -219,6 +219,9 @@ class WorkerLoadReported(Envelope):
     waiting_prefill_tokens: int = Field(ge=0, description="prompt tokens queued for prefill")
     kv_blocks_used: int = Field(ge=0)
     kv_blocks_total: int = Field(ge=0)
+    busy_s: float = Field(
+        default=0.0, ge=0.0, description="seconds spent in engine steps since the worker started"
+    )
 
 
 class RoleMove(Frozen):

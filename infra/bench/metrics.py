@@ -36,6 +36,15 @@ class WorkerRecord:
         return sum(end - start for start, end in self.busy)
 
 
+@dataclass(slots=True)
+class ReplayResult:
+    report: dict[str, Any]
+    records: Sequence[RequestRecord]
+
+    def ttft_ms(self) -> list[float]:
+        return [((r.first_token_s or 0.0) - r.arrival_s) * 1000 for r in self.records if r.done]
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default)."""
     if not values:

@@ -14,16 +14,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from infra.bench.metrics import RequestRecord, WorkerRecord, build_report, busy_timeline
-from infra.bench.traces import PromptFactory, TraceRequest
-from schemas.events import KvBlocksRemoved, KvBlocksStored, KvCleared, SamplingParams
-from services.engine.protocol import (
-    BlocksRemoved,
-    BlocksStored,
-    EngineRequest,
-    KvChange,
-    StepResult,
+from infra.bench.metrics import (
+    ReplayResult,
+    RequestRecord,
+    WorkerRecord,
+    build_report,
+    busy_timeline,
 )
+from infra.bench.traces import PromptFactory, TraceRequest
+from schemas.events import SamplingParams
+from services.engine.kv_events import kv_event
+from services.engine.protocol import EngineRequest, KvChange, StepResult
 from services.engine.sim import SimConfig, SimEngine, timing_preset
 from services.kv_indexer.index import PrefixIndex
 from services.planner.policy import Policy, RouteRequest, WorkerView
@@ -67,7 +68,7 @@ class OfflineReplay:
         self._seq += 1
         heapq.heappush(self._events, (at, self._seq, kind, who, payload))
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> ReplayResult:
         started = time.perf_counter()
         for i, request in enumerate(self._trace):
             self._push(request.arrival_s, _ARRIVAL, i)
@@ -81,7 +82,7 @@ class OfflineReplay:
         records = {w.worker_id: w.record for w in self._workers}
         report = build_report(self._records, records, time.perf_counter() - started)
         report["busy_timeline"] = busy_timeline(records, report["duration_s"])
-        return report
+        return ReplayResult(report, self._records)
 
     def _arrive(self, now: float, i: int) -> None:
         request = self._trace[i]
@@ -152,22 +153,6 @@ class OfflineReplay:
             self._start_step(now, worker, w)
 
     def _fold(self, worker: _Worker, changes: list[KvChange]) -> None:
-        # The same events a live worker publishes; built without re-validation, they are ours.
         for change in changes:
             worker.kv_seq += 1
-            if isinstance(change, BlocksStored):
-                event: KvBlocksStored | KvBlocksRemoved | KvCleared = (
-                    KvBlocksStored.model_construct(
-                        worker_id=worker.worker_id,
-                        seq=worker.kv_seq,
-                        parent_hash=change.parent_hash,
-                        block_hashes=change.block_hashes,
-                    )
-                )
-            elif isinstance(change, BlocksRemoved):
-                event = KvBlocksRemoved.model_construct(
-                    worker_id=worker.worker_id, seq=worker.kv_seq, block_hashes=change.block_hashes
-                )
-            else:
-                event = KvCleared.model_construct(worker_id=worker.worker_id, seq=worker.kv_seq)
-            self._index.apply(event)
+            self._index.apply(kv_event(change, worker.worker_id, worker.kv_seq))

@@ -23,9 +23,6 @@ from schemas.events import (
     CancellationRequested,
     Envelope,
     Event,
-    KvBlocksRemoved,
-    KvBlocksStored,
-    KvCleared,
     RequestCancelled,
     RequestFailed,
     RequestFinished,
@@ -37,9 +34,8 @@ from schemas.events import (
     WorkerLoadReported,
 )
 from schemas.messages import WorkerRegistration
+from services.engine.kv_events import kv_event
 from services.engine.protocol import (
-    BlocksRemoved,
-    BlocksStored,
     Engine,
     EngineRequest,
     KvChange,
@@ -91,6 +87,7 @@ class Worker:
         self._early_cancels: dict[str, float] = {}
         self._wake = asyncio.Event()
         self._kv_seq = 0
+        self._busy_s = 0.0
         self._background: set[asyncio.Task[None]] = set()
         self._tracer = trace.get_tracer("laneway.worker")
 
@@ -186,6 +183,7 @@ class Worker:
             remaining = result.duration_s / self._opt.speedup - (loop.time() - started)
             # Sleeping (even zero) also lets the bus deliver new routes between steps.
             await asyncio.sleep(max(0.0, remaining))
+            self._busy_s += loop.time() - started
             for output in result.outputs:
                 await self._on_output(output)
             if result.kv_changes:
@@ -293,27 +291,10 @@ class Worker:
         subject = Subjects.kv(self._opt.worker_id)
         for change in changes:
             self._kv_seq += 1
-            seq = self._kv_seq
-            event: Envelope
-            if isinstance(change, BlocksStored):
-                event = KvBlocksStored(
-                    source=self._source,
-                    worker_id=self._opt.worker_id,
-                    seq=seq,
-                    parent_hash=change.parent_hash,
-                    block_hashes=change.block_hashes,
-                )
-            elif isinstance(change, BlocksRemoved):
-                event = KvBlocksRemoved(
-                    source=self._source,
-                    worker_id=self._opt.worker_id,
-                    seq=seq,
-                    block_hashes=change.block_hashes,
-                )
-            else:
-                event = KvCleared(source=self._source, worker_id=self._opt.worker_id, seq=seq)
             # Per-worker order is what the index needs; one connection preserves it.
-            await self._bus.publish(subject, event, durable=False)
+            await self._bus.publish(
+                subject, kv_event(change, self._opt.worker_id, self._kv_seq), durable=False
+            )
 
     async def _report_loop(self) -> None:
         while True:
@@ -333,6 +314,7 @@ class Worker:
                 waiting_prefill_tokens=load.waiting_prefill_tokens,
                 kv_blocks_used=load.kv_blocks_used,
                 kv_blocks_total=load.kv_blocks_total,
+                busy_s=self._busy_s,
             ),
             durable=False,
         )

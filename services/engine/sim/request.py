@@ -77,7 +77,7 @@ class SimRequest:
             hashes.append(hash_block(parent, self._block_tokens(k, block_size)))
         return hashes
 
-    def _block_tokens(self, k: int, block_size: int) -> list[int] | tuple[int, ...]:
+    def _block_tokens(self, k: int, block_size: int) -> Sequence[int]:
         start, end, split = k * block_size, (k + 1) * block_size, len(self.prompt)
         if end <= split:
             return self.prompt[start:end]

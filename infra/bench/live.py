@@ -1,0 +1,146 @@
+"""Live replay: the trace through the real services, as streamed OpenAI completions.
+
+Arrivals keep the trace's timestamps. ``time_scale`` compresses the whole replay (arrival gaps
+and the workers' modelled step times alike) so that an hour of traffic fits a short run; the
+measured times are scaled back, so the figures compare with an offline replay of the same trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import orjson
+
+from bus.client import Bus
+from bus.topology import Subjects
+from infra.bench.metrics import ReplayResult, RequestRecord, WorkerRecord, build_report
+from infra.bench.traces import PromptFactory, TraceRequest
+from schemas.events import Event, RouteDecided, WorkerLoadReported
+
+
+class _ClusterObserver:
+    """Which worker served each request, and how busy each worker was, from the bus."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, str] = {}
+        self.busy_start: dict[str, float] = {}
+        self.busy_now: dict[str, float] = {}
+
+    async def on_event(self, event: Event) -> None:
+        if isinstance(event, RouteDecided) and event.request_id:
+            self.routes[event.request_id] = event.worker_id
+        elif isinstance(event, WorkerLoadReported):
+            self.busy_start.setdefault(event.worker_id, event.busy_s)
+            self.busy_now[event.worker_id] = event.busy_s
+
+
+async def _one(
+    http: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: str,
+    request: TraceRequest,
+    record: RequestRecord,
+    t0: float,
+    time_scale: float,
+) -> str | None:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": request.output_length,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    request_id = None
+    try:
+        async with http.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                record.failed = True
+                return None
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = orjson.loads(line[6:])
+                if "error" in chunk:
+                    record.failed = True
+                    return request_id
+                request_id = chunk["id"].removeprefix("cmpl-")
+                now = (time.monotonic() - t0) * time_scale
+                if chunk["choices"] and chunk["choices"][0].get("text"):
+                    if record.first_token_s is None:
+                        record.first_token_s = now
+                    record.last_token_s = now
+                usage = chunk.get("usage")
+                if usage:
+                    record.output_tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    record.cached_tokens = details.get("cached_tokens") or 0
+    except httpx.HTTPError:
+        record.failed = True
+    return request_id
+
+
+async def replay_live(
+    trace: Sequence[TraceRequest],
+    base_url: str,
+    nats_url: str,
+    model: str,
+    block_size: int,
+    time_scale: float = 1.0,
+    timeout_s: float = 3600.0,
+) -> ReplayResult:
+    prompts = PromptFactory(block_size)
+    texts = [prompts.prompt(r).text() for r in trace]
+    records = [RequestRecord(r.arrival_s, r.input_length) for r in trace]
+    observer = _ClusterObserver()
+    bus = await Bus.connect(nats_url, "laneway-bench")
+    await bus.subscribe(Subjects.all_routes, observer.on_event)
+    await bus.subscribe(Subjects.all_load, observer.on_event)
+    await asyncio.sleep(1.0)  # a first load report from every worker, for the busy baseline
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    started = time.perf_counter()
+    request_ids: list[str | None] = []
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits
+    ) as http:
+        t0 = time.monotonic()
+
+        async def fire(i: int) -> str | None:
+            delay = trace[i].arrival_s / time_scale - (time.monotonic() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            return await _one(
+                http,
+                f"{base_url}/completions",
+                model,
+                texts[i],
+                trace[i],
+                records[i],
+                t0,
+                time_scale,
+            )
+
+        request_ids = list(await asyncio.gather(*(fire(i) for i in range(len(trace)))))
+    await asyncio.sleep(1.5)  # the workers' last load reports
+    await bus.close()
+    workers: dict[str, WorkerRecord] = {}
+    for worker_id, busy in observer.busy_now.items():
+        record = WorkerRecord()
+        # The workers report real seconds; scaled back like every other time here.
+        spent = (busy - observer.busy_start.get(worker_id, 0.0)) * time_scale
+        record.busy.append((0.0, spent))
+        workers[worker_id] = record
+    for request_id, rec in zip(request_ids, records, strict=True):
+        served_by = observer.routes.get(request_id or "")
+        if served_by is not None:
+            rec.worker_id = served_by
+            workers.setdefault(served_by, WorkerRecord()).requests += 1
+    extra: dict[str, Any] = {"time_scale": time_scale}
+    report = build_report(records, workers, time.perf_counter() - started, extra)
+    return ReplayResult(report, records)

@@ -1,0 +1,136 @@
+"""`laneway bench`: the same trace through each policy, offline or live, and one report."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from infra.bench.live import replay_live
+from infra.bench.metrics import ReplayResult
+from infra.bench.offline import OfflineReplay
+from infra.bench.report import format_table, write_json
+from infra.bench.traces import TraceRequest, load_trace
+from infra.cluster import ClusterConfig, LocalCluster
+from infra.embedded import free_port
+from services.engine.sim import SimConfig
+from services.planner.policy import POLICIES, make_policy
+
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[3] / "shared/traces/mooncake_conversation_trace.jsonl"
+)
+MODEL = "laneway-sim"
+_ENGINE_DEFAULTS = SimConfig()
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser("bench", help="replay a request trace through routing policies")
+    bench.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file")
+    bench.add_argument("--format", choices=["mooncake", "azure"], help="default: by extension")
+    bench.add_argument(
+        "--policy", action="append", choices=sorted(POLICIES), help="repeatable; default all"
+    )
+    bench.add_argument("--workers", type=int, default=8)
+    bench.add_argument("--speedup", type=float, default=1.0, help="divides inter-arrival gaps")
+    bench.add_argument("--mode", choices=["offline", "live"], default="offline")
+    bench.add_argument("--engine-preset", default="dynamo-mocker", help="sim timing preset")
+    bench.add_argument("--block-size", type=int, default=_ENGINE_DEFAULTS.block_size)
+    bench.add_argument("--num-gpu-blocks", type=int, default=_ENGINE_DEFAULTS.num_gpu_blocks)
+    bench.add_argument("--max-num-seqs", type=int, default=_ENGINE_DEFAULTS.max_num_seqs)
+    bench.add_argument(
+        "--max-num-batched-tokens", type=int, default=_ENGINE_DEFAULTS.max_num_batched_tokens
+    )
+    bench.add_argument("--limit", type=int, help="replay only the first N requests")
+    bench.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
+    bench.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="live: run the whole replay this many times faster (times are scaled back)",
+    )
+    bench.add_argument("--nats-url", help="live: use this NATS instead of an embedded one")
+    bench.add_argument("--etcd-endpoints", help="live: use this etcd instead of an embedded one")
+    bench.add_argument("--json", type=Path, help="write the reports here")
+    bench.add_argument("--plot", type=Path, help="write a PNG here")
+    bench.set_defaults(func=main)
+
+
+def _offline(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -> ReplayResult:
+    config = SimConfig(
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        timing=args.engine_preset,
+    )
+    return OfflineReplay(trace, make_policy(policy, args.seed), args.workers, config).run()
+
+
+def _live(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -> ReplayResult:
+    longest = max(r.input_length + r.output_length for r in trace)
+    with tempfile.TemporaryDirectory(prefix="laneway-bench-") as state:
+        cluster = LocalCluster(
+            ClusterConfig(
+                state_dir=Path(state),
+                http_port=free_port(),
+                nats_url=args.nats_url,
+                etcd_endpoints=args.etcd_endpoints,
+                workers=args.workers,
+                policy=policy,
+                env={
+                    "LANEWAY_TIMING": args.engine_preset,
+                    "LANEWAY_SPEEDUP": str(args.time_scale),
+                    "LANEWAY_SEED": str(args.seed),
+                    "LANEWAY_BLOCK_SIZE": str(args.block_size),
+                    "LANEWAY_NUM_GPU_BLOCKS": str(args.num_gpu_blocks),
+                    "LANEWAY_MAX_NUM_SEQS": str(args.max_num_seqs),
+                    "LANEWAY_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
+                    "LANEWAY_MAX_MODEL_LEN": str(longest),
+                    "LANEWAY_REQUEST_TIMEOUT_S": "36000",
+                },
+            )
+        )
+        cluster.start()
+        try:
+            return asyncio.run(
+                replay_live(
+                    trace,
+                    cluster.config.base_url,
+                    cluster.nats_url,
+                    MODEL,
+                    args.block_size,
+                    args.time_scale,
+                )
+            )
+        finally:
+            cluster.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    if not args.trace.exists():
+        print(f"laneway bench: no trace at {args.trace} (give one with --trace)", file=sys.stderr)
+        return 2
+    trace = load_trace(args.trace, args.format, args.speedup, args.limit)
+    policies = args.policy or sorted(POLICIES)
+    results: dict[str, ReplayResult] = {}
+    for policy in policies:
+        print(f"replaying {len(trace)} requests, {args.mode}, policy {policy} …", flush=True)
+        replay = _live if args.mode == "live" else _offline
+        results[policy] = replay(trace, policy, args)
+    reports: dict[str, dict[str, Any]] = {p: r.report for p, r in results.items()}
+    print(format_table(reports))
+    if args.json:
+        write_json(args.json, reports)
+    if args.plot:
+        # matplotlib takes a second to import: only when a plot is asked for.
+        from infra.bench.plot import plot_reports
+
+        title = (
+            f"{args.trace.name}: {len(trace)} requests, {args.workers} workers, "
+            f"speed-up {args.speedup:g}, {args.mode}, {args.engine_preset}"
+        )
+        plot_reports(args.plot, reports, {p: r.ttft_ms() for p, r in results.items()}, title)
+    return 0

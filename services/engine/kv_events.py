@@ -1,0 +1,24 @@
+"""An engine's KV changes as the events the rest of Laneway folds (live and offline alike)."""
+
+from __future__ import annotations
+
+from schemas.events import KvBlocksRemoved, KvBlocksStored, KvCleared, KvEvent
+from services.engine.protocol import BlocksRemoved, BlocksStored, KvChange
+
+
+def kv_event(change: KvChange, worker_id: str, seq: int) -> KvEvent:
+    # Built without re-validation: every field comes from the engine's own typed change.
+    source = f"worker/{worker_id}"
+    if isinstance(change, BlocksStored):
+        return KvBlocksStored.model_construct(
+            source=source,
+            worker_id=worker_id,
+            seq=seq,
+            parent_hash=change.parent_hash,
+            block_hashes=change.block_hashes,
+        )
+    if isinstance(change, BlocksRemoved):
+        return KvBlocksRemoved.model_construct(
+            source=source, worker_id=worker_id, seq=seq, block_hashes=change.block_hashes
+        )
+    return KvCleared.model_construct(source=source, worker_id=worker_id, seq=seq)

@@ -1,0 +1,84 @@
+"""A short live replay through the real services, and `laneway bench` from the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from infra.bench.live import replay_live
+from infra.bench.traces import load_trace
+from tests.conftest import ClusterFactory
+
+
+async def test_live_replay_completes_every_request(
+    small_trace: Path, cluster_factory: ClusterFactory
+) -> None:
+    trace = load_trace(small_trace, speedup=20)
+    cluster = cluster_factory(
+        workers=2,
+        policy="round_robin",
+        env={"LANEWAY_BLOCK_SIZE": "64", "LANEWAY_NUM_GPU_BLOCKS": "2048"},
+    )
+    result = await replay_live(
+        trace, cluster.config.base_url, cluster.nats_url, "laneway-sim", block_size=64
+    )
+    report = result.report
+    assert report["completed"] == len(trace) == 12
+    assert report["failed"] == 0
+    assert sum(report["worker_requests"].values()) == 12
+    assert len(report["worker_requests"]) == 2
+    assert 0 < report["prefix_hit_rate"] < 1
+    assert all(
+        r.output_tokens == t.output_length for r, t in zip(result.records, trace, strict=True)
+    )
+    assert report["ttft_ms"]["p50"] > 0
+
+
+def test_bench_command_writes_table_json_and_plot(small_trace: Path, tmp_path: Path) -> None:
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "infra.cli",
+            "bench",
+            "--trace",
+            str(small_trace),
+            "--policy",
+            "round_robin",
+            "--policy",
+            "least_loaded",
+            "--workers",
+            "2",
+            "--num-gpu-blocks",
+            "2048",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "round_robin" in run.stdout and "least_loaded" in run.stdout
+    reports = json.loads(out.read_text())
+    assert set(reports) == {"round_robin", "least_loaded"}
+    assert reports["round_robin"]["completed"] == 12
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_without_a_trace_says_so(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "infra.cli", "bench", "--trace", str(tmp_path / "none.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 2
+    assert "no trace" in run.stderr

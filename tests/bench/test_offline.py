@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infra.bench.offline import OfflineReplay
+from infra.bench.traces import load_trace
+from services.engine.sim import SimConfig
+from services.planner.policy import make_policy
+
+SMALL_ENGINE = SimConfig(block_size=64, num_gpu_blocks=2048)
+
+
+def replay(path: Path, policy: str, workers: int = 2, **kwargs: object) -> dict[str, object]:
+    trace = load_trace(path, **kwargs)  # type: ignore[arg-type]
+    return OfflineReplay(trace, make_policy(policy, 3), workers, SMALL_ENGINE).run().report
+
+
+def test_report_has_every_metric(small_trace: Path) -> None:
+    report = replay(small_trace, "round_robin")
+    assert report["requests"] == report["completed"] == 12
+    assert report["failed"] == 0
+    for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+        assert set(report[key]) == {"mean", "p50", "p95", "p99"}  # type: ignore[arg-type]
+    assert report["worker_requests"] == {"w000": 6, "w001": 6}
+    assert 0 < report["prefix_hit_rate"] < 1  # type: ignore[operator]
+    assert report["util_variance"] >= 0  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "random", "least_loaded"])
+def test_offline_replay_is_deterministic(small_trace: Path, policy: str) -> None:
+    a, b = replay(small_trace, policy), replay(small_trace, policy)
+    a.pop("wall_s")
+    b.pop("wall_s")
+    assert a == b
+
+
+def test_one_worker_gets_every_turn_cached(small_trace: Path) -> None:
+    # With one worker every turn finds its history: the hit rate is the trace's best.
+    one = replay(small_trace, "round_robin", workers=1)
+    # Three conversations in turn over two workers: turns keep changing worker.
+    many = replay(small_trace, "round_robin", workers=2)
+    assert one["prefix_hit_rate"] > many["prefix_hit_rate"]  # type: ignore[operator]
+
+
+def test_faster_arrivals_mean_more_queueing(small_trace: Path) -> None:
+    calm = replay(small_trace, "round_robin", speedup=1)
+    rush = replay(small_trace, "round_robin", speedup=50)
+    assert rush["ttft_ms"]["p95"] > calm["ttft_ms"]["p95"]  # type: ignore[index]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("speedup", "dynamo"),
+    [
+        (1.0, {"ttft_p50": 184, "ttft_p95": 1022, "e2e_p95": 6602, "hit": 0.082}),
+        (4.0, {"ttft_p50": 274, "ttft_p95": 1716, "e2e_p95": 23945, "hit": None}),
+    ],
+)
+def test_round_robin_matches_dynamos_mocker(
+    mooncake_trace: Path, speedup: float, dynamo: dict[str, float | None]
+) -> None:
+    trace = load_trace(mooncake_trace, speedup=speedup)
+    report = OfflineReplay(trace, make_policy("round_robin"), 8, SimConfig()).run().report
+    assert report["completed"] == 12031
+    assert report["wall_s"] < 60
+    for ours, theirs in (
+        (report["ttft_ms"]["p50"], dynamo["ttft_p50"]),
+        (report["ttft_ms"]["p95"], dynamo["ttft_p95"]),
+        (report["e2e_ms"]["p95"], dynamo["e2e_p95"]),
+    ):
+        assert theirs is not None
+        assert ours == pytest.approx(theirs, rel=0.2)
+    if dynamo["hit"] is not None:
+        assert report["prefix_hit_rate"] == pytest.approx(dynamo["hit"], abs=0.02)
