@@ -99,3 +99,44 @@ async def _watch_once(client: aetcd.Client, on_change: WorkersChanged) -> None:
         else:
             workers.pop(worker_id, None)
         await on_change(dict(workers))
+
+
+SESSIONS_PREFIX = b"/laneway/sessions/"
+
+
+class SessionStore:
+    """`sessions/<id>` → the worker that owns that conversation's cache, shared by every planner
+    replica. A binding lives ``ttl_s`` after it was last set; an idle conversation's cache is
+    likely evicted by then anyway."""
+
+    def __init__(self, client: aetcd.Client, ttl_s: int) -> None:
+        self._client = client
+        self._ttl_s = ttl_s
+
+    @staticmethod
+    def key(session_id: str) -> bytes:
+        return SESSIONS_PREFIX + session_id.encode()
+
+    async def owner(self, session_id: str) -> str | None:
+        found = await self._client.get(self.key(session_id))
+        return found.value.decode() if found is not None else None
+
+    async def claim(self, session_id: str, worker_id: str) -> str:
+        """Bind the session to ``worker_id`` unless a replica bound it first; returns the owner."""
+        key = self.key(session_id)
+        tx = self._client.transactions
+        lease = await self._client.lease(self._ttl_s)
+        won, responses = await self._client.transaction(
+            compare=[tx.create(key) == 0],
+            success=[tx.put(key, worker_id.encode(), lease=lease)],
+            failure=[tx.get(key)],
+        )
+        if won:
+            return worker_id
+        await lease.revoke()
+        ranges = responses[0] if responses else []
+        return ranges[0][0].decode() if ranges else worker_id
+
+    async def move(self, session_id: str, worker_id: str) -> None:
+        lease = await self._client.lease(self._ttl_s)
+        await self._client.put(self.key(session_id), worker_id.encode(), lease=lease)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from infra.bench import run as bench
 from infra.cluster import ClusterConfig, LocalCluster
+from services.planner.registry import POLICY_NAMES
 
 
 def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,8 +25,8 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--prefill-workers", type=int, default=0, help="prefill-only workers")
     up.add_argument(
         "--policy",
-        default="least_loaded",
-        choices=["round_robin", "random", "least_loaded"],
+        default="kv",
+        choices=POLICY_NAMES,
         help="routing policy of the planner",
     )
     up.add_argument("--timing", default="dynamo-mocker", help="sim engine timing preset")

@@ -40,7 +40,7 @@ class ClusterConfig:
     etcd_port: int | None = None
     workers: int = 2
     prefill_workers: int = 0
-    policy: str = "least_loaded"
+    policy: str = "kv"
     # Extra LANEWAY_* settings for every service (timing, speed-up, lease TTL, tracing, …).
     env: dict[str, str] = field(default_factory=dict)
 

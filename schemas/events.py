@@ -89,6 +89,12 @@ class RouteCandidate(Frozen):
     waiting: int = Field(ge=0, description="requests queued on it")
     kv_usage: float = Field(ge=0.0, le=1.0, description="fraction of its KV blocks in use")
     score: float = Field(description="policy cost; the lowest wins")
+    predicted_queue_ms: float | None = Field(
+        default=None, description="predicted wait behind work queued there, milliseconds"
+    )
+    predicted_prefill_ms: float | None = Field(
+        default=None, description="predicted prefill of the uncached prompt there, milliseconds"
+    )
 
 
 class RouteDecided(Envelope):

@@ -4,7 +4,8 @@ from collections import Counter
 
 import pytest
 
-from services.planner.policy import RouteRequest, WorkerView, make_policy
+from services.planner.policy import RouteRequest, WorkerView
+from services.planner.registry import make_policy
 
 REQ = RouteRequest("r", 100, ())
 

@@ -49,3 +49,24 @@ def test_removing_a_worker_forgets_all_its_blocks() -> None:
     index.remove_worker("a")
     assert index.overlaps(prompt) == {}
     assert index.size == 0
+
+
+def test_blocks_are_counted_per_worker() -> None:
+    prompt = chain_block_hashes(list(range(64)), 16)
+    index = PrefixIndex()
+    index.apply(stored("a", prompt))
+    index.apply(stored("b", prompt[:2]))
+    index.apply(KvBlocksRemoved(source="t", worker_id="a", seq=2, block_hashes=prompt[3:]))
+    assert (index.blocks_of("a"), index.blocks_of("b"), index.blocks_of("c")) == (3, 2, 0)
+    assert index.size == 5
+    assert index.cached("b") == frozenset(prompt[:2])
+
+
+def test_events_of_a_purged_worker_still_fold() -> None:
+    # A lapsed lease need not mean a dead worker: whether to trust it is the service's call.
+    prompt = chain_block_hashes(list(range(32)), 16)
+    index = PrefixIndex()
+    index.apply(stored("a", prompt[:1]))
+    index.remove_worker("a")
+    index.apply(stored("a", prompt[1:], seq=2))
+    assert index.cached("a") == {prompt[1]}

@@ -87,7 +87,11 @@ class OfflineReplay:
     def _arrive(self, now: float, i: int) -> None:
         request = self._trace[i]
         hashes = self._prompts.block_hashes(request)
-        overlaps = self._index.overlaps(hashes) if self._policy.needs_overlap else {}
+        request_id = f"r{i}"
+        route = RouteRequest(
+            request_id, request.input_length, hashes, max_tokens=request.output_length
+        )
+        overlaps = self._index.overlaps(hashes) if self._policy.wants_overlap(route) else {}
         views = []
         for worker in self._workers:
             load = worker.engine.load()
@@ -99,10 +103,12 @@ class OfflineReplay:
                     kv_usage=load.kv_blocks_used / load.kv_blocks_total,
                     in_flight=worker.in_flight,
                     cached_blocks=overlaps.get(worker.worker_id, 0),
+                    waiting_prefill_tokens=load.waiting_prefill_tokens,
+                    block_size=worker.engine.block_size,
+                    kv_capacity_tokens=load.kv_blocks_total * worker.engine.block_size,
                 )
             )
-        request_id = f"r{i}"
-        choice = self._policy.choose(RouteRequest(request_id, request.input_length, hashes), views)
+        choice = self._policy.choose(route, views)
         w = next(k for k, v in enumerate(self._workers) if v.worker_id == choice.worker_id)
         worker = self._workers[w]
         record = self._records[i]

@@ -17,7 +17,7 @@ from infra.bench.traces import TraceRequest, load_trace
 from infra.cluster import ClusterConfig, LocalCluster
 from infra.embedded import free_port
 from services.engine.sim import SimConfig
-from services.planner.policy import POLICIES, make_policy
+from services.planner.registry import POLICY_NAMES, make_policy
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[3] / "shared/traces/mooncake_conversation_trace.jsonl"
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bench.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file")
     bench.add_argument("--format", choices=["mooncake", "azure"], help="default: by extension")
     bench.add_argument(
-        "--policy", action="append", choices=sorted(POLICIES), help="repeatable; default all"
+        "--policy", action="append", choices=list(POLICY_NAMES), help="repeatable; default all"
     )
     bench.add_argument("--workers", type=int, default=8)
     bench.add_argument("--speedup", type=float, default=1.0, help="divides inter-arrival gaps")
@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"laneway bench: no trace at {args.trace} (give one with --trace)", file=sys.stderr)
         return 2
     trace = load_trace(args.trace, args.format, args.speedup, args.limit)
-    policies = args.policy or sorted(POLICIES)
+    policies = args.policy or list(POLICY_NAMES)
     results: dict[str, ReplayResult] = {}
     for policy in policies:
         print(f"replaying {len(trace)} requests, {args.mode}, policy {policy} …", flush=True)

@@ -1,73 +1,346 @@
-"""The global prefix index: block hash → workers caching it, as a pure fold of KV events."""
+"""The global prefix index: block hash → workers caching it, as a pure fold of KV events.
+
+Layout. Each worker holding blocks gets a small integer slot, and the index is one
+``dict[int, int]``: block hash → bitmask of the slots caching that block, so a block costs one
+dict entry whatever the number of workers holding it, and queries are integer ``&``. Measured
+with ``tracemalloc`` (``tests/kv_indexer/test_index_benchmark.py`` prints it), 16 workers: 78
+bytes per indexed block at 1M blocks, 89 at 200k (the dict's fill varies), of which 36 are the
+64-bit hash itself; the former set of workers per block plus a set of blocks per worker took 378.
+
+Delivery. KV events arrive at least once and, after redelivery, not always in order. Each
+worker numbers its events 1, 2, 3, …; the index folds a worker's events strictly in that order:
+an event already folded is ignored, one that arrives early waits in a per-worker buffer until
+the gap before it fills. A gap that never fills (an event lost for good) must not stall the
+worker forever, so once ``max_pending`` events wait, the index skips the oldest gap and counts it
+in ``gaps``; ``skip_gaps`` does so at once for all. Workers are independent of each other.
+``remove_worker`` (a lease lapsed) drops a worker's blocks but not its cursor nor its buffer:
+should it be alive after all, its later events fold on as usual.
+
+Snapshots hold blocks, cursors and buffered events (format in :mod:`.snapshot`), so that a
+restored index folds the rest of a stream exactly as one that never stopped.
+"""
 
 from __future__ import annotations
 
+import heapq
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
+from itertools import accumulate, repeat, takewhile
+from operator import and_, neg
 
-from schemas.events import KvBlocksRemoved, KvBlocksStored, KvCleared, KvEvent
+from schemas.events import KvBlocksRemoved, KvBlocksStored, KvEvent
+from services.kv_indexer import snapshot as snap
+
+_MAX_INTERNED = 1 << 16
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
-        self._holders: dict[int, set[str]] = {}
-        self._blocks: dict[str, set[int]] = {}
+    def __init__(self, max_pending: int = 10_000) -> None:
+        self._holders: dict[int, int] = {}
+        # One int object per distinct mask value, shared by every block with that mask: masks
+        # past 256 are not cached by CPython, and an int each would add 28 bytes a block.
+        self._masks: dict[int, int] = {}
+        # Only workers holding at least one block have a slot; a slot is freed when its worker's
+        # last block goes, so slots (and masks) stay as few as the workers caching right now.
+        self._slot_of: dict[str, int] = {}
+        self._worker_at: list[str] = []
+        self._free_slots: list[int] = []
+        self._count: list[int] = []
+        self._size = 0
+        # Fold cursors outlive a worker's blocks: redelivered history of a purged worker stays
+        # folded already.
+        self._next_seq: dict[str, int] = {}
+        self._pending: dict[str, dict[int, snap.Change]] = {}
+        self._max_pending = max_pending
+        # A stream position the caller may keep here; `snapshot` records it, `restore` sets it.
+        self.position = 0
+        # Counters for monitoring; they describe this process, so snapshots leave them out.
+        self.duplicates = 0
+        self.gaps = 0
+
+    # -- the fold -----------------------------------------------------------------------------
 
     def apply(self, event: KvEvent) -> None:
-        """Fold one event. Applying an event twice leaves the index as applying it once."""
-        if isinstance(event, KvBlocksStored):
-            self.store(event.worker_id, event.block_hashes)
-        elif isinstance(event, KvBlocksRemoved):
-            self.remove(event.worker_id, event.block_hashes)
-        elif isinstance(event, KvCleared):
-            self.remove_worker(event.worker_id)
+        """Fold one event, exactly once and in its worker's ``seq`` order, whatever the order
+        and number of times it is delivered in."""
+        worker_id, seq = event.worker_id, event.seq
+        expected = self._next_seq.get(worker_id, 1)
+        if seq < expected:
+            self.duplicates += 1
+            return
+        change = _change(event)
+        if seq > expected:
+            pending = self._pending.setdefault(worker_id, {})
+            if seq in pending:
+                self.duplicates += 1
+                return
+            pending[seq] = change
+            if len(pending) > self._max_pending:
+                self._skip_gap(worker_id, pending)
+            return
+        self._fold(worker_id, change)
+        self._next_seq[worker_id] = seq + 1
+        waiting = self._pending.get(worker_id)
+        if waiting:
+            self._drain(worker_id, waiting)
+
+    def skip_gaps(self) -> int:
+        """Fold every buffered event now, skipping the missing events before them, and return
+        how many gaps were skipped. For when the caller knows the missing events will never come,
+        e.g. once a replay has caught up with a stream whose oldest events have aged out."""
+        skipped = 0
+        for worker_id, pending in list(self._pending.items()):
+            while pending:
+                self._skip_gap(worker_id, pending)
+                skipped += 1
+        return skipped
+
+    def _skip_gap(self, worker_id: str, pending: dict[int, snap.Change]) -> None:
+        self.gaps += 1
+        self._next_seq[worker_id] = min(pending)
+        self._drain(worker_id, pending)
+
+    def _drain(self, worker_id: str, pending: dict[int, snap.Change]) -> None:
+        expected = self._next_seq[worker_id]
+        while (change := pending.pop(expected, None)) is not None:
+            self._fold(worker_id, change)
+            expected += 1
+        self._next_seq[worker_id] = expected
+        if not pending:
+            del self._pending[worker_id]
+
+    def _fold(self, worker_id: str, change: snap.Change) -> None:
+        kind, hashes = change
+        if kind == snap.STORED:
+            self.store(worker_id, hashes)
+        elif kind == snap.REMOVED:
+            self.remove(worker_id, hashes)
+        else:
+            self.remove_worker(worker_id)
+
+    # -- direct changes, bypassing the seq order ------------------------------------------------
 
     def store(self, worker_id: str, block_hashes: Iterable[int]) -> None:
-        owned = self._blocks.setdefault(worker_id, set())
+        slot = self._slot_of.get(worker_id)
+        if slot is None:
+            slot = self._take_slot(worker_id)
+        bit = 1 << slot
+        holders = self._holders
+        get = holders.get
+        intern = self._masks.setdefault
+        added = 0
         for block in block_hashes:
-            owned.add(block)
-            self._holders.setdefault(block, set()).add(worker_id)
+            mask = get(block, 0)
+            if not mask & bit:
+                mask |= bit
+                holders[block] = intern(mask, mask)
+                added += 1
+        self._count[slot] += added
+        self._size += added
+        if not self._count[slot]:
+            self._release_slot(worker_id, slot)
+        self._bound_masks()
 
     def remove(self, worker_id: str, block_hashes: Iterable[int]) -> None:
-        owned = self._blocks.get(worker_id)
-        if owned is None:
+        slot = self._slot_of.get(worker_id)
+        if slot is None:
             return
+        bit = 1 << slot
+        holders = self._holders
+        get = holders.get
+        intern = self._masks.setdefault
+        removed = 0
         for block in block_hashes:
-            owned.discard(block)
-            self._drop_holder(block, worker_id)
+            mask = get(block, 0)
+            if mask & bit:
+                mask ^= bit
+                if mask:
+                    holders[block] = intern(mask, mask)
+                else:
+                    del holders[block]
+                removed += 1
+        self._size -= removed
+        self._count[slot] -= removed
+        if not self._count[slot]:
+            self._release_slot(worker_id, slot)
+        self._bound_masks()
 
     def remove_worker(self, worker_id: str) -> None:
-        for block in self._blocks.pop(worker_id, ()):
-            self._drop_holder(block, worker_id)
+        """Forget every block of a worker: O(indexed blocks), for the rare purge or clear. Its
+        seq cursor and buffered events stay."""
+        slot = self._slot_of.get(worker_id)
+        if slot is None:
+            return
+        bit = 1 << slot
+        holders = self._holders
+        intern = self._masks.setdefault
+        for block in [block for block, mask in holders.items() if mask & bit]:
+            mask = holders[block] ^ bit
+            if mask:
+                holders[block] = intern(mask, mask)
+            else:
+                del holders[block]
+        self._size -= self._count[slot]
+        self._release_slot(worker_id, slot)
+        self._bound_masks()
 
-    def _drop_holder(self, block: int, worker_id: str) -> None:
-        holders = self._holders.get(block)
-        if holders is not None:
-            holders.discard(worker_id)
-            if not holders:
-                del self._holders[block]
+    def _bound_masks(self) -> None:
+        if len(self._masks) > _MAX_INTERNED:
+            # Blocks keep the objects they have; only masks stored from now on share anew.
+            self._masks.clear()
 
-    def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """For each worker, how many leading blocks of the prompt it caches (0 omitted)."""
+    def _take_slot(self, worker_id: str) -> int:
+        if self._free_slots:
+            slot = heapq.heappop(self._free_slots)
+            self._worker_at[slot] = worker_id
+        else:
+            slot = len(self._worker_at)
+            self._worker_at.append(worker_id)
+            self._count.append(0)
+        self._slot_of[worker_id] = slot
+        return slot
+
+    def _release_slot(self, worker_id: str, slot: int) -> None:
+        del self._slot_of[worker_id]
+        self._count[slot] = 0
+        # Lowest slots first keeps masks short after churn.
+        heapq.heappush(self._free_slots, slot)
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def overlaps(self, block_hashes: Sequence[int], *, exact: bool = False) -> dict[str, int]:
+        """For each worker, how many leading blocks of the prompt it caches (0 omitted).
+
+        By default this probes O(workers · log blocks) hashes, not all of them: it gallops along
+        the prompt to where the first of the workers holding block 0 drops out, binary-searches
+        that depth, and goes on with the rest. That is exact when each worker's cache is
+        prefix-closed along a chain — holding a block implies holding its parents — which is
+        what an LRU prefix cache that frees a request's blocks tail first (vLLM, the sim engine)
+        keeps. Where it does not hold, a worker may be credited with blocks past a hole in its
+        cache. ``exact=True`` walks every hash instead: in C, yet about 0.7 ms for 8k blocks
+        against the default's 35 µs.
+        """
+        if exact:
+            return self._overlaps_exact(block_hashes)
+        n = len(block_hashes)
+        get = self._holders.get
+        alive = get(block_hashes[0], 0) if n else 0
         result: dict[str, int] = {}
-        alive: set[str] | None = None
-        for depth, block in enumerate(block_hashes):
-            holders = self._holders.get(block)
-            if not holders:
-                break
-            alive = set(holders) if alive is None else alive & holders
-            if not alive:
-                break
-            for worker_id in alive:
-                result[worker_id] = depth + 1
+        good = 0  # every alive worker holds blocks[0..good]
+        while alive:
+            bad, step = n, 1
+            while good + step < n:
+                if get(block_hashes[good + step], 0) & alive == alive:
+                    good += step
+                    step <<= 1
+                else:
+                    bad = good + step
+                    break
+            while bad - good > 1:
+                mid = (good + bad) >> 1
+                if get(block_hashes[mid], 0) & alive == alive:
+                    good = mid
+                else:
+                    bad = mid
+            survivors = get(block_hashes[bad], 0) & alive if bad < n else 0
+            self._credit(result, alive ^ survivors, bad)
+            alive, good = survivors, bad
         return result
 
+    def _overlaps_exact(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        # Running AND of the masks: who holds every block so far. Each entry is a subset of the
+        # one before, so the list is non-increasing and each drop-out depth is a bisection.
+        masks = self._holders.get
+        running = list(takewhile(bool, accumulate(map(masks, block_hashes, repeat(0)), and_)))
+        result: dict[str, int] = {}
+        start = 0
+        while start < len(running):
+            alive = running[start]
+            end = bisect_right(running, -alive, lo=start, key=neg)
+            self._credit(result, alive & ~running[end] if end < len(running) else alive, end)
+            start = end
+        return result
+
+    def _credit(self, result: dict[str, int], mask: int, depth: int) -> None:
+        while mask:
+            low = mask & -mask
+            result[self._worker_at[low.bit_length() - 1]] = depth
+            mask ^= low
+
     def workers(self) -> set[str]:
-        return set(self._blocks)
+        """Workers caching at least one block."""
+        return set(self._slot_of)
 
     def cached(self, worker_id: str) -> frozenset[int]:
-        return frozenset(self._blocks.get(worker_id, ()))
+        """A worker's blocks: O(indexed blocks), for tests and debugging."""
+        slot = self._slot_of.get(worker_id)
+        if slot is None:
+            return frozenset()
+        bit = 1 << slot
+        return frozenset(block for block, mask in self._holders.items() if mask & bit)
+
+    def blocks_of(self, worker_id: str) -> int:
+        slot = self._slot_of.get(worker_id)
+        return 0 if slot is None else self._count[slot]
 
     @property
     def size(self) -> int:
         """Distinct (worker, block) pairs."""
-        return sum(len(blocks) for blocks in self._blocks.values())
+        return self._size
+
+    # -- snapshots ----------------------------------------------------------------------------
+
+    def snapshot(self, position: int | None = None) -> bytes:
+        """The whole fold state — blocks, seq cursors and buffered events — as compact bytes,
+        with ``position`` (default ``self.position``): the stream position to resume after."""
+        groups: dict[int, list[int]] = {}
+        for block, mask in self._holders.items():
+            group = groups.get(mask)
+            if group is None:
+                groups[mask] = [block]
+            else:
+                group.append(block)
+        return snap.dump(
+            snap.State(
+                position=self.position if position is None else position,
+                slots=dict(self._slot_of),
+                groups=groups,
+                next_seq=dict(self._next_seq),
+                pending={w: dict(p) for w, p in self._pending.items()},
+            )
+        )
+
+    @classmethod
+    def restore(cls, data: bytes, max_pending: int = 10_000) -> PrefixIndex:
+        """The index a snapshot was taken of, with ``position`` set to the one it recorded."""
+        state = snap.load(data)
+        index = cls(max_pending)
+        index.position = state.position
+        width = max(state.slots.values(), default=-1) + 1
+        index._worker_at = [""] * width
+        index._count = [0] * width
+        for worker_id, slot in state.slots.items():
+            index._slot_of[worker_id] = slot
+            index._worker_at[slot] = worker_id
+        index._free_slots = sorted(set(range(width)) - set(state.slots.values()))
+        holders = index._holders
+        for mask, blocks in state.groups.items():
+            index._masks[mask] = mask
+            holders.update(dict.fromkeys(blocks, mask))
+            bits = mask
+            while bits:
+                low = bits & -bits
+                index._count[low.bit_length() - 1] += len(blocks)
+                bits ^= low
+        index._size = sum(index._count)
+        index._next_seq = state.next_seq
+        index._pending = state.pending
+        return index
+
+
+def _change(event: KvEvent) -> snap.Change:
+    if isinstance(event, KvBlocksStored):
+        return snap.STORED, event.block_hashes
+    if isinstance(event, KvBlocksRemoved):
+        return snap.REMOVED, event.block_hashes
+    return snap.CLEARED, ()

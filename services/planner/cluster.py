@@ -5,6 +5,7 @@ Plain bookkeeping with no I/O; the service feeds it events and asks it for candi
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from schemas.events import WorkerLoadReported
@@ -28,6 +29,8 @@ class ClusterView:
         self._load: dict[str, WorkerLoadReported] = {}
         self._routed: dict[str, Routed] = {}
         self._in_flight: dict[str, int] = {}
+        # Per worker, (when, prompt tokens) routed there that its last report may not include.
+        self._unreported: dict[str, deque[tuple[float, int]]] = {}
 
     def set_workers(self, workers: dict[str, WorkerRegistration]) -> dict[str, Routed]:
         """Replace the live set; returns the requests that were in flight on workers now gone."""
@@ -39,15 +42,23 @@ class ClusterView:
         for worker_id in gone:
             self._load.pop(worker_id, None)
             self._in_flight.pop(worker_id, None)
+            self._unreported.pop(worker_id, None)
         return lost
 
     def report(self, load: WorkerLoadReported) -> None:
-        if load.worker_id in self.workers:
-            self._load[load.worker_id] = load
+        if load.worker_id not in self.workers:
+            return
+        self._load[load.worker_id] = load
+        pending = self._unreported.get(load.worker_id)
+        reported_at = load.occurred_at.timestamp()
+        while pending and pending[0][0] <= reported_at:
+            pending.popleft()
 
-    def routed(self, request_id: str, route: Routed) -> None:
+    def routed(self, request_id: str, route: Routed, prefill_tokens: int, now: float) -> None:
+        """``now``: wall-clock seconds, comparable with the reports' ``occurred_at``."""
         self._routed[request_id] = route
         self._in_flight[route.worker_id] = self._in_flight.get(route.worker_id, 0) + 1
+        self._unreported.setdefault(route.worker_id, deque()).append((now, prefill_tokens))
 
     def is_routed(self, request_id: str) -> bool:
         return request_id in self._routed
@@ -57,12 +68,15 @@ class ClusterView:
         if route is not None and route.worker_id in self._in_flight:
             self._in_flight[route.worker_id] -= 1
 
-    def candidates(self, cached_blocks: dict[str, int] | None = None) -> list[WorkerView]:
+    def candidates(
+        self, cached_blocks: dict[str, int] | None = None, session_owner: str | None = None
+    ) -> list[WorkerView]:
         views = []
         for worker_id, reg in self.workers.items():
             if reg.role not in SERVING_ROLES:
                 continue
             load = self._load.get(worker_id)
+            unreported = sum(tokens for _, tokens in self._unreported.get(worker_id, ()))
             views.append(
                 WorkerView(
                     worker_id=worker_id,
@@ -73,6 +87,11 @@ class ClusterView:
                     else 0.0,
                     in_flight=self._in_flight.get(worker_id, 0),
                     cached_blocks=(cached_blocks or {}).get(worker_id, 0),
+                    waiting_prefill_tokens=(load.waiting_prefill_tokens if load else 0)
+                    + unreported,
+                    block_size=reg.block_size,
+                    kv_capacity_tokens=reg.kv_blocks_total * reg.block_size,
+                    owns_session=worker_id == session_owner,
                 )
             )
         return views

@@ -8,6 +8,7 @@ import time
 from opentelemetry import trace
 
 from bus.client import Bus
+from bus.registry import SessionStore
 from bus.topology import Subjects
 from observability.tracing import context_of, trace_context
 from schemas.events import (
@@ -24,17 +25,23 @@ from schemas.events import (
 )
 from schemas.messages import OverlapQuery, OverlapReply, WorkerRegistration
 from services.planner.cluster import ClusterView, Routed
-from services.planner.policy import Policy, RouteRequest
+from services.planner.policy import Policy, RouteRequest, WorkerView
 
 log = logging.getLogger(__name__)
 
 
 class Planner:
     def __init__(
-        self, bus: Bus, policy: Policy, instance_id: str, overlap_timeout_s: float = 0.05
+        self,
+        bus: Bus,
+        policy: Policy,
+        instance_id: str,
+        overlap_timeout_s: float = 0.05,
+        sessions: SessionStore | None = None,
     ) -> None:
         self._bus = bus
         self._policy = policy
+        self._sessions = sessions
         self._source = f"planner/{instance_id}"
         self._overlap_timeout_s = overlap_timeout_s
         self.cluster = ClusterView()
@@ -55,25 +62,40 @@ class Planner:
     async def _route(self, event: RequestAccepted) -> None:
         assert event.request_id is not None
         spec = event.spec
+        route = RouteRequest(
+            event.request_id,
+            len(spec.prompt_token_ids),
+            spec.block_hashes,
+            event.session_id,
+            spec.sampling.max_tokens,
+        )
         overlaps: dict[str, int] | None = None
-        if self._policy.needs_overlap and spec.block_hashes:
+        if spec.block_hashes and self._policy.wants_overlap(route):
             overlaps = await self._overlaps(spec.block_hashes)
-        candidates = self.cluster.candidates(overlaps)
+        owner = None
+        if self._sessions is not None and event.session_id is not None:
+            owner = await self._sessions.owner(event.session_id)
+        candidates = self.cluster.candidates(overlaps, owner)
         if not candidates:
             await self._fail(event, "no_worker", "no worker is registered to serve this model")
             return
-        choice = self._policy.choose(
-            RouteRequest(
-                event.request_id, len(spec.prompt_token_ids), spec.block_hashes, event.session_id
-            ),
-            candidates,
-        )
-        trace.get_current_span().set_attribute("laneway.worker_id", choice.worker_id)
+        choice = self._policy.choose(route, candidates)
+        worker_id, reason = choice.worker_id, choice.reason
+        if self._sessions is not None and event.session_id is not None:
+            worker_id, reason = await self._bind_session(
+                event.session_id, owner, worker_id, reason, candidates
+            )
+        picked = next(c for c in candidates if c.worker_id == worker_id)
+        uncached = len(spec.prompt_token_ids) - picked.cached_blocks * picked.block_size
+        trace.get_current_span().set_attribute("laneway.worker_id", worker_id)
         self.cluster.routed(
-            event.request_id, Routed(choice.worker_id, spec.reply_to, event.session_id)
+            event.request_id,
+            Routed(worker_id, spec.reply_to, event.session_id),
+            max(0, uncached),
+            time.time(),
         )
         await self._bus.publish(
-            Subjects.route(choice.worker_id),
+            Subjects.route(worker_id),
             RouteDecided(
                 # One decision per request: a re-routing after a crash is dropped as a duplicate.
                 event_id=f"route-{event.request_id}",
@@ -81,9 +103,9 @@ class Planner:
                 request_id=event.request_id,
                 session_id=event.session_id,
                 trace=trace_context(),
-                worker_id=choice.worker_id,
+                worker_id=worker_id,
                 policy=self._policy.name,
-                reason=choice.reason,
+                reason=reason,
                 candidates=tuple(
                     RouteCandidate(
                         worker_id=c.worker_id,
@@ -92,12 +114,32 @@ class Planner:
                         waiting=c.waiting,
                         kv_usage=min(1.0, c.kv_usage),
                         score=choice.scores[c.worker_id],
+                        predicted_queue_ms=choice.predictions.get(c.worker_id, (None, None))[0],
+                        predicted_prefill_ms=choice.predictions.get(c.worker_id, (None, None))[1],
                     )
                     for c in candidates
                 ),
                 spec=spec,
             ),
         )
+
+    async def _bind_session(
+        self,
+        session_id: str,
+        owner: str | None,
+        chosen: str,
+        reason: str,
+        candidates: list[WorkerView],
+    ) -> tuple[str, str]:
+        """Record who owns the session now; another replica's earlier claim wins a race."""
+        assert self._sessions is not None
+        if owner is None:
+            winner = await self._sessions.claim(session_id, chosen)
+            if winner != chosen and any(c.worker_id == winner for c in candidates):
+                return winner, "session claimed by another planner replica first"
+        elif owner != chosen:
+            await self._sessions.move(session_id, chosen)
+        return chosen, reason
 
     async def _fail(self, event: RequestAccepted, code: FailureCode, message: str) -> None:
         await self._bus.publish(

@@ -8,22 +8,47 @@ import contextlib
 from pydantic import Field
 
 from bus.client import Bus
-from bus.registry import connect_etcd, watch_workers
+from bus.registry import SessionStore, connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
 from bus.topology import PLANNER_INTAKE, Subjects
 from observability.tracing import setup_tracing
 from schemas.events import new_id
 from services.planner.handlers import Planner
-from services.planner.policy import make_policy
+from services.planner.kv_policy import KvSettings
+from services.planner.registry import make_policy
+
+
+_KV = KvSettings()
 
 
 class PlannerSettings(ServiceSettings):
     instance_id: str = Field(default_factory=new_id)
-    # round_robin | random | least_loaded
-    policy: str = "least_loaded"
+    # round_robin | random | least_loaded | kv
+    policy: str = "kv"
     seed: int = 0
     overlap_timeout_s: float = 0.05
+    # Seconds a session stays bound to its worker after the binding was last set (kv policy).
+    session_ttl_s: int = 600
+    # The kv policy's knobs; see services.planner.kv_policy._KV.
+    kv_perf_model: str = _KV.perf_model
+    kv_max_num_batched_tokens: int = _KV.max_num_batched_tokens
+    kv_decode_weight: float = _KV.decode_weight
+    kv_compute_weight: float = _KV.compute_weight
+    kv_temperature: float = _KV.temperature
+    kv_short_prompt_tokens: int = _KV.short_prompt_tokens
+    kv_session_slack_ms: float = _KV.session_slack_ms
+
+    def kv(self) -> KvSettings:
+        return KvSettings(
+            perf_model=self.kv_perf_model,
+            max_num_batched_tokens=self.kv_max_num_batched_tokens,
+            decode_weight=self.kv_decode_weight,
+            compute_weight=self.kv_compute_weight,
+            temperature=self.kv_temperature,
+            short_prompt_tokens=self.kv_short_prompt_tokens,
+            session_slack_ms=self.kv_session_slack_ms,
+        )
 
 
 def main() -> None:
@@ -34,12 +59,9 @@ def main() -> None:
         bus = await Bus.connect(settings.nats_url, f"planner-{settings.instance_id}")
         await bus.ensure_streams()
         etcd = connect_etcd(settings.etcd_endpoints)
-        planner = Planner(
-            bus,
-            make_policy(settings.policy, settings.seed),
-            settings.instance_id,
-            settings.overlap_timeout_s,
-        )
+        policy = make_policy(settings.policy, settings.seed, settings.kv())
+        sessions = SessionStore(etcd, settings.session_ttl_s) if settings.policy == "kv" else None
+        planner = Planner(bus, policy, settings.instance_id, settings.overlap_timeout_s, sessions)
         watcher = asyncio.create_task(watch_workers(etcd, planner.on_workers))
         await bus.subscribe(Subjects.all_request_terminals, planner.on_terminal)
         await bus.subscribe(Subjects.all_load, planner.on_load)

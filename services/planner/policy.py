@@ -7,8 +7,8 @@ in both.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -22,7 +22,15 @@ class WorkerView:
     kv_usage: float
     # Requests this planner routed there that have not ended yet; fresher than load reports.
     in_flight: int
+    # Leading blocks of the request's prompt that the worker caches (from the kv-indexer).
     cached_blocks: int = 0
+    # Prompt tokens queued for prefill there, including routes not yet in a load report.
+    waiting_prefill_tokens: int = 0
+    block_size: int = 16
+    # KV cache size in tokens (blocks × block size); 0 if unknown.
+    kv_capacity_tokens: int = 0
+    # This worker owns the request's session (its conversation's cache lives there).
+    owns_session: bool = False
 
     @property
     def load(self) -> int:
@@ -36,6 +44,7 @@ class RouteRequest:
     prompt_tokens: int
     block_hashes: tuple[int, ...]
     session_id: str | None = None
+    max_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,19 +53,25 @@ class Choice:
     # Cost per candidate worker; lower is better.
     scores: dict[str, float]
     reason: str
+    # Per candidate, when the policy predicts them: (queueing ms, own prefill ms).
+    predictions: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 class Policy(Protocol):
     name: str
-    # Whether the policy needs per-worker prefix overlap (an index query) to decide.
-    needs_overlap: bool
+
+    def wants_overlap(self, request: RouteRequest) -> bool:
+        """Whether deciding this request needs per-worker prefix overlap (an index query)."""
+        ...
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Choice: ...
 
 
 class RoundRobin:
     name = "round_robin"
-    needs_overlap = False
+
+    def wants_overlap(self, request: RouteRequest) -> bool:
+        return False
 
     def __init__(self) -> None:
         self._next = 0
@@ -71,7 +86,9 @@ class RoundRobin:
 
 class RandomChoice:
     name = "random"
-    needs_overlap = False
+
+    def wants_overlap(self, request: RouteRequest) -> bool:
+        return False
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
@@ -85,7 +102,9 @@ class RandomChoice:
 
 class LeastLoaded:
     name = "least_loaded"
-    needs_overlap = False
+
+    def wants_overlap(self, request: RouteRequest) -> bool:
+        return False
 
     def __init__(self) -> None:
         self._turn = 0
@@ -98,17 +117,3 @@ class LeastLoaded:
         pick = tied[self._turn % len(tied)]
         self._turn += 1
         return Choice(pick, scores, f"least loaded ({best:g} requests + KV usage)")
-
-
-POLICIES: dict[str, Callable[[int], Policy]] = {
-    "round_robin": lambda seed: RoundRobin(),
-    "random": lambda seed: RandomChoice(seed),
-    "least_loaded": lambda seed: LeastLoaded(),
-}
-
-
-def make_policy(name: str, seed: int = 0) -> Policy:
-    try:
-        return POLICIES[name](seed)
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}") from None

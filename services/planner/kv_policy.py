@@ -1,0 +1,134 @@
+"""The `kv` policy: send each request where it will see its first token soonest.
+
+For every candidate it predicts the time to first token from what the planner knows: the prompt
+tokens already queued there, the part of this prompt that worker does not cache, and the step
+times of the worker's timing model (chunked prefill sharing each step with the running decodes).
+A decode-load penalty keeps long generations off crowded workers. Hot spots need no special
+rule: a worker that owns a popular prefix stops winning as soon as its queue costs more than
+recomputing the prefix elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.engine.sim.timing import TimingModel, timing_preset
+from services.planner.policy import Choice, RouteRequest, WorkerView
+
+
+@dataclass(frozen=True, slots=True)
+class KvSettings:
+    # Timing model of the workers (homogeneous pool) and their prefill budget per step.
+    perf_model: str = "dynamo-mocker"
+    max_num_batched_tokens: int = 8192
+    # Weight of the decode-load penalty: predicted ms added per running request there, per
+    # output token the request may generate, scaled by the step-time slope.
+    decode_weight: float = 0.3
+    # Weight of the prefill work itself, beyond its effect on this request's TTFT: every
+    # uncached token computed is a step slower for everyone decoding on that worker.
+    compute_weight: float = 0.0
+    # 0 picks the cheapest; above 0, picks by softmax over -cost/temperature (ms).
+    temperature: float = 0.0
+    # Prompts shorter than this with no session skip the index: two random choices on load.
+    short_prompt_tokens: int = 0
+    # A session's owner keeps it unless another worker is predicted this much sooner (ms).
+    session_slack_ms: float = 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    queue_ms: float
+    prefill_ms: float
+    decode_penalty_ms: float
+
+    @property
+    def cost(self) -> float:
+        return self.queue_ms + self.prefill_ms + self.decode_penalty_ms
+
+
+class KvAware:
+    name = "kv"
+
+    def __init__(self, settings: KvSettings | None = None, seed: int = 0) -> None:
+        self.settings = settings or KvSettings()
+        self._timing: TimingModel = timing_preset(self.settings.perf_model)
+        self._rng = random.Random(seed)
+
+    def wants_overlap(self, request: RouteRequest) -> bool:
+        """Short prompts outside a session go down the cheap path, with no index query."""
+        return request.session_id is not None or not self._short(request)
+
+    def _short(self, request: RouteRequest) -> bool:
+        return request.prompt_tokens < self.settings.short_prompt_tokens
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Choice:
+        if request.session_id is None and self._short(request):
+            return self._two_choices(workers)
+        predictions = {w.worker_id: self.predict(request, w) for w in workers}
+        scores = {w: p.cost for w, p in predictions.items()}
+        best = min(scores, key=lambda w: (scores[w], w))
+        reason = "lowest predicted TTFT"
+        owner = next((w for w in workers if w.owns_session), None)
+        if owner is not None and owner.worker_id != best:
+            if scores[owner.worker_id] - scores[best] <= self.settings.session_slack_ms:
+                best, reason = owner.worker_id, "session owner, within the slack"
+            else:
+                reason = "session owner too busy; moved"
+        elif owner is not None:
+            reason = "session owner and lowest predicted TTFT"
+        elif self.settings.temperature > 0:
+            best = self._softmax(scores)
+            reason = "softmax over predicted TTFT"
+        top = predictions[best]
+        cached = next(w.cached_blocks for w in workers if w.worker_id == best)
+        return Choice(
+            best,
+            scores,
+            f"{reason}: {cached} cached blocks, queue {top.queue_ms:.0f} ms, "
+            f"prefill {top.prefill_ms:.0f} ms",
+            {w: (p.queue_ms, p.prefill_ms) for w, p in predictions.items()},
+        )
+
+    def predict(self, request: RouteRequest, worker: WorkerView) -> Prediction:
+        cached = min(worker.cached_blocks * worker.block_size, request.prompt_tokens - 1)
+        uncached = request.prompt_tokens - max(0, cached)
+        queued = worker.waiting_prefill_tokens
+        queue_ms = self._prefill_ms(queued, worker)
+        prefill_ms = self._prefill_ms(queued + uncached, worker) - queue_ms
+        # Decode steps slow down as the worker's KV fills (the timing model's decode term), and
+        # this request's tokens will be generated at that pace: long answers weigh more.
+        usage = worker.kv_usage
+        if worker.kv_capacity_tokens:
+            usage += (uncached + request.max_tokens) / worker.kv_capacity_tokens
+        step_ms = self._timing.step_ms(0, 1, min(1.0, usage))
+        penalty = self.settings.decode_weight * max(1, request.max_tokens) * step_ms
+        penalty += self.settings.compute_weight * self._prefill_ms(uncached, worker)
+        return Prediction(queue_ms, prefill_ms, penalty)
+
+    def _prefill_ms(self, tokens: int, worker: WorkerView) -> float:
+        """Time to prefill ``tokens`` in budget-sized chunks, each step also decoding."""
+        if tokens <= 0:
+            return 0.0
+        budget = self.settings.max_num_batched_tokens
+        full, rest = divmod(tokens, budget)
+        decoding = worker.running
+        ms = full * self._timing.step_ms(budget, decoding, worker.kv_usage)
+        if rest:
+            ms += self._timing.step_ms(rest, decoding, worker.kv_usage)
+        return ms
+
+    def _two_choices(self, workers: Sequence[WorkerView]) -> Choice:
+        ordered = sorted(workers, key=lambda w: w.worker_id)
+        pair = self._rng.sample(ordered, min(2, len(ordered)))
+        pick = min(pair, key=lambda w: (w.load, w.worker_id))
+        scores = {w.worker_id: float(w.load) for w in ordered}
+        return Choice(pick.worker_id, scores, "short prompt: less loaded of two random workers")
+
+    def _softmax(self, scores: dict[str, float]) -> str:
+        low = min(scores.values())
+        names = sorted(scores)
+        weights = [math.exp(-(scores[w] - low) / self.settings.temperature) for w in names]
+        return self._rng.choices(names, weights)[0]
