@@ -40,6 +40,7 @@ class ClusterConfig:
     etcd_port: int | None = None
     workers: int = 2
     prefill_workers: int = 0
+    planners: int = 1
     policy: str = "kv"
     # Extra LANEWAY_* settings for every service (timing, speed-up, lease TTL, tracing, …).
     env: dict[str, str] = field(default_factory=dict)
@@ -96,9 +97,14 @@ class LocalCluster:
             "LANEWAY_NATS_URL": self.nats_url,
             "LANEWAY_ETCD_ENDPOINTS": self.etcd_endpoints,
         }
-        self.services = [
-            Service("kv-indexer", "services.kv_indexer", common),
-            Service("planner", "services.planner", {**common, "LANEWAY_POLICY": cfg.policy}),
+        self.services = [Service("kv-indexer", "services.kv_indexer", common)]
+        self.services += [
+            Service(
+                "planner" if cfg.planners == 1 else f"planner-{i}",
+                "services.planner",
+                {**common, "LANEWAY_POLICY": cfg.policy},
+            )
+            for i in range(cfg.planners)
         ]
         self.services += [
             Service(f"decode-worker-{i}", "services.decode_worker", common)

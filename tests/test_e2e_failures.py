@@ -70,3 +70,24 @@ async def test_killed_worker_fails_its_requests_and_gets_no_more(
     assert {r.worker_id for r in routes} == survivors
     await bus.close()
     await etcd.close()
+
+
+async def test_engines_without_kv_events_are_indexed_from_routing(
+    cluster_factory: ClusterFactory,
+) -> None:
+    from infra.bench.traces import block_tokens
+    from schemas.block_hash import chain_block_hashes
+    from schemas.messages import OverlapQuery, OverlapReply
+
+    cluster = cluster_factory(workers=2, env={"LANEWAY_KV_EVENTS": "false"})
+    client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+    prompt = block_tokens(42, 160).decode()
+    await client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    hashes = chain_block_hashes(list(prompt.encode()), 16)
+    bus = await Bus.connect(cluster.nats_url, "test-approx")
+    answer = await bus.request(
+        Subjects.overlap_query, OverlapQuery(block_hashes=hashes), OverlapReply, timeout=2
+    )
+    await bus.close()
+    assert list(answer.overlaps.values()) == [10]
+    assert answer.indexed_blocks == 0  # nothing came from KV events

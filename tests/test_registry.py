@@ -59,3 +59,16 @@ async def test_stopping_a_lease_removes_the_worker_at_once(etcd_server: Embedded
     await lease.stop()
     assert (await client.get(lease.key)) is None
     await client.close()
+
+
+async def test_two_replicas_claiming_a_session_agree(etcd_server: EmbeddedServer) -> None:
+    from bus.registry import SessionStore
+
+    a = SessionStore(connect_etcd(etcd_server.url), ttl_s=30)
+    b = SessionStore(connect_etcd(etcd_server.url), ttl_s=30)
+    owners = await asyncio.gather(a.claim("conv-1", "worker-a"), b.claim("conv-1", "worker-b"))
+    assert owners[0] == owners[1]
+    assert await a.owner("conv-1") == await b.owner("conv-1") == owners[0]
+    await b.move("conv-1", "worker-c")
+    assert await a.owner("conv-1") == "worker-c"
+    assert await a.owner("conv-unknown") is None

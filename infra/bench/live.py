@@ -27,12 +27,14 @@ class _ClusterObserver:
 
     def __init__(self) -> None:
         self.routes: dict[str, str] = {}
+        self.decisions: list[dict[str, Any]] = []
         self.busy_start: dict[str, float] = {}
         self.busy_now: dict[str, float] = {}
 
     async def on_event(self, event: Event) -> None:
         if isinstance(event, RouteDecided) and event.request_id:
             self.routes[event.request_id] = event.worker_id
+            self.decisions.append(event.model_dump(mode="json", exclude={"spec"}))
         elif isinstance(event, WorkerLoadReported):
             self.busy_start.setdefault(event.worker_id, event.busy_s)
             self.busy_now[event.worker_id] = event.busy_s
@@ -143,4 +145,4 @@ async def replay_live(
             workers.setdefault(served_by, WorkerRecord()).requests += 1
     extra: dict[str, Any] = {"time_scale": time_scale}
     report = build_report(records, workers, time.perf_counter() - started, extra)
-    return ReplayResult(report, records)
+    return ReplayResult(report, records, observer.decisions)

@@ -40,6 +40,8 @@ class WorkerRecord:
 class ReplayResult:
     report: dict[str, Any]
     records: Sequence[RequestRecord]
+    # Routing decisions with their inputs, when they were collected.
+    decisions: Sequence[dict[str, Any]] = ()
 
     def ttft_ms(self) -> list[float]:
         return [((r.first_token_s or 0.0) - r.arrival_s) * 1000 for r in self.records if r.done]

@@ -27,7 +27,7 @@ from services.engine.kv_events import kv_event
 from services.engine.protocol import EngineRequest, KvChange, StepResult
 from services.engine.sim import SimConfig, SimEngine, timing_preset
 from services.kv_indexer.index import PrefixIndex
-from services.planner.policy import Policy, RouteRequest, WorkerView
+from services.planner.policy import Choice, Policy, RouteRequest, WorkerView
 
 _ARRIVAL, _STEP_END = 0, 1
 
@@ -40,6 +40,27 @@ class _Worker:
     in_flight: int = 0
     stepping: bool = False
     kv_seq: int = 0
+
+
+def decision_record(request_id: str, choice: Choice, views: Sequence[WorkerView]) -> dict[str, Any]:
+    return {
+        "request_id": request_id,
+        "worker_id": choice.worker_id,
+        "reason": choice.reason,
+        "candidates": [
+            {
+                "worker_id": v.worker_id,
+                "cached_blocks": v.cached_blocks,
+                "running": v.running,
+                "waiting_prefill_tokens": v.waiting_prefill_tokens,
+                "kv_usage": round(v.kv_usage, 4),
+                "predicted_queue_ms": choice.predictions.get(v.worker_id, (None, None))[0],
+                "predicted_prefill_ms": choice.predictions.get(v.worker_id, (None, None))[1],
+                "cost": choice.scores[v.worker_id],
+            }
+            for v in views
+        ],
+    }
 
 
 class OfflineReplay:
@@ -62,6 +83,8 @@ class OfflineReplay:
         self._records = [RequestRecord(r.arrival_s, r.input_length) for r in trace]
         self._owner: dict[str, int] = {}
         self._events: list[tuple[float, int, int, int, Any]] = []
+        # Every routing decision with its inputs, when asked for (`laneway bench --decisions`).
+        self.decisions: list[dict[str, Any]] | None = None
         self._seq = 0
 
     def _push(self, at: float, kind: int, who: int, payload: Any = None) -> None:
@@ -82,7 +105,7 @@ class OfflineReplay:
         records = {w.worker_id: w.record for w in self._workers}
         report = build_report(self._records, records, time.perf_counter() - started)
         report["busy_timeline"] = busy_timeline(records, report["duration_s"])
-        return ReplayResult(report, self._records)
+        return ReplayResult(report, self._records, self.decisions or ())
 
     def _arrive(self, now: float, i: int) -> None:
         request = self._trace[i]
@@ -109,6 +132,8 @@ class OfflineReplay:
                 )
             )
         choice = self._policy.choose(route, views)
+        if self.decisions is not None:
+            self.decisions.append(decision_record(request_id, choice, views))
         w = next(k for k, v in enumerate(self._workers) if v.worker_id == choice.worker_id)
         worker = self._workers[w]
         record = self._records[i]

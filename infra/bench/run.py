@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from infra.bench.live import replay_live
 from infra.bench.metrics import ReplayResult
 from infra.bench.offline import OfflineReplay
@@ -55,6 +57,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bench.add_argument("--etcd-endpoints", help="live: use this etcd instead of an embedded one")
     bench.add_argument("--json", type=Path, help="write the reports here")
     bench.add_argument("--plot", type=Path, help="write a PNG here")
+    bench.add_argument(
+        "--decisions", type=Path, help="write every routing decision and its inputs (JSONL)"
+    )
     bench.set_defaults(func=main)
 
 
@@ -66,7 +71,10 @@ def _offline(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -
         max_num_batched_tokens=args.max_num_batched_tokens,
         timing=args.engine_preset,
     )
-    return OfflineReplay(trace, make_policy(policy, args.seed), args.workers, config).run()
+    replay = OfflineReplay(trace, make_policy(policy, args.seed), args.workers, config)
+    if args.decisions:
+        replay.decisions = []
+    return replay.run()
 
 
 def _live(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -> ReplayResult:
@@ -124,6 +132,11 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(reports))
     if args.json:
         write_json(args.json, reports)
+    if args.decisions:
+        with args.decisions.open("w") as out:
+            for policy, result in results.items():
+                for decision in result.decisions:
+                    out.write(orjson.dumps({"policy": policy, **decision}).decode() + "\n")
     if args.plot:
         # matplotlib takes a second to import: only when a plot is asked for.
         from infra.bench.plot import plot_reports

@@ -33,6 +33,8 @@ class WorkerSettings(ServiceSettings):
     timing: str = "dynamo-mocker"
     # Modelled time is divided by this: 10 runs the simulated GPU ten times faster.
     speedup: float = Field(default=1.0, gt=0)
+    # False: behave like an engine that publishes no KV events (the indexer then predicts).
+    kv_events: bool = True
     lease_ttl_s: int = Field(default=5, ge=1, le=10)
     load_report_interval_s: float = 0.5
     drain_timeout_s: float = 5.0
@@ -72,6 +74,7 @@ def worker_main(default_role: Role) -> None:
                 lease_ttl_s=settings.lease_ttl_s,
                 load_report_interval_s=settings.load_report_interval_s,
                 drain_timeout_s=settings.drain_timeout_s,
+                kv_events=settings.kv_events,
             ),
         )
         lease = WorkerLease(etcd, worker.registration(), settings.lease_ttl_s)

@@ -60,6 +60,7 @@ class WorkerOptions:
     lease_ttl_s: int
     load_report_interval_s: float
     drain_timeout_s: float
+    kv_events: bool = True
 
 
 @dataclass
@@ -100,6 +101,7 @@ class Worker:
             block_size=self._engine.block_size,
             kv_blocks_total=self._engine.kv_blocks_total,
             max_num_seqs=self._engine.max_num_seqs,
+            kv_events=self._opt.kv_events,
             pid=os.getpid(),
         )
 
@@ -186,7 +188,7 @@ class Worker:
             self._busy_s += loop.time() - started
             for output in result.outputs:
                 await self._on_output(output)
-            if result.kv_changes:
+            if result.kv_changes and self._opt.kv_events:
                 await self._publish_kv(result.kv_changes)
 
     async def _on_output(self, output: RequestOutput) -> None:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from schemas.events import Event, KvBlocksRemoved, KvBlocksStored, KvCleared
+import time
+
+from schemas.events import Event, KvBlocksRemoved, KvBlocksStored, KvCleared, RouteDecided
 from schemas.messages import OverlapQuery, OverlapReply, WorkerRegistration
 from services.kv_indexer.index import PrefixIndex
+from services.kv_indexer.predicted import PredictedCache
 
 
 class Indexer:
-    def __init__(self) -> None:
+    def __init__(self, predicted_ttl_s: float = 300.0) -> None:
         self.index = PrefixIndex()
+        # Workers whose engines publish no KV events: their caches are predicted from routing.
+        self.predicted = PredictedCache(predicted_ttl_s)
         # Workers whose lease is live. Replay brings back events of workers long gone; they are
         # folded (the fold stays pure) but never offered to the planner, and purged once known.
         self._live: set[str] = set()
@@ -19,8 +24,16 @@ class Indexer:
         if isinstance(event, KvBlocksStored | KvBlocksRemoved | KvCleared):
             self.index.apply(event)
 
+    async def on_route(self, event: Event) -> None:
+        if isinstance(event, RouteDecided):
+            self.predicted.routed(event.worker_id, event.spec.block_hashes, time.monotonic())
+
     async def on_query(self, query: OverlapQuery) -> OverlapReply:
         overlaps = self.index.overlaps(query.block_hashes)
+        for worker_id, depth in self.predicted.overlaps(
+            query.block_hashes, time.monotonic()
+        ).items():
+            overlaps[worker_id] = max(depth, overlaps.get(worker_id, 0))
         if self._seen_live:
             overlaps = {w: n for w, n in overlaps.items() if w in self._live}
         return OverlapReply(overlaps=overlaps, indexed_blocks=self.index.size)
@@ -31,6 +44,10 @@ class Indexer:
         self._seen_live = True
         for worker_id in gone:
             self.index.remove_worker(worker_id)
+            self.predicted.forget(worker_id)
+        for worker_id, reg in workers.items():
+            if not reg.kv_events and not self.predicted.tracks(worker_id):
+                self.predicted.track(worker_id, reg.kv_blocks_total)
 
     def purge_unknown(self) -> None:
         """Drop workers that hold blocks but have no live lease (replayed history)."""

@@ -21,6 +21,8 @@ class IndexerSettings(ServiceSettings):
     instance_id: str = Field(default_factory=new_id)
     # How often workers without a live lease are swept from the index, seconds.
     purge_interval_s: float = 10.0
+    # Approximate mode: how long a routed prompt is assumed cached on an engine without KV events.
+    predicted_ttl_s: float = 300.0
 
 
 def main() -> None:
@@ -30,10 +32,12 @@ def main() -> None:
         bus = await Bus.connect(settings.nats_url, f"kv-indexer-{settings.instance_id}")
         await bus.ensure_streams()
         etcd = connect_etcd(settings.etcd_endpoints)
-        indexer = Indexer()
+        indexer = Indexer(settings.predicted_ttl_s)
         watcher = asyncio.create_task(watch_workers(etcd, indexer.on_workers))
         # Each replica folds the whole stream into its own index, from the beginning.
         await bus.consume(kv_indexer_intake(settings.instance_id), indexer.on_kv)
+        # Live routing decisions only: predictions are approximate and short-lived anyway.
+        await bus.subscribe(Subjects.all_routes, indexer.on_route)
         await bus.serve(Subjects.overlap_query, OverlapQuery, indexer.on_query, queue="kv-indexer")
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):

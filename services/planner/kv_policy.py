@@ -26,10 +26,10 @@ class KvSettings:
     max_num_batched_tokens: int = 8192
     # Weight of the decode-load penalty: predicted ms added per running request there, per
     # output token the request may generate, scaled by the step-time slope.
-    decode_weight: float = 0.3
-    # Weight of the prefill work itself, beyond its effect on this request's TTFT: every
-    # uncached token computed is a step slower for everyone decoding on that worker.
-    compute_weight: float = 0.0
+    decode_weight: float = 0.0
+    # Weight of the stall this prefill imposes on the requests decoding there: each of them
+    # waits out every prefill chunk, so the harm is the prefill time times their number.
+    stall_weight: float = 0.2
     # 0 picks the cheapest; above 0, picks by softmax over -cost/temperature (ms).
     temperature: float = 0.0
     # Prompts shorter than this with no session skip the index: two random choices on load.
@@ -105,7 +105,7 @@ class KvAware:
             usage += (uncached + request.max_tokens) / worker.kv_capacity_tokens
         step_ms = self._timing.step_ms(0, 1, min(1.0, usage))
         penalty = self.settings.decode_weight * max(1, request.max_tokens) * step_ms
-        penalty += self.settings.compute_weight * self._prefill_ms(uncached, worker)
+        penalty += self.settings.stall_weight * worker.running * self._prefill_ms(uncached, worker)
         return Prediction(queue_ms, prefill_ms, penalty)
 
     def _prefill_ms(self, tokens: int, worker: WorkerView) -> float:

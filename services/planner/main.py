@@ -18,7 +18,6 @@ from services.planner.handlers import Planner
 from services.planner.kv_policy import KvSettings
 from services.planner.registry import make_policy
 
-
 _KV = KvSettings()
 
 
@@ -34,7 +33,7 @@ class PlannerSettings(ServiceSettings):
     kv_perf_model: str = _KV.perf_model
     kv_max_num_batched_tokens: int = _KV.max_num_batched_tokens
     kv_decode_weight: float = _KV.decode_weight
-    kv_compute_weight: float = _KV.compute_weight
+    kv_stall_weight: float = _KV.stall_weight
     kv_temperature: float = _KV.temperature
     kv_short_prompt_tokens: int = _KV.short_prompt_tokens
     kv_session_slack_ms: float = _KV.session_slack_ms
@@ -44,7 +43,7 @@ class PlannerSettings(ServiceSettings):
             perf_model=self.kv_perf_model,
             max_num_batched_tokens=self.kv_max_num_batched_tokens,
             decode_weight=self.kv_decode_weight,
-            compute_weight=self.kv_compute_weight,
+            stall_weight=self.kv_stall_weight,
             temperature=self.kv_temperature,
             short_prompt_tokens=self.kv_short_prompt_tokens,
             session_slack_ms=self.kv_session_slack_ms,

@@ -37,7 +37,7 @@ async def test_live_replay_completes_every_request(
 
 
 def test_bench_command_writes_table_json_and_plot(small_trace: Path, tmp_path: Path) -> None:
-    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    out, png, why = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "why.jsonl"
     run = subprocess.run(
         [
             sys.executable,
@@ -49,7 +49,7 @@ def test_bench_command_writes_table_json_and_plot(small_trace: Path, tmp_path: P
             "--policy",
             "round_robin",
             "--policy",
-            "least_loaded",
+            "kv",
             "--workers",
             "2",
             "--num-gpu-blocks",
@@ -58,6 +58,8 @@ def test_bench_command_writes_table_json_and_plot(small_trace: Path, tmp_path: P
             str(out),
             "--plot",
             str(png),
+            "--decisions",
+            str(why),
         ],
         capture_output=True,
         text=True,
@@ -65,9 +67,14 @@ def test_bench_command_writes_table_json_and_plot(small_trace: Path, tmp_path: P
         check=False,
     )
     assert run.returncode == 0, run.stderr
-    assert "round_robin" in run.stdout and "least_loaded" in run.stdout
+    assert "round_robin" in run.stdout and "kv" in run.stdout
     reports = json.loads(out.read_text())
-    assert set(reports) == {"round_robin", "least_loaded"}
+    assert set(reports) == {"round_robin", "kv"}
+    decisions = [json.loads(line) for line in why.read_text().splitlines()]
+    kv = [d for d in decisions if d["policy"] == "kv"]
+    assert len(kv) == 12
+    assert all(len(d["candidates"]) == 2 and d["reason"] for d in kv)
+    assert all(c["predicted_prefill_ms"] is not None for c in kv[0]["candidates"])
     assert reports["round_robin"]["completed"] == 12
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
