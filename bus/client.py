@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, ValidationError
 
 from bus.topology import ALL_STREAMS, Consumer, Stream
@@ -23,6 +23,8 @@ from schemas.events import Envelope, Event
 log = logging.getLogger(__name__)
 
 EventHandler = Callable[[Event], Awaitable[None]]
+# Receives each event with its position (sequence number) in the stream.
+PositionedHandler = Callable[[Event, int], Awaitable[None]]
 Q = TypeVar("Q", bound=BaseModel)
 R = TypeVar("R", bound=BaseModel)
 
@@ -131,6 +133,45 @@ class Bus:
             manual_ack=True,
         )
         self._subs.append(sub)
+
+    async def replay(
+        self, stream: Stream, subject: str, after: int, handler: PositionedHandler
+    ) -> None:
+        """Every event on ``subject`` past stream position ``after``, in order, then live ones.
+
+        For state rebuilt as a fold: the caller remembers the last position it folded (in a
+        snapshot) and resumes after it. An ordered consumer needs no acks and no durable name.
+        """
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                event = decode_event(msg.data)
+            except (ValidationError, ValueError):
+                log.exception("skipping undecodable message on %s", msg.subject)
+                return
+            await handler(event, msg.metadata.sequence.stream)
+
+        sub = await self._js.subscribe(
+            subject,
+            stream=stream.name,
+            cb=on_msg,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            config=ConsumerConfig(opt_start_seq=after + 1),
+        )
+        self._subs.append(sub)
+
+    async def save_object(self, bucket: str, name: str, data: bytes) -> None:
+        store = await self._js.create_object_store(bucket)
+        await store.put(name, data)
+
+    async def load_object(self, bucket: str, name: str) -> bytes | None:
+        try:
+            store = await self._js.object_store(bucket)
+            found = await store.get(name)
+        except NotFoundError:
+            return None
+        return found.data
 
     async def request(self, subject: str, query: BaseModel, reply: type[R], timeout: float) -> R:
         msg = await self._nc.request(subject, encode(query), timeout=timeout)

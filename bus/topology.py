@@ -65,6 +65,11 @@ class Subjects:
     overlap_query = f"{_PREFIX}.query.overlap"
 
     @staticmethod
+    def index_state(instance_id: str) -> str:
+        """One kv-indexer replica's digest of its index (operators, tests)."""
+        return f"{_PREFIX}.query.index.{instance_id}"
+
+    @staticmethod
     def request_terminal(ingress_id: str) -> str:
         return f"{_PREFIX}.req.done.{ingress_id}"
 
@@ -102,10 +107,9 @@ class Consumer:
 
 PLANNER_INTAKE = Consumer("planner", REQUESTS, Subjects.request_accepted, queue="planner")
 
-
-def kv_indexer_intake(instance_id: str) -> Consumer:
-    # Not shared: every indexer replica needs every KV event to hold the whole index.
-    return Consumer(f"kv-indexer-{instance_id}", KV, Subjects.all_kv, inactive_threshold_s=300.0)
+# The kv-indexer's snapshots (JetStream object store): the index folded up to a KV stream position.
+INDEX_SNAPSHOTS = "LW_INDEX_SNAPSHOTS"
+INDEX_SNAPSHOT_NAME = "prefix-index"
 
 
 def worker_routes(worker_id: str) -> Consumer:

@@ -41,6 +41,7 @@ class ClusterConfig:
     workers: int = 2
     prefill_workers: int = 0
     planners: int = 1
+    indexers: int = 1
     policy: str = "kv"
     # Extra LANEWAY_* settings for every service (timing, speed-up, lease TTL, tracing, …).
     env: dict[str, str] = field(default_factory=dict)
@@ -97,7 +98,14 @@ class LocalCluster:
             "LANEWAY_NATS_URL": self.nats_url,
             "LANEWAY_ETCD_ENDPOINTS": self.etcd_endpoints,
         }
-        self.services = [Service("kv-indexer", "services.kv_indexer", common)]
+        self.services = [
+            Service(
+                "kv-indexer" if cfg.indexers == 1 else f"kv-indexer-{i}",
+                "services.kv_indexer",
+                {**common, "LANEWAY_INSTANCE_ID": f"indexer-{i}"},
+            )
+            for i in range(cfg.indexers)
+        ]
         self.services += [
             Service(
                 "planner" if cfg.planners == 1 else f"planner-{i}",

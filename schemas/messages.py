@@ -32,3 +32,16 @@ class WorkerRegistration(Frozen):
     max_num_seqs: int = Field(gt=0, description="most requests it runs at once")
     kv_events: bool = Field(default=True, description="publishes KV events (else: approximate)")
     pid: int = Field(description="OS process id, for operators")
+
+
+class IndexStateQuery(Frozen):
+    """Ask one kv-indexer replica for a digest of its index."""
+
+
+class IndexState(Frozen):
+    """A digest of one replica's index: equal digests, equal indexes."""
+
+    indexed_blocks: int = Field(ge=0, description="distinct (worker, block) pairs")
+    digest: str = Field(description="hash over every (worker, block) pair, order-free")
+    position: int = Field(ge=0, description="KV stream position folded up to")
+    restored_from: int = Field(ge=0, description="snapshot position it started from, 0: none")

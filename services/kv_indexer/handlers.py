@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import time
 
+import xxhash
+
 from schemas.events import Event, KvBlocksRemoved, KvBlocksStored, KvCleared, RouteDecided
-from schemas.messages import OverlapQuery, OverlapReply, WorkerRegistration
+from schemas.messages import (
+    IndexState,
+    IndexStateQuery,
+    OverlapQuery,
+    OverlapReply,
+    WorkerRegistration,
+)
 from services.kv_indexer.index import PrefixIndex
 from services.kv_indexer.predicted import PredictedCache
 
 
 class Indexer:
-    def __init__(self, predicted_ttl_s: float = 300.0) -> None:
-        self.index = PrefixIndex()
+    def __init__(self, index: PrefixIndex, predicted_ttl_s: float = 300.0) -> None:
+        self.index = index
+        self.restored_from = index.position
+        self.snapshotted_at = index.position
         # Workers whose engines publish no KV events: their caches are predicted from routing.
         self.predicted = PredictedCache(predicted_ttl_s)
         # Workers whose lease is live. Replay brings back events of workers long gone; they are
@@ -20,9 +30,10 @@ class Indexer:
         self._live: set[str] = set()
         self._seen_live = False
 
-    async def on_kv(self, event: Event) -> None:
+    async def on_kv(self, event: Event, position: int) -> None:
         if isinstance(event, KvBlocksStored | KvBlocksRemoved | KvCleared):
             self.index.apply(event)
+        self.index.position = position
 
     async def on_route(self, event: Event) -> None:
         if isinstance(event, RouteDecided):
@@ -37,6 +48,20 @@ class Indexer:
         if self._seen_live:
             overlaps = {w: n for w, n in overlaps.items() if w in self._live}
         return OverlapReply(overlaps=overlaps, indexed_blocks=self.index.size)
+
+    async def on_state(self, query: IndexStateQuery) -> IndexState:
+        pairs = sorted(
+            (worker_id, block)
+            for worker_id in self.index.workers()
+            for block in self.index.cached(worker_id)
+        )
+        digest = xxhash.xxh3_128_hexdigest(repr(pairs).encode())
+        return IndexState(
+            indexed_blocks=self.index.size,
+            digest=digest,
+            position=self.index.position,
+            restored_from=self.restored_from,
+        )
 
     async def on_workers(self, workers: dict[str, WorkerRegistration]) -> None:
         gone = self._live - workers.keys()

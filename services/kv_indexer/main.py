@@ -1,9 +1,10 @@
-"""kv-indexer process: settings, connections, subscriptions."""
+"""kv-indexer process: restore the latest snapshot, fold the KV stream from there, answer."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from pydantic import Field
 
@@ -11,18 +12,42 @@ from bus.client import Bus
 from bus.registry import connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
-from bus.topology import Subjects, kv_indexer_intake
+from bus.topology import INDEX_SNAPSHOT_NAME, INDEX_SNAPSHOTS, KV, Subjects
 from schemas.events import new_id
-from schemas.messages import OverlapQuery
+from schemas.messages import IndexStateQuery, OverlapQuery
 from services.kv_indexer.handlers import Indexer
+from services.kv_indexer.index import PrefixIndex
+
+log = logging.getLogger(__name__)
 
 
 class IndexerSettings(ServiceSettings):
     instance_id: str = Field(default_factory=new_id)
     # How often workers without a live lease are swept from the index, seconds.
     purge_interval_s: float = 10.0
+    # How often the index is snapshotted, seconds; a restart replays only what came after.
+    snapshot_interval_s: float = 30.0
     # Approximate mode: how long a routed prompt is assumed cached on an engine without KV events.
     predicted_ttl_s: float = 300.0
+
+
+async def _restore(bus: Bus) -> PrefixIndex:
+    data = await bus.load_object(INDEX_SNAPSHOTS, INDEX_SNAPSHOT_NAME)
+    if data is None:
+        return PrefixIndex()
+    index = PrefixIndex.restore(data)
+    log.info("restored the index at KV stream position %d (%d blocks)", index.position, index.size)
+    return index
+
+
+async def _snapshot(bus: Bus, indexer: Indexer) -> None:
+    # Replicas share one snapshot name: each is a fold of the same stream, so any is valid.
+    position = indexer.index.position
+    if position > indexer.snapshotted_at:
+        await bus.save_object(
+            INDEX_SNAPSHOTS, INDEX_SNAPSHOT_NAME, indexer.index.snapshot(position)
+        )
+        indexer.snapshotted_at = position
 
 
 def main() -> None:
@@ -32,17 +57,33 @@ def main() -> None:
         bus = await Bus.connect(settings.nats_url, f"kv-indexer-{settings.instance_id}")
         await bus.ensure_streams()
         etcd = connect_etcd(settings.etcd_endpoints)
-        indexer = Indexer(settings.predicted_ttl_s)
+        indexer = Indexer(await _restore(bus), settings.predicted_ttl_s)
         watcher = asyncio.create_task(watch_workers(etcd, indexer.on_workers))
-        # Each replica folds the whole stream into its own index, from the beginning.
-        await bus.consume(kv_indexer_intake(settings.instance_id), indexer.on_kv)
+        await bus.replay(KV, Subjects.all_kv, indexer.index.position, indexer.on_kv)
         # Live routing decisions only: predictions are approximate and short-lived anyway.
         await bus.subscribe(Subjects.all_routes, indexer.on_route)
         await bus.serve(Subjects.overlap_query, OverlapQuery, indexer.on_query, queue="kv-indexer")
+        await bus.serve(
+            Subjects.index_state(settings.instance_id),
+            IndexStateQuery,
+            indexer.on_state,
+            queue=settings.instance_id,
+        )
+        loop = asyncio.get_running_loop()
+        next_purge = next_snapshot = loop.time()
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), settings.purge_interval_s)
-            indexer.purge_unknown()
+                await asyncio.wait_for(stop.wait(), 1.0)
+            now = loop.time()
+            if now >= next_purge:
+                indexer.purge_unknown()
+                next_purge = now + settings.purge_interval_s
+            if now >= next_snapshot:
+                try:
+                    await _snapshot(bus, indexer)
+                except Exception:  # a missed snapshot only means a longer replay next start
+                    log.warning("snapshot failed", exc_info=True)
+                next_snapshot = now + settings.snapshot_interval_s
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher

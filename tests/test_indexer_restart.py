@@ -1,0 +1,64 @@
+"""The kv-indexer killed mid-replay and restarted holds the index a never-restarted one holds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+from bus.client import Bus
+from bus.topology import Subjects
+from infra.bench.live import replay_live
+from infra.bench.traces import load_trace
+from schemas.messages import IndexState, IndexStateQuery
+from tests.conftest import ClusterFactory
+
+
+async def _state(bus: Bus, instance: str) -> IndexState:
+    return await bus.request(
+        Subjects.index_state(instance), IndexStateQuery(), IndexState, timeout=5
+    )
+
+
+async def test_restarted_indexer_equals_the_one_that_never_stopped(
+    cluster_factory: ClusterFactory, small_trace: Path
+) -> None:
+    cluster = cluster_factory(
+        workers=2,
+        indexers=2,
+        env={
+            "LANEWAY_BLOCK_SIZE": "64",
+            "LANEWAY_NUM_GPU_BLOCKS": "256",  # small: evictions too, not only stores
+            "LANEWAY_SNAPSHOT_INTERVAL_S": "0.5",
+        },
+    )
+    bus = await Bus.connect(cluster.nats_url, "test-restart")
+    replay = asyncio.create_task(
+        replay_live(
+            load_trace(small_trace, speedup=4),
+            cluster.config.base_url,
+            cluster.nats_url,
+            "laneway-sim",
+            block_size=64,
+        )
+    )
+    while (await _state(bus, "indexer-0")).indexed_blocks == 0:
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(1.5)  # a snapshot with something in it
+    victim = cluster.service("kv-indexer-0")
+    assert victim.proc is not None
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait()
+    await asyncio.sleep(0.5)  # events keep flowing while it is down
+    cluster.spawn(victim)
+
+    result = await replay
+    assert result.report["completed"] == 12
+    await asyncio.sleep(1.0)
+    restarted, steady = await _state(bus, "indexer-0"), await _state(bus, "indexer-1")
+    await bus.close()
+    assert restarted.restored_from > 0  # it resumed from a snapshot, not from scratch
+    assert restarted.position == steady.position
+    assert restarted.indexed_blocks == steady.indexed_blocks > 0
+    assert restarted.digest == steady.digest
