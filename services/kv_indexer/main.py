@@ -75,6 +75,9 @@ def main() -> None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
             now = loop.time()
+            # The replay delivers in stream order, so a gap still open now is an event that aged
+            # out of the stream (or was lost): waiting for it would stall that worker forever.
+            indexer.index.skip_gaps()
             if now >= next_purge:
                 indexer.purge_unknown()
                 next_purge = now + settings.purge_interval_s

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 
@@ -38,8 +40,11 @@ class Planner:
         instance_id: str,
         overlap_timeout_s: float = 0.05,
         sessions: SessionStore | None = None,
+        no_worker_grace_s: float = 2.0,
     ) -> None:
         self._bus = bus
+        self._no_worker_grace_s = no_worker_grace_s
+        self._workers_changed = asyncio.Event()
         self._policy = policy
         self._sessions = sessions
         self._source = f"planner/{instance_id}"
@@ -76,6 +81,11 @@ class Planner:
         if self._sessions is not None and event.session_id is not None:
             owner = await self._sessions.owner(event.session_id)
         candidates = self.cluster.candidates(overlaps, owner)
+        if not candidates:
+            # Workers come and go (a start, a restart): give one a moment before giving up.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._workers_changed.wait(), self._no_worker_grace_s)
+            candidates = self.cluster.candidates(overlaps, owner)
         if not candidates:
             await self._fail(event, "no_worker", "no worker is registered to serve this model")
             return
@@ -182,6 +192,9 @@ class Planner:
 
     async def on_workers(self, workers: dict[str, WorkerRegistration]) -> None:
         lost = self.cluster.set_workers(workers)
+        # Wake requests waiting for a worker, then arm the event for the next change.
+        self._workers_changed.set()
+        self._workers_changed = asyncio.Event()
         for request_id, route in lost.items():
             log.warning("worker %s lost with request %s in flight", route.worker_id, request_id)
             await self._bus.publish(

@@ -36,6 +36,8 @@ class KvSettings:
     short_prompt_tokens: int = 0
     # A session's owner keeps it unless another worker is predicted this much sooner (ms).
     session_slack_ms: float = 1000.0
+    # Predicted costs this close (ms) count as a tie, broken by load.
+    tie_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,7 @@ class KvAware:
         self.settings = settings or KvSettings()
         self._timing: TimingModel = timing_preset(self.settings.perf_model)
         self._rng = random.Random(seed)
+        self._turn = 0
 
     def wants_overlap(self, request: RouteRequest) -> bool:
         """Short prompts outside a session go down the cheap path, with no index query."""
@@ -69,7 +72,7 @@ class KvAware:
             return self._two_choices(workers)
         predictions = {w.worker_id: self.predict(request, w) for w in workers}
         scores = {w: p.cost for w, p in predictions.items()}
-        best = min(scores, key=lambda w: (scores[w], w))
+        best = self._cheapest(scores, workers)
         reason = "lowest predicted TTFT"
         owner = next((w for w in workers if w.owns_session), None)
         if owner is not None and owner.worker_id != best:
@@ -91,6 +94,17 @@ class KvAware:
             f"prefill {top.prefill_ms:.0f} ms",
             {w: (p.queue_ms, p.prefill_ms) for w, p in predictions.items()},
         )
+
+    def _cheapest(self, scores: dict[str, float], workers: Sequence[WorkerView]) -> str:
+        # Costs within a tie margin are equal for any purpose: spread such ties by load, then in
+        # turn, or idle clusters fill from one end and utilisation drifts apart.
+        low = min(scores.values()) + self.settings.tie_ms
+        tied = sorted(
+            (w.load, w.kv_usage, w.worker_id) for w in workers if scores[w.worker_id] <= low
+        )
+        least = [name for load, usage, name in tied if (load, usage) == tied[0][:2]]
+        self._turn += 1
+        return least[self._turn % len(least)]
 
     def predict(self, request: RouteRequest, worker: WorkerView) -> Prediction:
         cached = min(worker.cached_blocks * worker.block_size, request.prompt_tokens - 1)

@@ -37,6 +37,7 @@ class PlannerSettings(ServiceSettings):
     kv_temperature: float = _KV.temperature
     kv_short_prompt_tokens: int = _KV.short_prompt_tokens
     kv_session_slack_ms: float = _KV.session_slack_ms
+    kv_tie_ms: float = _KV.tie_ms
 
     def kv(self) -> KvSettings:
         return KvSettings(
@@ -47,6 +48,7 @@ class PlannerSettings(ServiceSettings):
             temperature=self.kv_temperature,
             short_prompt_tokens=self.kv_short_prompt_tokens,
             session_slack_ms=self.kv_session_slack_ms,
+            tie_ms=self.kv_tie_ms,
         )
 
 
