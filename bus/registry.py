@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Awaitable, Callable
 
 import aetcd
@@ -17,6 +18,7 @@ from schemas.messages import WorkerRegistration
 log = logging.getLogger(__name__)
 
 WORKERS_PREFIX = b"/laneway/workers/"
+PLANNERS_PREFIX = b"/laneway/planners/"
 
 
 def connect_etcd(endpoints: str) -> aetcd.Client:
@@ -25,25 +27,32 @@ def connect_etcd(endpoints: str) -> aetcd.Client:
     return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=5)
 
 
-class WorkerLease:
-    """Keeps a worker's registration alive; when the process dies the key expires with it."""
+class LeasedKey:
+    """Keeps a key alive under a lease; when the process dies the key expires with it."""
 
-    def __init__(self, client: aetcd.Client, registration: WorkerRegistration, ttl_s: int) -> None:
+    def __init__(self, client: aetcd.Client, key: bytes, value: bytes, ttl_s: int) -> None:
         self._client = client
-        self._registration = registration
+        self.key = key
+        self._value = value
         self._ttl_s = ttl_s
         self._lease: aetcd.Lease | None = None
         self._task: asyncio.Task[None] | None = None
 
-    @property
-    def key(self) -> bytes:
-        return WORKERS_PREFIX + self._registration.worker_id.encode()
+    @classmethod
+    def worker(
+        cls, client: aetcd.Client, registration: WorkerRegistration, ttl_s: int
+    ) -> LeasedKey:
+        key = WORKERS_PREFIX + registration.worker_id.encode()
+        return cls(client, key, registration.model_dump_json().encode(), ttl_s)
+
+    @classmethod
+    def planner(cls, client: aetcd.Client, instance_id: str, ttl_s: int) -> LeasedKey:
+        """A planner replica that is consuming requests (operators, readiness checks)."""
+        return cls(client, PLANNERS_PREFIX + instance_id.encode(), str(os.getpid()).encode(), ttl_s)
 
     async def start(self) -> None:
         self._lease = await self._client.lease(self._ttl_s)
-        await self._client.put(
-            self.key, self._registration.model_dump_json().encode(), lease=self._lease
-        )
+        await self._client.put(self.key, self._value, lease=self._lease)
         self._task = asyncio.create_task(self._keep_alive(), name="etcd-keepalive")
 
     async def _keep_alive(self) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from bus.registry import WORKERS_PREFIX, connect_etcd
+from bus.registry import PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
 from infra.embedded import EmbeddedServer, start_etcd, start_nats
 
 _PR_SET_PDEATHSIG = 1
@@ -146,12 +146,17 @@ class LocalCluster:
         return next(s for s in self.services if s.name == name)
 
     def wait_ready(self, timeout: float) -> None:
-        """Ready when the API answers and every worker holds a lease in etcd."""
+        """Ready when the API answers, every worker holds a lease in etcd and every planner
+        replica consumes requests."""
         deadline = time.monotonic() + timeout
-        expected = self.config.workers + self.config.prefill_workers
+        workers = self.config.workers + self.config.prefill_workers
         while time.monotonic() < deadline:
             self._check_alive()
-            if self._api_up() and self.registered_workers() >= expected:
+            if (
+                self._api_up()
+                and self._count_keys(WORKERS_PREFIX) >= workers
+                and self._count_keys(PLANNERS_PREFIX) >= self.config.planners
+            ):
                 return
             time.sleep(0.2)
         raise TimeoutError(f"cluster not ready within {timeout:.0f}s; logs in {self.logs}")
@@ -172,11 +177,11 @@ class LocalCluster:
         except httpx.HTTPError:
             return False
 
-    def registered_workers(self) -> int:
+    def _count_keys(self, prefix: bytes) -> int:
         async def count() -> int:
             client = connect_etcd(self.etcd_endpoints)
             try:
-                return len(list(await client.get_prefix(WORKERS_PREFIX, keys_only=True)))
+                return len(list(await client.get_prefix(prefix, keys_only=True)))
             finally:
                 await client.close()
 

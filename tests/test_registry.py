@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from bus.registry import WorkerLease, connect_etcd, watch_workers
+from bus.registry import LeasedKey, connect_etcd, watch_workers
 from infra.embedded import EmbeddedServer
 from schemas.messages import WorkerRegistration
 
@@ -32,7 +32,7 @@ async def test_watch_sees_registration_and_lease_expiry(etcd_server: EmbeddedSer
     watcher_client = connect_etcd(etcd_server.url)
     worker_client = connect_etcd(etcd_server.url)
     watcher = asyncio.create_task(watch_workers(watcher_client, on_change))
-    lease = WorkerLease(worker_client, registration("leased"), ttl_s=1)
+    lease = LeasedKey.worker(worker_client, registration("leased"), ttl_s=1)
     await lease.start()
     deadline = time.monotonic() + 5
     while "leased" not in (views[-1] if views else set()) and time.monotonic() < deadline:
@@ -53,7 +53,7 @@ async def test_watch_sees_registration_and_lease_expiry(etcd_server: EmbeddedSer
 
 async def test_stopping_a_lease_removes_the_worker_at_once(etcd_server: EmbeddedServer) -> None:
     client = connect_etcd(etcd_server.url)
-    lease = WorkerLease(client, registration("graceful"), ttl_s=10)
+    lease = LeasedKey.worker(client, registration("graceful"), ttl_s=10)
     await lease.start()
     assert (await client.get(lease.key)) is not None
     await lease.stop()

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from bus.client import Bus
-from bus.registry import WorkerLease, connect_etcd
+from bus.registry import LeasedKey, connect_etcd
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
 from observability.tracing import setup_tracing
@@ -77,7 +77,7 @@ def worker_main(default_role: Role) -> None:
                 kv_events=settings.kv_events,
             ),
         )
-        lease = WorkerLease(etcd, worker.registration(), settings.lease_ttl_s)
+        lease = LeasedKey.worker(etcd, worker.registration(), settings.lease_ttl_s)
         try:
             await worker.run(lease, stop)
         finally:

@@ -16,7 +16,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from bus.client import Bus
-from bus.registry import WorkerLease
+from bus.registry import LeasedKey
 from bus.topology import Subjects, worker_routes
 from observability.tracing import context_of, trace_context
 from schemas.events import (
@@ -105,7 +105,7 @@ class Worker:
             pid=os.getpid(),
         )
 
-    async def run(self, lease: WorkerLease, stop: asyncio.Event) -> None:
+    async def run(self, lease: LeasedKey, stop: asyncio.Event) -> None:
         await lease.start()
         await self._bus.subscribe(Subjects.cancellation_requested, self._on_cancel)
         await self._bus.consume(worker_routes(self._opt.worker_id), self._on_route)

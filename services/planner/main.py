@@ -8,7 +8,7 @@ import contextlib
 from pydantic import Field
 
 from bus.client import Bus
-from bus.registry import SessionStore, connect_etcd, watch_workers
+from bus.registry import LeasedKey, SessionStore, connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
 from bus.topology import PLANNER_INTAKE, Subjects
@@ -67,7 +67,10 @@ def main() -> None:
         await bus.subscribe(Subjects.all_request_terminals, planner.on_terminal)
         await bus.subscribe(Subjects.all_load, planner.on_load)
         await bus.consume(PLANNER_INTAKE, planner.on_request)
+        presence = LeasedKey.planner(etcd, settings.instance_id, ttl_s=5)
+        await presence.start()
         await stop.wait()
+        await presence.stop()
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
