@@ -37,6 +37,7 @@ class WorkerSettings(ServiceSettings):
     kv_events: bool = True
     lease_ttl_s: int = Field(default=5, ge=1, le=10)
     load_report_interval_s: float = 0.5
+    busy_report_interval_s: float = 0.05
     drain_timeout_s: float = 5.0
 
 
@@ -73,6 +74,7 @@ def worker_main(default_role: Role) -> None:
                 speedup=settings.speedup,
                 lease_ttl_s=settings.lease_ttl_s,
                 load_report_interval_s=settings.load_report_interval_s,
+                busy_report_interval_s=settings.busy_report_interval_s,
                 drain_timeout_s=settings.drain_timeout_s,
                 kv_events=settings.kv_events,
             ),

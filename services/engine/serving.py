@@ -61,6 +61,9 @@ class WorkerOptions:
     load_report_interval_s: float
     drain_timeout_s: float
     kv_events: bool = True
+    # While busy, a report at most this often (seconds): the planner's queue estimates are only
+    # as fresh as the last report.
+    busy_report_interval_s: float = 0.05
 
 
 @dataclass
@@ -89,6 +92,7 @@ class Worker:
         self._wake = asyncio.Event()
         self._kv_seq = 0
         self._busy_s = 0.0
+        self._reported_at = 0.0
         self._background: set[asyncio.Task[None]] = set()
         self._tracer = trace.get_tracer("laneway.worker")
 
@@ -190,6 +194,8 @@ class Worker:
                 await self._on_output(output)
             if result.kv_changes and self._opt.kv_events:
                 await self._publish_kv(result.kv_changes)
+            if loop.time() - self._reported_at >= self._opt.busy_report_interval_s:
+                await self._report_load()
 
     async def _on_output(self, output: RequestOutput) -> None:
         state = self._active.get(output.request_id)
@@ -304,6 +310,7 @@ class Worker:
             await asyncio.sleep(self._opt.load_report_interval_s)
 
     async def _report_load(self) -> None:
+        self._reported_at = asyncio.get_running_loop().time()
         load = self._engine.load()
         await self._bus.publish(
             Subjects.load(self._opt.worker_id),
