@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
@@ -29,11 +30,39 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         choices=POLICY_NAMES,
         help="routing policy of the planner",
     )
+    up.add_argument("--engine", choices=["sim", "torch"], default="sim", help="worker engine")
+    up.add_argument("--model", type=Path, help="torch engine: a Hugging Face layout model folder")
     up.add_argument("--timing", default="dynamo-mocker", help="sim engine timing preset")
     up.add_argument("--speedup", type=float, default=1.0, help="sim engine speed-up factor")
     up.add_argument("--state-dir", type=Path, default=Path(".state"), help="data and logs")
     up.add_argument("--trace-exporter", default="none", help="none | console | otlp | file:PATH")
     up.set_defaults(func=_up)
+
+
+def _engine_env(engine: str, model: Path | None) -> dict[str, str]:
+    if engine == "sim":
+        return {}
+    if model is None or not (model / "config.json").exists():
+        raise SystemExit(f"laneway up: --engine {engine} needs --model DIR with a config.json")
+    name = model.resolve().name
+    return {
+        "LANEWAY_ENGINE": engine,
+        "LANEWAY_MODEL_DIR": str(model.resolve()),
+        "LANEWAY_MODEL": name,
+        "LANEWAY_SERVED_MODEL_NAMES": json.dumps([name]),
+        # A small CPU model: a modest cache and batch suit it.
+        "LANEWAY_NUM_GPU_BLOCKS": "1024",
+        "LANEWAY_MAX_NUM_SEQS": "32",
+        "LANEWAY_MAX_NUM_BATCHED_TOKENS": "2048",
+    }
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from services.engine.torch_engine.tiny import make_tiny_model
+
+    make_tiny_model(args.dir, seed=args.seed)
+    print(f"wrote a tiny Llama checkpoint and tokenizer to {args.dir}")
+    return 0
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -53,6 +82,7 @@ def _up(args: argparse.Namespace) -> int:
                 "LANEWAY_TIMING": args.timing,
                 "LANEWAY_SPEEDUP": str(args.speedup),
                 "LANEWAY_TRACE_EXPORTER": args.trace_exporter,
+                **_engine_env(args.engine, args.model),
             },
         )
     )
@@ -77,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="laneway", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_up(sub)
+    tiny = sub.add_parser("make-tiny-model", help="write a small seeded model and tokenizer")
+    tiny.add_argument("dir", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_make_tiny_model)
     bench.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -17,14 +18,19 @@ from schemas.events import Role, new_id
 from services.engine.protocol import Engine
 from services.engine.serving import Worker, WorkerOptions
 from services.engine.sim import SimConfig, SimEngine, timing_preset
-from services.engine.tokenizer import ByteTokenizer
+from services.engine.tokenizer import ByteTokenizer, Tokenizer
 
 
 class WorkerSettings(ServiceSettings):
     worker_id: str = Field(default_factory=new_id)
     role: Role = "both"
-    engine: Literal["sim"] = "sim"
+    # sim: simulated timing, real KV accounting. torch: a real model from `model_dir`.
+    engine: Literal["sim", "torch"] = "sim"
     model: str = "laneway-sim"
+    # A Hugging Face layout folder (config.json, *.safetensors, tokenizer.json): torch engine.
+    model_dir: Path | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
     block_size: int = 16
     num_gpu_blocks: int = 16384
     max_num_seqs: int = 256
@@ -41,14 +47,34 @@ class WorkerSettings(ServiceSettings):
     drain_timeout_s: float = 5.0
 
 
-def build_engine(settings: WorkerSettings) -> Engine:
+def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
+    if settings.engine == "torch":
+        if settings.model_dir is None:
+            raise ValueError("the torch engine needs LANEWAY_MODEL_DIR (a model folder)")
+        # Imported only here: sim workers start without loading torch.
+        from services.engine.torch_engine.config import TorchEngineConfig
+        from services.engine.torch_engine.engine import TorchEngine
+        from services.engine.torch_engine.tokenizer import HfTokenizer
+
+        engine = TorchEngine(
+            settings.model_dir,
+            TorchEngineConfig(
+                block_size=settings.block_size,
+                num_gpu_blocks=settings.num_gpu_blocks,
+                max_num_seqs=settings.max_num_seqs,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                device=settings.device,
+                dtype=settings.dtype,
+            ),
+        )
+        return engine, HfTokenizer(settings.model_dir)
     config = SimConfig(
         block_size=settings.block_size,
         num_gpu_blocks=settings.num_gpu_blocks,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
     )
-    return SimEngine(config, timing_preset(settings.timing))
+    return SimEngine(config, timing_preset(settings.timing)), ByteTokenizer()
 
 
 def worker_main(default_role: Role) -> None:
@@ -62,10 +88,11 @@ def worker_main(default_role: Role) -> None:
         bus = await Bus.connect(settings.nats_url, f"worker-{settings.worker_id}")
         await bus.ensure_streams()
         etcd = connect_etcd(settings.etcd_endpoints)
+        engine, tokenizer = build_engine(settings)
         worker = Worker(
             bus,
-            build_engine(settings),
-            ByteTokenizer(),
+            engine,
+            tokenizer,
             WorkerOptions(
                 worker_id=settings.worker_id,
                 role=settings.role,
@@ -77,6 +104,7 @@ def worker_main(default_role: Role) -> None:
                 busy_report_interval_s=settings.busy_report_interval_s,
                 drain_timeout_s=settings.drain_timeout_s,
                 kv_events=settings.kv_events,
+                step_thread=settings.engine != "sim",
             ),
         )
         lease = LeasedKey.worker(etcd, worker.registration(), settings.lease_ttl_s)

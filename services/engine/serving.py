@@ -10,6 +10,8 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -23,6 +25,7 @@ from schemas.events import (
     CancellationRequested,
     Envelope,
     Event,
+    FailureCode,
     RequestCancelled,
     RequestFailed,
     RequestFinished,
@@ -40,6 +43,7 @@ from services.engine.protocol import (
     EngineRequest,
     KvChange,
     RequestOutput,
+    StepResult,
 )
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -61,6 +65,8 @@ class WorkerOptions:
     load_report_interval_s: float
     drain_timeout_s: float
     kv_events: bool = True
+    # Run engine steps on a thread of their own (engines that compute for real).
+    step_thread: bool = False
     # While busy, a report at most this often (seconds): the planner's queue estimates are only
     # as fresh as the last report.
     busy_report_interval_s: float = 0.05
@@ -92,6 +98,12 @@ class Worker:
         self._wake = asyncio.Event()
         self._kv_seq = 0
         self._busy_s = 0.0
+        self._ops: list[Callable[[], object]] = []
+        # Requests the engine would not take, to fail from the event loop.
+        self._refused: list[tuple[str, str]] = []
+        self._step_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="engine") if options.step_thread else None
+        )
         self._reported_at = 0.0
         self._background: set[asyncio.Task[None]] = set()
         self._tracer = trace.get_tracer("laneway.worker")
@@ -155,18 +167,18 @@ class Worker:
         block_hashes = (
             event.spec.block_hashes if event.spec.block_size == self._engine.block_size else ()
         )
-        self._engine.add_request(
-            EngineRequest(
-                request_id, event.spec.prompt_token_ids, event.spec.sampling, block_hashes
-            )
+        request = EngineRequest(
+            request_id, event.spec.prompt_token_ids, event.spec.sampling, block_hashes
         )
+        self._engine_op(lambda: self._admit(request))
+        await self._fail_refused()
         self._wake.set()
 
     async def _on_cancel(self, event: Event) -> None:
         if not isinstance(event, CancellationRequested) or event.request_id is None:
             return
         if event.request_id in self._active:
-            self._engine.abort(event.request_id)
+            self._abort(event.request_id)
             await self._cancelled(event.request_id, event.reason)
             return
         now = time.monotonic()
@@ -177,19 +189,52 @@ class Worker:
 
     # -- the engine, in real time ----------------------------------------------------------
 
+    def _engine_op(self, op: Callable[[], object]) -> None:
+        """Change the engine's request set. An engine whose steps run on the step thread is only
+        ever touched from that thread: the change waits there for the next step."""
+        if self._step_thread is None:
+            op()
+        else:
+            self._ops.append(op)
+
+    def _admit(self, request: EngineRequest) -> None:
+        try:
+            self._engine.add_request(request)
+        except ValueError as err:  # e.g. larger than the whole KV cache: it can never run here
+            self._refused.append((request.request_id, str(err)))
+
+    async def _fail_refused(self) -> None:
+        refused, self._refused = self._refused, []
+        for request_id, message in refused:
+            await self._fail(request_id, message, "invalid_request")
+
+    def _abort(self, request_id: str) -> None:
+        self._engine_op(lambda: self._engine.abort(request_id))
+
+    def _step(self) -> StepResult:
+        ops, self._ops = self._ops, []
+        for op in ops:
+            op()
+        return self._engine.step()
+
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self._engine.has_work():
+            if not (self._ops or self._engine.has_work()):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             started = loop.time()
-            result = self._engine.step()
+            if self._step_thread is None:
+                result = self._step()
+            else:
+                # Real compute: off the event loop, so that the bus keeps flowing meanwhile.
+                result = await loop.run_in_executor(self._step_thread, self._step)
             remaining = result.duration_s / self._opt.speedup - (loop.time() - started)
             # Sleeping (even zero) also lets the bus deliver new routes between steps.
             await asyncio.sleep(max(0.0, remaining))
             self._busy_s += loop.time() - started
+            await self._fail_refused()
             for output in result.outputs:
                 await self._on_output(output)
             if result.kv_changes and self._opt.kv_events:
@@ -226,7 +271,7 @@ class Worker:
         if not finished:
             return
         if not output.finished:  # a stop string ended it before the engine did
-            self._engine.abort(output.request_id)
+            self._abort(output.request_id)
         reason = "stop" if state.detok.stopped else (output.finish_reason or "length")
         now = time.monotonic()
         del self._active[output.request_id]
@@ -277,8 +322,10 @@ class Worker:
             ),
         )
 
-    async def _fail(self, request_id: str, message: str) -> None:
-        self._engine.abort(request_id)
+    async def _fail(
+        self, request_id: str, message: str, code: FailureCode = "engine_error"
+    ) -> None:
+        self._abort(request_id)
         state = self._active.pop(request_id)
         state.span.set_attribute("laneway.failed", message)
         state.span.end()
@@ -289,7 +336,7 @@ class Worker:
                 request_id=request_id,
                 session_id=state.session_id,
                 trace=trace_context(state.span),
-                code="engine_error",
+                code=code,
                 message=message,
                 worker_id=self._opt.worker_id,
             ),

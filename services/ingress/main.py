@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
 from pydantic import Field
@@ -14,7 +15,7 @@ from bus.runtime import run_service
 from bus.settings import ServiceSettings
 from observability.tracing import setup_tracing
 from schemas.events import new_id
-from services.engine.tokenizer import ByteTokenizer
+from services.engine.tokenizer import ByteTokenizer, Tokenizer
 from services.ingress.api import IngressApiSettings, create_app
 from services.ingress.nats_gateway import NatsGateway
 
@@ -24,6 +25,8 @@ class IngressSettings(ServiceSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_names: tuple[str, ...] = ("laneway-sim",)
+    # The served model's folder, for its tokenizer and chat template; unset: the sim's bytes.
+    model_dir: Path | None = None
     block_size: int = 16
     max_model_len: int = 32768
     default_max_tokens: int = 256
@@ -37,6 +40,14 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _tokenizer(model_dir: Path | None) -> Tokenizer:
+    if model_dir is None:
+        return ByteTokenizer()
+    from services.engine.torch_engine.tokenizer import HfTokenizer
+
+    return HfTokenizer(model_dir)
+
+
 def main() -> None:
     settings = IngressSettings()
 
@@ -48,7 +59,7 @@ def main() -> None:
         await gateway.start()
         app = create_app(
             gateway,
-            ByteTokenizer(),
+            _tokenizer(settings.model_dir),
             IngressApiSettings(
                 instance_id=settings.instance_id,
                 served_model_names=settings.served_model_names,
