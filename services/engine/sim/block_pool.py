@@ -74,14 +74,19 @@ class BlockPool:
         from_empty = min(n, self._empty)
         self._empty -= from_empty
         if n > from_empty:
-            refs, idle = self._refs, self._idle
-            evicted = []
-            for _ in range(n - from_empty):
-                h, _ = idle.popitem(last=False)
-                del refs[h]
-                evicted.append(h)
-            self._changes.append(BlocksRemoved(tuple(evicted)))
+            self._changes.append(BlocksRemoved(tuple(self._evict(n - from_empty))))
         return True
+
+    def _evict(self, n: int) -> list[int]:
+        """Uncache the ``n`` idle blocks released longest ago and return their hashes; a hook for
+        a pool that also tracks where each block's contents live."""
+        refs, idle = self._refs, self._idle
+        evicted = []
+        for _ in range(n):
+            h, _ = idle.popitem(last=False)
+            del refs[h]
+            evicted.append(h)
+        return evicted
 
     def cache(self, parent: int | None, hashes: Sequence[int]) -> list[bool]:
         """Offer a request's just-computed private blocks to the cache: ``hashes`` are consecutive

@@ -1,0 +1,114 @@
+"""Physical block ids on top of the simulator's block accounting.
+
+``sim``'s pool and manager decide everything (hits, allocation, eviction, caching, freeing), so the
+torch engine schedules exactly like ``sim``; the subclasses here only follow those decisions to say
+which block of the KV cache tensors each block of each request is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.engine.sim.block_pool import BlockPool
+from services.engine.sim.kv_manager import KvCacheManager
+from services.engine.sim.request import SimRequest
+
+
+class PagedBlockPool(BlockPool):
+    """``BlockPool`` that also knows which ids are empty and which id each cached hash has."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        # The empty blocks' ids, plus, between an ``allocate`` and the ``claim`` that follows it,
+        # the ids that allocation took. Reversed so that low ids go first.
+        self._free_ids = list(range(num_blocks - 1, -1, -1))
+        # Where each cached hash's block lives.
+        self._ids: dict[int, int] = {}
+
+    def block_id(self, block_hash: int) -> int:
+        return self._ids[block_hash]
+
+    def claim(self, n: int) -> list[int]:
+        """Ids of the ``n`` blocks the last ``allocate`` took."""
+        ids = self._free_ids
+        claimed = ids[len(ids) - n :]
+        del ids[len(ids) - n :]
+        return claimed
+
+    def register(self, block_hash: int, block_id: int) -> None:
+        """``block_id`` became the cached block of ``block_hash``."""
+        self._ids[block_hash] = block_id
+
+    def release_ids(self, block_ids: Sequence[int]) -> None:
+        """Private blocks given back, whose contents nobody will read again."""
+        self._free_ids.extend(block_ids)
+
+    def _evict(self, n: int) -> list[int]:
+        evicted = super()._evict(n)
+        ids = self._ids
+        self._free_ids.extend(ids.pop(h) for h in evicted)
+        return evicted
+
+    def adopt(self, hashes: Sequence[int]) -> tuple[int, list[int]]:
+        """Cache blocks whose contents come from elsewhere: ``hashes`` is a chain from the root.
+        Blocks already cached are kept; after them, blocks up to the next cached one or until the
+        pool is full are allocated and cached (idle, so evictable). Returns the index in
+        ``hashes`` of the first new block and the new blocks' ids, for the caller to fill."""
+        hits, _ = self.count_hits(hashes, len(hashes))
+        # Held while allocating so the allocation cannot evict the prefix the new blocks extend.
+        held = list(hashes[:hits])
+        self.take_cached(held)
+        end = hits
+        free = self.num_free
+        while end < len(hashes) and end - hits < free and hashes[end] not in self._ids:
+            end += 1
+        new = list(hashes[hits:end])
+        self.allocate(len(new))
+        ids = self.claim(len(new))
+        self.cache(held[-1] if held else None, new)
+        for h, block_id in zip(new, ids, strict=True):
+            self._ids[h] = block_id
+        self.release([*held, *new])
+        return hits, ids
+
+
+class PagedKvManager(KvCacheManager):
+    """``KvCacheManager`` that keeps each running request's block ids beside its block table."""
+
+    def __init__(self, pool: PagedBlockPool, block_size: int) -> None:
+        super().__init__(pool, block_size)
+        self._paged = pool
+        self._ids: dict[SimRequest, list[int]] = {}
+
+    def block_ids(self, req: SimRequest) -> list[int]:
+        return self._ids[req]
+
+    def admit(self, req: SimRequest, hits: int, idle_hits: int, num_new: int) -> bool:
+        if not super().admit(req, hits, idle_hits, num_new):
+            return False
+        pool = self._paged
+        shared = [pool.block_id(h) for h in req.hashes[:hits]]
+        self._ids[req] = shared + pool.claim(len(req.blocks) - hits)
+        return True
+
+    def grow(self, req: SimRequest, num_new: int) -> bool:
+        before = len(req.blocks)
+        if not super().grow(req, num_new):
+            return False
+        if len(req.blocks) > before:
+            self._ids[req].extend(self._paged.claim(len(req.blocks) - before))
+        return True
+
+    def cache_computed(self, req: SimRequest) -> None:
+        first = req.num_offered
+        super().cache_computed(req)
+        ids = self._ids[req]
+        for k in range(first, req.num_offered):
+            block_hash = req.blocks[k]
+            if block_hash is not None:
+                self._paged.register(block_hash, ids[k])
+
+    def free(self, req: SimRequest) -> None:
+        ids = self._ids.pop(req)
+        self._paged.release_ids([i for ref, i in zip(req.blocks, ids, strict=True) if ref is None])
+        super().free(req)
