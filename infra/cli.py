@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+from infra.bench import engine_bench
 from infra.bench import run as bench
 from infra.cluster import ClusterConfig, LocalCluster
 from services.planner.registry import POLICY_NAMES
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="laneway", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_up(sub)
+    engine_bench.add_parser(sub)
     tiny = sub.add_parser("make-tiny-model", help="write a small seeded model and tokenizer")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
