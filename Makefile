@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help run test lint typecheck check clean
+.PHONY: help run test lint typecheck check gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -33,6 +33,10 @@ typecheck: $(STAMP) ## mypy
 	$(BIN)/mypy schemas bus services infra observability
 
 check: lint typecheck test ## everything CI cares about
+
+gpu-check: $(STAMP) ## on a machine with a GPU: torch engine on CUDA (and TensorRT-LLM if installed)
+	$(BIN)/pytest -q -m gpu -p no:cacheprovider
+	$(BIN)/python scripts/gpu_check.py
 
 clean: ## remove the virtualenv and local state
 	rm -rf $(VENV) .state
