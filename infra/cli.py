@@ -31,7 +31,9 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         choices=POLICY_NAMES,
         help="routing policy of the planner",
     )
-    up.add_argument("--engine", choices=["sim", "torch"], default="sim", help="worker engine")
+    up.add_argument(
+        "--engine", choices=["sim", "torch", "trtllm"], default="sim", help="worker engine"
+    )
     up.add_argument("--model", type=Path, help="torch engine: a Hugging Face layout model folder")
     up.add_argument("--timing", default="dynamo-mocker", help="sim engine timing preset")
     up.add_argument("--speedup", type=float, default=1.0, help="sim engine speed-up factor")

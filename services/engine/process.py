@@ -25,7 +25,7 @@ class WorkerSettings(ServiceSettings):
     worker_id: str = Field(default_factory=new_id)
     role: Role = "both"
     # sim: simulated timing, real KV accounting. torch: a real model from `model_dir`.
-    engine: Literal["sim", "torch"] = "sim"
+    engine: Literal["sim", "torch", "trtllm"] = "sim"
     model: str = "laneway-sim"
     # A Hugging Face layout folder (config.json, *.safetensors, tokenizer.json): torch engine.
     model_dir: Path | None = None
@@ -48,9 +48,23 @@ class WorkerSettings(ServiceSettings):
 
 
 def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
+    if settings.engine != "sim" and settings.model_dir is None:
+        raise ValueError(f"the {settings.engine} engine needs LANEWAY_MODEL_DIR (a model folder)")
+    if settings.engine == "trtllm":
+        assert settings.model_dir is not None
+        from services.engine.torch_engine.tokenizer import HfTokenizer
+        from services.engine.trtllm_engine import TrtllmEngine, TrtllmEngineConfig
+
+        trtllm = TrtllmEngine(
+            TrtllmEngineConfig(
+                settings.model_dir,
+                max_num_seqs=settings.max_num_seqs,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+            )
+        )
+        return trtllm, HfTokenizer(settings.model_dir)
     if settings.engine == "torch":
-        if settings.model_dir is None:
-            raise ValueError("the torch engine needs LANEWAY_MODEL_DIR (a model folder)")
+        assert settings.model_dir is not None
         # Imported only here: sim workers start without loading torch.
         from services.engine.torch_engine.config import TorchEngineConfig
         from services.engine.torch_engine.engine import TorchEngine
@@ -103,7 +117,7 @@ def worker_main(default_role: Role) -> None:
                 load_report_interval_s=settings.load_report_interval_s,
                 busy_report_interval_s=settings.busy_report_interval_s,
                 drain_timeout_s=settings.drain_timeout_s,
-                kv_events=settings.kv_events,
+                kv_events=settings.kv_events and getattr(engine, "publishes_kv_events", True),
                 step_thread=settings.engine != "sim",
             ),
         )

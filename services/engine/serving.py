@@ -203,6 +203,15 @@ class Worker:
         except ValueError as err:  # e.g. larger than the whole KV cache: it can never run here
             self._refused.append((request.request_id, str(err)))
 
+    async def _engine_failed(self, err: Exception) -> None:
+        # An engine may say which request failed (a `request_id` on the error); otherwise every
+        # request it held is lost with the step.
+        log.exception("engine step failed")
+        failed = getattr(err, "request_id", None)
+        victims = [failed] if failed in self._active else list(self._active)
+        for request_id in victims:
+            await self._fail(request_id, f"engine error: {err}")
+
     async def _fail_refused(self) -> None:
         refused, self._refused = self._refused, []
         for request_id, message in refused:
@@ -225,11 +234,15 @@ class Worker:
                 await self._wake.wait()
                 continue
             started = loop.time()
-            if self._step_thread is None:
-                result = self._step()
-            else:
-                # Real compute: off the event loop, so that the bus keeps flowing meanwhile.
-                result = await loop.run_in_executor(self._step_thread, self._step)
+            try:
+                if self._step_thread is None:
+                    result = self._step()
+                else:
+                    # Real compute: off the event loop, so that the bus keeps flowing meanwhile.
+                    result = await loop.run_in_executor(self._step_thread, self._step)
+            except Exception as err:  # the engine failed: end what it held, keep serving
+                await self._engine_failed(err)
+                continue
             remaining = result.duration_s / self._opt.speedup - (loop.time() - started)
             # Sleeping (even zero) also lets the bus deliver new routes between steps.
             await asyncio.sleep(max(0.0, remaining))
