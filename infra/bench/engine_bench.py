@@ -88,11 +88,11 @@ def _hf_generate(model: Any, prompts: list[list[int]], output_tokens: int) -> fl
 
 
 def main(args: argparse.Namespace) -> int:
-    # Heavy imports here, not at the top: every `laneway` command imports this module.
-    import torch
+    # Imported here, not at the top: every `laneway` command imports this module.
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).eval()
+    hf: Any = AutoModelForCausalLM.from_pretrained(args.model)
+    hf.eval()
     vocab = int(hf.config.vocab_size)
     engine = _engine(args.model)
     _run(engine, [_prompt(0, args.prompt_tokens, vocab)], 4, "warmup")
