@@ -44,6 +44,8 @@ class WorkerSettings(ServiceSettings):
     lease_ttl_s: int = Field(default=5, ge=1, le=10)
     load_report_interval_s: float = 0.5
     busy_report_interval_s: float = 0.05
+    # Tokens of a request may be coalesced for this long before they are published (seconds).
+    stream_interval_s: float = 0.02
     drain_timeout_s: float = 5.0
 
 
@@ -119,6 +121,7 @@ def worker_main(default_role: Role) -> None:
                 drain_timeout_s=settings.drain_timeout_s,
                 kv_events=settings.kv_events and getattr(engine, "publishes_kv_events", True),
                 step_thread=settings.engine != "sim",
+                stream_interval_s=settings.stream_interval_s,
             ),
         )
         lease = LeasedKey.worker(etcd, worker.registration(), settings.lease_ttl_s)

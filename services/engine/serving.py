@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
@@ -67,6 +67,8 @@ class WorkerOptions:
     kv_events: bool = True
     # Run engine steps on a thread of their own (engines that compute for real).
     step_thread: bool = False
+    # Seconds a request's tokens may be held back to go out together (0: every step).
+    stream_interval_s: float = 0.02
     # While busy, a report at most this often (seconds): the planner's queue estimates are only
     # as fresh as the last report.
     busy_report_interval_s: float = 0.05
@@ -80,7 +82,11 @@ class _Active:
     span: Span
     received: float
     first_token: float | None = None
+    # Tokens published so far, and those generated but not yet published.
     emitted: int = 0
+    pending_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+    flushed_at: float = 0.0
     cached_tokens: int = 0
 
 
@@ -262,31 +268,24 @@ class Worker:
         if state.first_token is None:
             state.first_token = time.monotonic()
             state.cached_tokens = output.cached_tokens or 0
-        text = state.detok.push(output.new_token_ids)
+        state.pending_ids += output.new_token_ids
+        state.pending_text += state.detok.push(output.new_token_ids)
         finished = output.finished or state.detok.stopped
         if finished and not state.detok.stopped:
-            text += state.detok.flush()
-        if output.new_token_ids:
-            await self._bus.publish(
-                Subjects.tokens(state.spec.reply_to),
-                TokensGenerated(
-                    source=self._source,
-                    request_id=output.request_id,
-                    session_id=state.session_id,
-                    worker_id=self._opt.worker_id,
-                    index=state.emitted,
-                    token_ids=output.new_token_ids,
-                    text=text,
-                ),
-                durable=False,
-            )
-            state.emitted += len(output.new_token_ids)
+            state.pending_text += state.detok.flush()
+        now = time.monotonic()
+        # The first token goes out at once (it is the TTFT), the last with the end; between,
+        # tokens are coalesced for `stream_interval_s` so that a long answer is not one message
+        # per step per request.
+        if state.pending_ids and (
+            finished or state.emitted == 0 or now - state.flushed_at >= self._opt.stream_interval_s
+        ):
+            await self._flush_tokens(output.request_id, state, now)
         if not finished:
             return
         if not output.finished:  # a stop string ended it before the engine did
             self._abort(output.request_id)
         reason = "stop" if state.detok.stopped else (output.finish_reason or "length")
-        now = time.monotonic()
         del self._active[output.request_id]
         finished_event = RequestFinished(
             source=self._source,
@@ -308,6 +307,23 @@ class Worker:
         self._publish_terminal(state, finished_event)
 
     # -- outputs ---------------------------------------------------------------------------
+
+    async def _flush_tokens(self, request_id: str, state: _Active, now: float) -> None:
+        await self._bus.publish(
+            Subjects.tokens(state.spec.reply_to),
+            TokensGenerated(
+                source=self._source,
+                request_id=request_id,
+                session_id=state.session_id,
+                worker_id=self._opt.worker_id,
+                index=state.emitted,
+                token_ids=tuple(state.pending_ids),
+                text=state.pending_text,
+            ),
+            durable=False,
+        )
+        state.emitted += len(state.pending_ids)
+        state.pending_ids, state.pending_text, state.flushed_at = [], "", now
 
     def _publish_terminal(self, state: _Active, event: Envelope) -> None:
         # Awaiting JetStream's ack here would stall every other request's next step; the
