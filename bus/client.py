@@ -91,8 +91,6 @@ class Bus:
         self,
         consumer: Consumer,
         handler: EventHandler,
-        *,
-        deliver_new_only: bool = False,
     ) -> None:
         """Durable consumer with explicit ack: a message is acked only after its handler
         returned, re-delivered if the handler failed. Handlers must therefore be idempotent."""
@@ -102,7 +100,7 @@ class Bus:
             ack_wait=consumer.ack_wait_s,
             filter_subject=consumer.filter_subject,
             inactive_threshold=consumer.inactive_threshold_s,
-            deliver_policy=DeliverPolicy.NEW if deliver_new_only else DeliverPolicy.ALL,
+            deliver_policy=DeliverPolicy.ALL,
             max_ack_pending=4096,
         )
 

@@ -92,10 +92,6 @@ def setup_tracing(service: str, instance: str, exporter: str) -> TracerProvider:
     return provider
 
 
-def tracer(name: str) -> trace.Tracer:
-    return trace.get_tracer(name)
-
-
 def trace_context(span: Span | None = None) -> TraceContext | None:
     """The context of ``span`` (default: the active span), for the envelope of events it causes."""
     carrier: dict[str, str] = {}
