@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.engine.torch_engine.model import LlamaConfig, causal_attention, load_model
+from services.engine.torch_engine.model import Linear, LlamaConfig, causal_attention, load_model
 
 from .tiny_checkpoint import TINY_CONFIG, write_tiny_checkpoint
 
@@ -117,3 +117,15 @@ def test_forward_full_is_causal(tiny_model_dir: Path) -> None:
     full = model.forward_full(tokens)
     prefix = model.forward_full(tokens[:4])
     torch.testing.assert_close(full[:4], prefix, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch._C._has_mkldnn, reason="needs oneDNN")
+def test_packed_linears_match_plain_ones(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir, CPU, torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    tokens = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2))
+    packed = model.forward_full(tokens)
+    for m in linears:
+        m.packed = None
+    torch.testing.assert_close(model.forward_full(tokens), packed, atol=1e-4, rtol=0)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -37,14 +38,17 @@ async def test_torch_engine_serves_chat_through_every_service(
     client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
     models = await client.models.list()
     assert [m.id for m in models.data] == ["tiny-llama"]
-    messages = [{"role": "user", "content": "Tell me about the river."}]
+    messages: Any = [{"role": "user", "content": "Tell me about the river."}]
     whole = await client.chat.completions.create(
-        model="tiny-llama", messages=messages, max_tokens=12, temperature=0  # type: ignore[arg-type]
+        model="tiny-llama",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
     )
     assert whole.usage is not None and whole.usage.completion_tokens >= 1
     stream = await client.chat.completions.create(
         model="tiny-llama",
-        messages=messages,  # type: ignore[arg-type]
+        messages=messages,
         max_tokens=12,
         temperature=0,
         stream=True,

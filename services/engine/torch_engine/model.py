@@ -132,15 +132,19 @@ def rope_inv_freq(config: LlamaConfig, device: torch.device) -> Tensor:
 def rope_cos_sin(
     config: LlamaConfig, positions: Tensor, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
+    """Cosines and sines [tokens, head_dim] for ``apply_rope``; the sines' first half is negated,
+    which is the sign rotate-half gives the dimensions it brings from the second half."""
     freqs = positions.float()[:, None] * rope_inv_freq(config, positions.device)[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    sin = angles.sin()
+    sin[:, : freqs.shape[1]].neg_()
+    return angles.cos().to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """``x`` is [tokens, heads, head_dim]; Llama rotates the two halves, not interleaved pairs."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    """``x`` is [tokens, heads, head_dim]; Llama rotates the two halves, not interleaved pairs.
+    Rolling by half swaps them; ``sin`` carries the sign."""
+    rotated = x.roll(x.shape[-1] // 2, dims=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
@@ -151,21 +155,28 @@ class Attention(Protocol):
         ...
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, past: int) -> Tensor:
+def causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, past: int, mask: Tensor | None = None
+) -> Tensor:
     """One sequence: ``q`` holds its tokens at positions ``past ..``; ``k`` and ``v`` its whole
-    context from position 0. Each query sees the keys up to its own position."""
-    n, heads, dim = q.shape
-    ctx, kv_heads, _ = k.shape
-    group = heads // kv_heads
-    # Query heads of one KV group become rows of one batch entry, so K/V are never repeated.
-    qg = q.view(n, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, dim)
-    mask = None
-    if n > 1:
-        key_pos = torch.arange(ctx, device=q.device)
-        query_pos = torch.arange(past, past + n, device=q.device)
-        mask = (key_pos[None, :] <= query_pos[:, None]).repeat(group, 1)
-    out = F.scaled_dot_product_attention(qg, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
-    return out.view(kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
+    context from position 0. Each query sees the keys up to its own position. ``mask`` is that
+    [queries, keys] rule, for callers that build it once for many calls."""
+    n = q.shape[0]
+    if past and n > 1 and mask is None:
+        key_pos = torch.arange(past + n, device=q.device)
+        mask = key_pos <= torch.arange(past, past + n, device=q.device)[:, None]
+    # 4-D, a batch of one: SDPA's fused CPU kernel takes only 4-D inputs, 3-D ones go to the
+    # math fallback, which materialises every score.
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        # Without a past, queries and keys are the same tokens: SDPA's own causal mask fits.
+        is_causal=not past,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
 
 
 def _full_causal(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -180,9 +191,29 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # In float32 whatever the weights' dtype, as HF does, so half-precision runs agree with it.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """A bias-free ``nn.Linear`` that, once packed, multiplies by a copy of its weight laid out
+    for oneDNN, as ``torch.compile`` does for CPU inference: at the engine's batch sizes that is
+    about a third faster than ``F.linear``, at the cost of holding the weight twice."""
+
+    packed: Tensor | None = None
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        out: Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return out
+
+    def pack(self) -> None:
+        """Packs a copy: call it once the weight is final and on the CPU."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
 
 
 class LlamaAttention(nn.Module):
@@ -190,10 +221,10 @@ class LlamaAttention(nn.Module):
         super().__init__()
         dim, heads = config.head_dim, config.num_attention_heads
         kv_heads = config.num_key_value_heads
-        self.q_proj = nn.Linear(config.hidden_size, heads * dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, kv_heads * dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, kv_heads * dim, bias=False)
-        self.o_proj = nn.Linear(heads * dim, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, heads * dim)
+        self.k_proj = Linear(config.hidden_size, kv_heads * dim)
+        self.v_proj = Linear(config.hidden_size, kv_heads * dim)
+        self.o_proj = Linear(heads * dim, config.hidden_size)
         self.layer = layer
         self.shape = (heads, kv_heads, dim)
 
@@ -210,12 +241,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # In place: both products are fresh, and a long prefill's are large.
+        gated = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
+        out: Tensor = self.down_proj(gated)
         return out
 
 
@@ -250,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaBackbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
 
     def forward(self, token_ids: Tensor, positions: Tensor, attention: Attention) -> Tensor:
         """Final hidden states [tokens, hidden] of a flat batch of tokens at ``positions``; which
@@ -306,4 +339,9 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Lla
             f"checkpoint in {model_dir} does not match the Llama layout: "
             f"missing {sorted(missing)}, unexpected {sorted(unexpected)}"
         )
+    # What torch.backends.mkldnn.is_available() returns, typed: some builds lack oneDNN.
+    if device.type == "cpu" and dtype == torch.float32 and torch._C._has_mkldnn:
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.pack()
     return model.eval()
