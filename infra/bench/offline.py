@@ -22,14 +22,19 @@ from infra.bench.metrics import (
     busy_timeline,
 )
 from infra.bench.traces import PromptFactory, TraceRequest
-from schemas.events import SamplingParams
+from schemas.block_hash import ROOT_HASH, hash_block
+from schemas.events import Role, SamplingParams
 from services.engine.kv_events import kv_event
 from services.engine.protocol import EngineRequest, KvChange, StepResult
 from services.engine.sim import SimConfig, SimEngine, timing_preset
 from services.kv_indexer.index import PrefixIndex
+from services.planner.disagg import DisaggSettings, plan_prefill
+from services.planner.kv_policy import KvAware
 from services.planner.policy import Choice, Policy, RouteRequest, WorkerView
 
-_ARRIVAL, _STEP_END = 0, 1
+_ARRIVAL, _STEP_END, _KV_ARRIVED = 0, 1, 2
+# Suffix of the id a request has on the prefill worker that computes its prompt.
+_PREFILL = "/prefill"
 
 
 @dataclass
@@ -37,6 +42,7 @@ class _Worker:
     worker_id: str
     engine: SimEngine
     record: WorkerRecord
+    role: Role = "both"
     in_flight: int = 0
     stepping: bool = False
     kv_seq: int = 0
@@ -70,15 +76,32 @@ class OfflineReplay:
         policy: Policy,
         workers: int,
         config: SimConfig,
+        prefill_workers: int = 0,
+        disagg: DisaggSettings | None = None,
     ) -> None:
+        """``workers`` serve requests end to end (role ``both``), or decode only when
+        ``prefill_workers`` (role ``prefill``) are added beside them."""
         self._trace = trace
         self._policy = policy
         self._config = config
         self._prompts = PromptFactory(config.block_size)
         timing = timing_preset(config.timing)
         self._workers = [
-            _Worker(f"w{i:03d}", SimEngine(config, timing), WorkerRecord()) for i in range(workers)
+            _Worker(f"p{i:03d}", SimEngine(config, timing), WorkerRecord(), "prefill")
+            for i in range(prefill_workers)
         ]
+        self._workers += [
+            _Worker(
+                f"w{i:03d}",
+                SimEngine(config, timing),
+                WorkerRecord(),
+                "decode" if prefill_workers else "both",
+            )
+            for i in range(workers)
+        ]
+        self._disagg = disagg or DisaggSettings()
+        if prefill_workers and not isinstance(policy, KvAware):
+            raise ValueError("disaggregation needs the kv policy's cost model")
         self._index = PrefixIndex()
         self._records = [RequestRecord(r.arrival_s, r.input_length) for r in trace]
         self._owner: dict[str, int] = {}
@@ -86,6 +109,9 @@ class OfflineReplay:
         # Every routing decision with its inputs, when asked for (`laneway bench --decisions`).
         self.decisions: list[dict[str, Any]] | None = None
         self._seq = 0
+        self._remote_prefills = 0
+        # Decode-side state of requests whose prompt a prefill worker is computing.
+        self._handoffs: dict[int, tuple[int, tuple[int, ...]]] = {}
 
     def _push(self, at: float, kind: int, who: int, payload: Any = None) -> None:
         self._seq += 1
@@ -100,11 +126,20 @@ class OfflineReplay:
             now, _, kind, who, payload = heapq.heappop(self._events)
             if kind == _ARRIVAL:
                 self._arrive(now, who)
-            else:
+            elif kind == _STEP_END:
                 self._step_end(now, self._workers[who], who, payload)
+            else:
+                self._kv_arrived(now, who, payload)
         records = {w.worker_id: w.record for w in self._workers}
         report = build_report(self._records, records, time.perf_counter() - started)
         report["busy_timeline"] = busy_timeline(records, report["duration_s"])
+        span = report["duration_s"]
+        report["pool_busy_fraction"] = {
+            role: sum(w.record.busy_s() for w in pool) / (span * len(pool))
+            for role in ("prefill", "decode", "both")
+            if (pool := [w for w in self._workers if w.role == role])
+        }
+        report["remote_prefills"] = self._remote_prefills
         return ReplayResult(report, self._records, self.decisions or ())
 
     def _arrive(self, now: float, i: int) -> None:
@@ -115,46 +150,90 @@ class OfflineReplay:
             request_id, request.input_length, hashes, max_tokens=request.output_length
         )
         overlaps = self._index.overlaps(hashes) if self._policy.wants_overlap(route) else {}
-        views = []
-        for worker in self._workers:
-            load = worker.engine.load()
-            views.append(
-                WorkerView(
-                    worker_id=worker.worker_id,
-                    running=load.running,
-                    waiting=load.waiting,
-                    kv_usage=load.kv_blocks_used / load.kv_blocks_total,
-                    in_flight=worker.in_flight,
-                    cached_blocks=overlaps.get(worker.worker_id, 0),
-                    waiting_prefill_tokens=load.waiting_prefill_tokens,
-                    block_size=worker.engine.block_size,
-                    kv_capacity_tokens=load.kv_blocks_total * worker.engine.block_size,
-                )
-            )
-        choice = self._policy.choose(route, views)
+        views = {
+            worker.worker_id: self._view(worker, overlaps)
+            for worker in self._workers
+            if worker.role != "prefill"
+        }
+        choice = self._policy.choose(route, list(views.values()))
         if self.decisions is not None:
-            self.decisions.append(decision_record(request_id, choice, views))
-        w = next(k for k, v in enumerate(self._workers) if v.worker_id == choice.worker_id)
-        worker = self._workers[w]
+            self.decisions.append(decision_record(request_id, choice, list(views.values())))
+        w = self._index_of(choice.worker_id)
         record = self._records[i]
-        record.worker_id = worker.worker_id
-        worker.record.requests += 1
-        try:
-            worker.engine.add_request(
-                EngineRequest(
-                    request_id,
+        record.worker_id = choice.worker_id
+        self._workers[w].record.requests += 1
+        prefill = [self._view(p, overlaps) for p in self._workers if p.role == "prefill"]
+        if prefill:
+            assert isinstance(self._policy, KvAware)
+            plan = plan_prefill(self._policy, route, views[choice.worker_id], prefill, self._disagg)
+            if plan.prefill_worker is not None and request.output_length > 1:
+                self._remote_prefills += 1
+                self._handoffs[i] = (w, hashes)
+                one = SamplingParams(max_tokens=1, ignore_eos=True)
+                self._submit(
+                    now,
+                    self._index_of(plan.prefill_worker),
+                    i,
+                    request_id + _PREFILL,
                     self._prompts.prompt(request),
-                    SamplingParams(max_tokens=request.output_length, ignore_eos=True),
+                    one,
                     hashes,
                 )
-            )
+                return
+        sampling = SamplingParams(max_tokens=request.output_length, ignore_eos=True)
+        self._submit(now, w, i, request_id, self._prompts.prompt(request), sampling, hashes)
+
+    def _view(self, worker: _Worker, overlaps: dict[str, int]) -> WorkerView:
+        load = worker.engine.load()
+        return WorkerView(
+            worker_id=worker.worker_id,
+            running=load.running,
+            waiting=load.waiting,
+            kv_usage=load.kv_blocks_used / load.kv_blocks_total,
+            in_flight=worker.in_flight,
+            cached_blocks=overlaps.get(worker.worker_id, 0),
+            waiting_prefill_tokens=load.waiting_prefill_tokens,
+            block_size=worker.engine.block_size,
+            kv_capacity_tokens=load.kv_blocks_total * worker.engine.block_size,
+        )
+
+    def _index_of(self, worker_id: str) -> int:
+        return next(k for k, v in enumerate(self._workers) if v.worker_id == worker_id)
+
+    def _submit(
+        self,
+        now: float,
+        w: int,
+        i: int,
+        request_id: str,
+        prompt: Sequence[int],
+        sampling: SamplingParams,
+        hashes: tuple[int, ...],
+    ) -> None:
+        worker = self._workers[w]
+        try:
+            worker.engine.add_request(EngineRequest(request_id, prompt, sampling, hashes))
         except ValueError:  # larger than the worker's whole KV cache
-            record.failed = True
+            self._records[i].failed = True
             return
         self._owner[request_id] = i
         worker.in_flight += 1
         if not worker.stepping:
             self._start_step(now, worker, w)
+
+    def _kv_arrived(self, now: float, i: int, first_token: int) -> None:
+        """The prompt's KV reached the decode worker: it continues from the first token."""
+        w, hashes = self._handoffs.pop(i)
+        decode = self._workers[w]
+        decode.engine.import_blocks(hashes)
+        request = self._trace[i]
+        prompt = self._prompts.prompt(request, tail=(first_token,))
+        block = decode.engine.block_size
+        if len(prompt) % block == 0:  # the first token completed a block
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes = (*hashes, hash_block(parent, prompt[len(prompt) - block :]))
+        rest = SamplingParams(max_tokens=request.output_length - 1, ignore_eos=True)
+        self._submit(now, w, i, f"r{i}", prompt, rest, hashes)
 
     def _start_step(self, now: float, worker: _Worker, w: int) -> None:
         result = worker.engine.step()
@@ -170,7 +249,8 @@ class OfflineReplay:
         # A live worker publishes a step's KV events when the step is done; so does this.
         self._fold(worker, result.kv_changes)
         for output in result.outputs:
-            record = self._records[self._owner[output.request_id]]
+            i = self._owner[output.request_id]
+            record = self._records[i]
             if record.first_token_s is None:
                 record.first_token_s = now
                 record.cached_tokens = output.cached_tokens or 0
@@ -179,9 +259,18 @@ class OfflineReplay:
             if output.finished:
                 del self._owner[output.request_id]
                 worker.in_flight -= 1
+                if output.request_id.endswith(_PREFILL):
+                    self._hand_off(now, worker, i, output.new_token_ids[-1])
         worker.stepping = False
         if worker.engine.has_work():
             self._start_step(now, worker, w)
+
+    def _hand_off(self, now: float, prefill: _Worker, i: int, first_token: int) -> None:
+        w, hashes = self._handoffs[i]
+        hits, _ = self._workers[w].engine.cached_prefix(hashes)
+        missing = (len(hashes) - hits) * prefill.engine.block_size
+        arrival = now + self._disagg.transfer.transfer_ms(missing) / 1000.0
+        self._push(arrival, _KV_ARRIVED, i, first_token)
 
     def _fold(self, worker: _Worker, changes: list[KvChange]) -> None:
         for change in changes:

@@ -19,6 +19,7 @@ from infra.bench.traces import TraceRequest, load_trace
 from infra.cluster import ClusterConfig, LocalCluster
 from infra.embedded import free_port
 from services.engine.sim import SimConfig
+from services.planner.disagg import DisaggSettings, KvTransferModel
 from services.planner.registry import POLICY_NAMES, make_policy
 
 DEFAULT_TRACE = (
@@ -26,6 +27,7 @@ DEFAULT_TRACE = (
 )
 MODEL = "laneway-sim"
 _ENGINE_DEFAULTS = SimConfig()
+_LINK_DEFAULTS = KvTransferModel()
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,7 +37,28 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bench.add_argument(
         "--policy", action="append", choices=list(POLICY_NAMES), help="repeatable; default all"
     )
-    bench.add_argument("--workers", type=int, default=8)
+    bench.add_argument("--workers", type=int, default=8, help="all workers (both roles)")
+    bench.add_argument(
+        "--prefill-workers", type=int, default=0, help="of --workers, this many prefill only"
+    )
+    bench.add_argument(
+        "--decode-workers", type=int, help="default: --workers minus --prefill-workers"
+    )
+    bench.add_argument(
+        "--disagg",
+        choices=["never", "always", "auto"],
+        default="auto",
+        help="with prefill workers: prefill remotely never, always, or when it pays (kv policy)",
+    )
+    bench.add_argument(
+        "--min-remote-tokens",
+        type=int,
+        default=DisaggSettings().min_remote_tokens,
+        help="uncached prompt tokens below which prefill stays on the decode worker",
+    )
+    bench.add_argument("--kv-bytes-per-token", type=int, default=_LINK_DEFAULTS.kv_bytes_per_token)
+    bench.add_argument("--link-gb-s", type=float, default=_LINK_DEFAULTS.bandwidth_gb_s)
+    bench.add_argument("--link-latency-ms", type=float, default=_LINK_DEFAULTS.latency_ms)
     bench.add_argument("--speedup", type=float, default=1.0, help="divides inter-arrival gaps")
     bench.add_argument("--mode", choices=["offline", "live"], default="offline")
     bench.add_argument("--engine-preset", default="dynamo-mocker", help="sim timing preset")
@@ -71,13 +94,33 @@ def _offline(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -
         max_num_batched_tokens=args.max_num_batched_tokens,
         timing=args.engine_preset,
     )
-    replay = OfflineReplay(trace, make_policy(policy, args.seed), args.workers, config)
+    prefill = args.prefill_workers
+    decode = args.decode_workers if args.decode_workers is not None else args.workers - prefill
+    disagg = DisaggSettings(
+        mode=args.disagg,
+        min_remote_tokens=args.min_remote_tokens,
+        transfer=KvTransferModel(
+            kv_bytes_per_token=args.kv_bytes_per_token,
+            bandwidth_gb_s=args.link_gb_s,
+            latency_ms=args.link_latency_ms,
+        ),
+    )
+    replay = OfflineReplay(
+        trace,
+        make_policy(policy, args.seed),
+        decode,
+        config,
+        prefill_workers=prefill,
+        disagg=disagg,
+    )
     if args.decisions:
         replay.decisions = []
     return replay.run()
 
 
 def _live(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -> ReplayResult:
+    if args.prefill_workers:
+        raise SystemExit("laneway bench: live disaggregation is not available yet (offline only)")
     longest = max(r.input_length + r.output_length for r in trace)
     with tempfile.TemporaryDirectory(prefix="laneway-bench-") as state:
         cluster = LocalCluster(

@@ -47,16 +47,18 @@ def block_tokens(hash_id: int, length: int = TRACE_BLOCK_SIZE) -> bytes:
 
 
 class SyntheticPrompt(Sequence[int]):
-    """A prompt made of trace blocks, materialized only where the engine looks at it."""
+    """A prompt made of trace blocks, materialized only where the engine looks at it, optionally
+    followed by ``tail`` tokens (a prefill worker's first token, when a decode worker resumes)."""
 
-    __slots__ = ("_ids", "_length")
+    __slots__ = ("_ids", "_length", "_tail")
 
-    def __init__(self, hash_ids: tuple[int, ...], length: int) -> None:
+    def __init__(self, hash_ids: tuple[int, ...], length: int, tail: tuple[int, ...] = ()) -> None:
         self._ids = hash_ids
         self._length = length
+        self._tail = tail
 
     def __len__(self) -> int:
-        return self._length
+        return self._length + len(self._tail)
 
     @overload
     def __getitem__(self, index: int) -> int: ...
@@ -67,14 +69,22 @@ class SyntheticPrompt(Sequence[int]):
     def __getitem__(self, index: int | slice) -> int | Sequence[int]:
         if isinstance(index, int):
             if index < 0:
-                index += self._length
-            if not 0 <= index < self._length:
+                index += len(self)
+            if not 0 <= index < len(self):
                 raise IndexError(index)
+            if index >= self._length:
+                return self._tail[index - self._length]
             block = block_tokens(self._ids[index // TRACE_BLOCK_SIZE])
             return block[index % TRACE_BLOCK_SIZE]
-        start, stop, step = index.indices(self._length)
+        start, stop, step = index.indices(len(self))
         if step != 1:
-            return self.tokens()[index]
+            return list(self)[index]
+        head = self._blocks(start, min(stop, self._length)) if start < self._length else b""
+        if stop <= self._length:
+            return head
+        return [*head, *self._tail[max(0, start - self._length) : stop - self._length]]
+
+    def _blocks(self, start: int, stop: int) -> bytes:
         out = bytearray()
         for k in range(start // TRACE_BLOCK_SIZE, -(-stop // TRACE_BLOCK_SIZE)):
             out += block_tokens(self._ids[k])
@@ -82,7 +92,8 @@ class SyntheticPrompt(Sequence[int]):
         return bytes(out[skip : skip + stop - start])
 
     def tokens(self) -> bytes:
-        return bytes(self[0 : self._length])
+        """The trace prompt itself (without any tail), one byte per token."""
+        return self._blocks(0, self._length)
 
     def text(self) -> str:
         return self.tokens().decode("ascii")
@@ -108,8 +119,8 @@ class PromptFactory:
         blocks = -(-request.input_length // TRACE_BLOCK_SIZE)
         return tuple(-(request.index * 1024 + k + 1) for k in range(blocks))
 
-    def prompt(self, request: TraceRequest) -> SyntheticPrompt:
-        return SyntheticPrompt(self.ids_for(request), request.input_length)
+    def prompt(self, request: TraceRequest, tail: tuple[int, ...] = ()) -> SyntheticPrompt:
+        return SyntheticPrompt(self.ids_for(request), request.input_length, tail)
 
     def block_hashes(self, request: TraceRequest) -> tuple[int, ...]:
         ids = self.ids_for(request)

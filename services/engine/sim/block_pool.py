@@ -113,6 +113,43 @@ class BlockPool:
             self._changes.append(BlocksStored(tuple(run), run_parent))
         return became_cached
 
+    def import_cached(self, parent: int | None, hashes: Sequence[int]) -> int:
+        """Cache consecutive blocks computed elsewhere (a prefill worker's hand-off) as idle and
+        most recently used, as far as free blocks allow; how many leading ``hashes`` are cached
+        afterwards. ``parent`` is the hash before the first block."""
+        refs, idle = self._refs, self._idle
+        for h in hashes:
+            if refs.get(h) == 0:
+                idle.move_to_end(h)  # touched: evicted after everything older
+        missing = [h for h in hashes if h not in refs]
+        # Evicting must not take the blocks just touched, so they do not count as room.
+        touched = len(hashes) - len(missing) - sum(1 for h in hashes if refs.get(h, 0) > 0)
+        room = min(len(missing), self._empty + len(idle) - touched)
+        if room > 0:
+            self.allocate(room)
+        taking = set(missing[:room])
+        run: list[int] = []
+        run_parent = prev = parent
+        done = 0
+        for h in hashes:
+            if h in taking:
+                if not run:
+                    run_parent = prev
+                refs[h] = 0
+                idle[h] = None
+                run.append(h)
+            elif h in refs:
+                if run:
+                    self._changes.append(BlocksStored(tuple(run), run_parent))
+                    run = []
+            else:
+                break
+            prev = h
+            done += 1
+        if run:
+            self._changes.append(BlocksStored(tuple(run), run_parent))
+        return done
+
     def release(self, table: Sequence[BlockRef]) -> None:
         """Give back a request's blocks. Its last block is released first, so a prefix's tail is
         evicted before its head, as vLLM frees a request's blocks in reverse."""

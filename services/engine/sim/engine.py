@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from services.engine.protocol import EngineRequest, StepResult
 from services.engine.sim.block_pool import BlockPool
 from services.engine.sim.config import SimConfig
@@ -21,6 +23,15 @@ class SimEngine(ScheduledEngine):
 
     def add_request(self, request: EngineRequest) -> None:
         self._admit(self._new_request(request))
+
+    def import_blocks(self, block_hashes: Sequence[int]) -> int:
+        """Take a prompt's KV blocks handed over by a prefill worker into the prefix cache (as
+        if computed here); how many leading blocks are cached afterwards."""
+        return self._pool.import_cached(None, block_hashes)
+
+    def cached_prefix(self, block_hashes: Sequence[int]) -> tuple[int, int]:
+        """How many leading blocks of ``block_hashes`` are cached here (and how many idle)."""
+        return self._pool.count_hits(block_hashes, len(block_hashes))
 
     def step(self) -> StepResult:
         batch = self._scheduler.schedule()
