@@ -49,7 +49,12 @@ class WorkerSettings(ServiceSettings):
     drain_timeout_s: float = 5.0
 
 
+# The scheduler's settings, named alike in every engine that uses it.
+_SCHEDULING = {"block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"}
+
+
 def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
+    scheduling = settings.model_dump(include=_SCHEDULING)
     if settings.engine != "sim" and settings.model_dir is None:
         raise ValueError(f"the {settings.engine} engine needs LANEWAY_MODEL_DIR (a model folder)")
     if settings.engine == "trtllm":
@@ -74,23 +79,10 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
 
         engine = TorchEngine(
             settings.model_dir,
-            TorchEngineConfig(
-                block_size=settings.block_size,
-                num_gpu_blocks=settings.num_gpu_blocks,
-                max_num_seqs=settings.max_num_seqs,
-                max_num_batched_tokens=settings.max_num_batched_tokens,
-                device=settings.device,
-                dtype=settings.dtype,
-            ),
+            TorchEngineConfig(**scheduling, device=settings.device, dtype=settings.dtype),
         )
         return engine, HfTokenizer(settings.model_dir)
-    config = SimConfig(
-        block_size=settings.block_size,
-        num_gpu_blocks=settings.num_gpu_blocks,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-    )
-    return SimEngine(config, timing_preset(settings.timing)), ByteTokenizer()
+    return SimEngine(SimConfig(**scheduling), timing_preset(settings.timing)), ByteTokenizer()
 
 
 def worker_main(default_role: Role) -> None:

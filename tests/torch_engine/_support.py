@@ -4,6 +4,7 @@ the full-recompute greedy reference that every paged result is checked against."
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +77,11 @@ def greedy_reference(
         if token in stops:
             break
     return output
+
+
+@dataclass(frozen=True)
+class Message:
+    """A chat message as the tokenizer's template reads it."""
+
+    role: str
+    content: str

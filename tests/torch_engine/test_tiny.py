@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,21 +13,9 @@ from safetensors.torch import load_file
 from services.engine.torch_engine import tiny
 from services.engine.torch_engine.tiny import make_tiny_model
 from services.engine.torch_engine.tokenizer import HfTokenizer
+from tests.torch_engine._support import Message
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-
-@dataclass(frozen=True)
-class Message:
-    role: str
-    content: str
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-model")
-    make_tiny_model(directory)
-    return directory
 
 
 def _expected_shapes() -> dict[str, tuple[int, ...]]:
@@ -55,26 +42,26 @@ def _expected_shapes() -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def test_same_seed_same_files_other_seed_other_weights(tiny_dir: Path, tmp_path: Path) -> None:
+def test_same_seed_same_files_other_seed_other_weights(made_model: Path, tmp_path: Path) -> None:
     started = time.perf_counter()
     make_tiny_model(tmp_path / "again")
     assert time.perf_counter() - started < 5.0
     make_tiny_model(tmp_path / "other", seed=1)
     for name in FILES:
-        assert (tmp_path / "again" / name).read_bytes() == (tiny_dir / name).read_bytes(), name
-    first = load_file(tiny_dir / "model.safetensors")
+        assert (tmp_path / "again" / name).read_bytes() == (made_model / name).read_bytes(), name
+    first = load_file(made_model / "model.safetensors")
     again = load_file(tmp_path / "again" / "model.safetensors")
     other = load_file(tmp_path / "other" / "model.safetensors")
     assert first.keys() == again.keys() == other.keys()
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert not torch.equal(first["lm_head.weight"], other["lm_head.weight"])
     # The tokenizer does not depend on the seed.
-    tokenizer = (tiny_dir / "tokenizer.json").read_bytes()
+    tokenizer = (made_model / "tokenizer.json").read_bytes()
     assert (tmp_path / "other" / "tokenizer.json").read_bytes() == tokenizer
 
 
-def test_weights_have_the_standard_names_shapes_and_init(tiny_dir: Path) -> None:
-    weights = load_file(tiny_dir / "model.safetensors")
+def test_weights_have_the_standard_names_shapes_and_init(made_model: Path) -> None:
+    weights = load_file(made_model / "model.safetensors")
     assert {k: tuple(v.shape) for k, v in weights.items()} == _expected_shapes()
     assert all(v.dtype == torch.float32 for v in weights.values())
     assert 2_000_000 < sum(v.numel() for v in weights.values()) < 10_000_000
@@ -82,9 +69,9 @@ def test_weights_have_the_standard_names_shapes_and_init(tiny_dir: Path) -> None
     assert abs(float(weights["model.embed_tokens.weight"].std()) - tiny.INIT_STD) < 1e-3
 
 
-def test_config_and_tokenizer_agree(tiny_dir: Path) -> None:
-    config = json.loads((tiny_dir / "config.json").read_text())
-    tokenizer = HfTokenizer(tiny_dir)
+def test_config_and_tokenizer_agree(made_model: Path) -> None:
+    config = json.loads((made_model / "config.json").read_text())
+    tokenizer = HfTokenizer(made_model)
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["eos_token_id"] == tokenizer.eos_token_id
     assert tokenizer.vocab_size <= config["vocab_size"]
@@ -93,16 +80,16 @@ def test_config_and_tokenizer_agree(tiny_dir: Path) -> None:
     assert config["max_position_embeddings"] >= 2048
 
 
-def test_transformers_loads_it_offline(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_transformers_loads_it_offline(made_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(made_model, local_files_only=True)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert sum(p.numel() for p in model.parameters()) == sum(
-        v.numel() for v in load_file(tiny_dir / "model.safetensors").values()
+        v.numel() for v in load_file(made_model / "model.safetensors").values()
     )
-    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
-    ours = HfTokenizer(tiny_dir)
+    hf = transformers.AutoTokenizer.from_pretrained(made_model, local_files_only=True)
+    ours = HfTokenizer(made_model)
     for text in (
         "The ferry crossed the river.",
         "café 😀 日本語",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,33 +13,20 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import processors
 
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from services.engine.torch_engine.tiny import make_tiny_model
 from services.engine.torch_engine.tokenizer import HfTokenizer
+from tests.torch_engine._support import Message
 
 MIXED = "Ferry café, naïve 😀 日本語 — ✓ tabs\tand\nnewlines, 12,345 and <b>&amp;</b>"
 
 
-@dataclass(frozen=True)
-class Message:
-    role: str
-    content: str
-
-
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-tokenizer")
-    make_tiny_model(directory)
-    return directory
+def tokenizer(made_model: Path) -> HfTokenizer:
+    return HfTokenizer(made_model)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_dir: Path) -> HfTokenizer:
-    return HfTokenizer(tiny_dir)
-
-
-def _copy_with(tiny_dir: Path, target: Path, **config_changes: object) -> Path:
+def _copy_with(made_model: Path, target: Path, **config_changes: object) -> Path:
     """A copy of the tiny model whose tokenizer_config has ``config_changes`` (None deletes)."""
-    shutil.copytree(tiny_dir, target)
+    shutil.copytree(made_model, target)
     path = target / "tokenizer_config.json"
     config = json.loads(path.read_text())
     for key, value in config_changes.items():
@@ -126,28 +112,28 @@ def test_chat_template_renders_chatml_with_generation_prompt(tokenizer: HfTokeni
     assert ids.count(1) == 3 and ids.count(2) == 2
 
 
-def test_template_from_tokenizer_config_is_honoured(tiny_dir: Path, tmp_path: Path) -> None:
+def test_template_from_tokenizer_config_is_honoured(made_model: Path, tmp_path: Path) -> None:
     template = (
         "{{ bos_token }}{% for m in messages %}[{{ m['role'] | upper }}] "
         "{{ m['content'] | tojson }}\n{% endfor %}"
         "{% if add_generation_prompt %}[ASSISTANT]{% endif %}{{ eos_token }}"
     )
-    model = _copy_with(tiny_dir, tmp_path / "custom", chat_template=template)
+    model = _copy_with(made_model, tmp_path / "custom", chat_template=template)
     rendered = HfTokenizer(model).apply_chat_template([Message("user", 'say "<hi>" & go')])
     # tojson must not HTML-escape, as transformers' does not.
     assert rendered == '<|endoftext|>[USER] "say \\"<hi>\\" & go"\n[ASSISTANT]<|im_end|>'
 
 
-def test_named_templates_and_the_jinja_file(tiny_dir: Path, tmp_path: Path) -> None:
+def test_named_templates_and_the_jinja_file(made_model: Path, tmp_path: Path) -> None:
     named = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "plain"}]
-    model = _copy_with(tiny_dir, tmp_path / "named", chat_template=named)
+    model = _copy_with(made_model, tmp_path / "named", chat_template=named)
     assert HfTokenizer(model).apply_chat_template([Message("user", "x")]) == "plain"
     (model / "chat_template.jinja").write_text("from the file")
     assert HfTokenizer(model).apply_chat_template([Message("user", "x")]) == "from the file"
 
 
-def test_chatml_fallback_and_eos_from_model_config(tiny_dir: Path, tmp_path: Path) -> None:
-    model = _copy_with(tiny_dir, tmp_path / "bare", chat_template=None, eos_token=None)
+def test_chatml_fallback_and_eos_from_model_config(made_model: Path, tmp_path: Path) -> None:
+    model = _copy_with(made_model, tmp_path / "bare", chat_template=None, eos_token=None)
     tokenizer = HfTokenizer(model)
     assert tokenizer.apply_chat_template([Message("user", "hi")]) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -155,22 +141,22 @@ def test_chatml_fallback_and_eos_from_model_config(tiny_dir: Path, tmp_path: Pat
     assert tokenizer.eos_token_id == json.loads((model / "config.json").read_text())["eos_token_id"]
 
 
-def test_templates_run_sandboxed_and_can_refuse(tiny_dir: Path, tmp_path: Path) -> None:
+def test_templates_run_sandboxed_and_can_refuse(made_model: Path, tmp_path: Path) -> None:
     refusing = (
         "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
     )
-    model = _copy_with(tiny_dir, tmp_path / "refusing", chat_template=refusing)
+    model = _copy_with(made_model, tmp_path / "refusing", chat_template=refusing)
     with pytest.raises(TemplateError, match="user first"):
         HfTokenizer(model).apply_chat_template([Message("assistant", "hi")])
     escaping = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
-    model = _copy_with(tiny_dir, tmp_path / "escaping", chat_template=escaping)
+    model = _copy_with(made_model, tmp_path / "escaping", chat_template=escaping)
     with pytest.raises(TemplateError):
         HfTokenizer(model).apply_chat_template([Message("user", "hi")])
 
 
-def test_bos_is_not_doubled_when_the_prompt_carries_it(tiny_dir: Path, tmp_path: Path) -> None:
+def test_bos_is_not_doubled_when_the_prompt_carries_it(made_model: Path, tmp_path: Path) -> None:
     model = tmp_path / "with-bos"
-    shutil.copytree(tiny_dir, model)
+    shutil.copytree(made_model, model)
     rust = RustTokenizer.from_file(str(model / "tokenizer.json"))
     # A Llama-style tokenizer that prepends <|endoftext|> (id 0) to everything it encodes.
     rust.post_processor = processors.TemplateProcessing(
