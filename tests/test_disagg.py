@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,31 @@ def test_handed_off_requests_complete_with_every_token(small_trace: Path, mode: 
     assert set(report["pool_busy_fraction"]) == {"prefill", "decode"}
     # Requests that moved keep their prefix hits on the decode side for the next turn.
     assert report["prefix_hit_rate"] > 0
+
+
+def test_autoscale_moves_workers_a_step_at_a_time(small_trace: Path) -> None:
+    from services.planner.capacity import CapacitySettings
+
+    trace = load_trace(small_trace, speedup=20)
+    replay = OfflineReplay(
+        trace,
+        KvAware(),
+        3,
+        SMALL,
+        prefill_workers=1,
+        disagg=DisaggSettings(min_remote_tokens=0),
+        # Targets nobody meets: every interval wants more of something.
+        autoscale=CapacitySettings(
+            ttft_target_ms=1, itl_target_ms=1000, interval_s=0.5, cooldown_intervals=0
+        ),
+    )
+    report = replay.run().report
+    timeline = report["roles_timeline"]
+    assert timeline[0]["reason"] == "start"
+    assert (timeline[0]["prefill"], timeline[0]["decode"]) == (1, 3)
+    assert report["completed"] == len(trace)
+    pools = [(t["prefill"], t["decode"]) for t in timeline]
+    assert any(p > 1 for p, _ in pools)  # it moved decoders to prefill
+    assert all(d >= 1 for _, d in pools)  # never the last decoder
+    for before, after in itertools.pairwise(pools):
+        assert abs(after[0] - before[0]) <= 1  # at most one worker (10% of 4, at least 1)

@@ -20,6 +20,7 @@ from infra.bench.metrics import (
     WorkerRecord,
     build_report,
     busy_timeline,
+    percentile,
 )
 from infra.bench.traces import PromptFactory, TraceRequest
 from schemas.block_hash import ROOT_HASH, hash_block
@@ -28,11 +29,12 @@ from services.engine.kv_events import kv_event
 from services.engine.protocol import EngineRequest, KvChange, StepResult
 from services.engine.sim import SimConfig, SimEngine, timing_preset
 from services.kv_indexer.index import PrefixIndex
+from services.planner.capacity import CapacityPlanner, CapacitySettings, Observation
 from services.planner.disagg import DisaggSettings, plan_prefill
 from services.planner.kv_policy import KvAware
 from services.planner.policy import Choice, Policy, RouteRequest, WorkerView
 
-_ARRIVAL, _STEP_END, _KV_ARRIVED = 0, 1, 2
+_ARRIVAL, _STEP_END, _KV_ARRIVED, _PLAN = 0, 1, 2, 3
 # Suffix of the id a request has on the prefill worker that computes its prompt.
 _PREFILL = "/prefill"
 
@@ -43,6 +45,8 @@ class _Worker:
     engine: SimEngine
     record: WorkerRecord
     role: Role = "both"
+    # The role it moves to once its in-flight work is done (the capacity loop moved it).
+    next_role: Role | None = None
     in_flight: int = 0
     stepping: bool = False
     kv_seq: int = 0
@@ -78,6 +82,7 @@ class OfflineReplay:
         config: SimConfig,
         prefill_workers: int = 0,
         disagg: DisaggSettings | None = None,
+        autoscale: CapacitySettings | None = None,
     ) -> None:
         """``workers`` serve requests end to end (role ``both``), or decode only when
         ``prefill_workers`` (role ``prefill``) are added beside them."""
@@ -100,6 +105,8 @@ class OfflineReplay:
             for i in range(workers)
         ]
         self._disagg = disagg or DisaggSettings()
+        self._capacity = CapacityPlanner(autoscale) if autoscale and prefill_workers else None
+        self._roles_timeline: list[dict[str, Any]] = []
         if prefill_workers and not isinstance(policy, KvAware):
             raise ValueError("disaggregation needs the kv policy's cost model")
         self._index = PrefixIndex()
@@ -121,6 +128,9 @@ class OfflineReplay:
         started = time.perf_counter()
         for i, request in enumerate(self._trace):
             self._push(request.arrival_s, _ARRIVAL, i)
+        if self._capacity is not None:
+            self._record_roles(0.0, "start")
+            self._push(self._capacity.settings.interval_s, _PLAN, 0)
         now = 0.0
         while self._events:
             now, _, kind, who, payload = heapq.heappop(self._events)
@@ -128,8 +138,10 @@ class OfflineReplay:
                 self._arrive(now, who)
             elif kind == _STEP_END:
                 self._step_end(now, self._workers[who], who, payload)
-            else:
+            elif kind == _KV_ARRIVED:
                 self._kv_arrived(now, who, payload)
+            elif len(self._events) > 0:  # plan while there is traffic left
+                self._plan(now)
         records = {w.worker_id: w.record for w in self._workers}
         report = build_report(self._records, records, time.perf_counter() - started)
         report["busy_timeline"] = busy_timeline(records, report["duration_s"])
@@ -140,6 +152,8 @@ class OfflineReplay:
             if (pool := [w for w in self._workers if w.role == role])
         }
         report["remote_prefills"] = self._remote_prefills
+        if self._capacity is not None:
+            report["roles_timeline"] = self._roles_timeline
         return ReplayResult(report, self._records, self.decisions or ())
 
     def _arrive(self, now: float, i: int) -> None:
@@ -153,7 +167,7 @@ class OfflineReplay:
         views = {
             worker.worker_id: self._view(worker, overlaps)
             for worker in self._workers
-            if worker.role != "prefill"
+            if worker.role != "prefill" and worker.next_role is None
         }
         choice = self._policy.choose(route, list(views.values()))
         if self.decisions is not None:
@@ -162,7 +176,11 @@ class OfflineReplay:
         record = self._records[i]
         record.worker_id = choice.worker_id
         self._workers[w].record.requests += 1
-        prefill = [self._view(p, overlaps) for p in self._workers if p.role == "prefill"]
+        prefill = [
+            self._view(p, overlaps)
+            for p in self._workers
+            if p.role == "prefill" and p.next_role is None
+        ]
         if prefill:
             assert isinstance(self._policy, KvAware)
             plan = plan_prefill(self._policy, route, views[choice.worker_id], prefill, self._disagg)
@@ -264,6 +282,61 @@ class OfflineReplay:
         worker.stepping = False
         if worker.engine.has_work():
             self._start_step(now, worker, w)
+        elif worker.next_role is not None and worker.in_flight == 0:
+            self._switch(now, worker)
+
+    def _plan(self, now: float) -> None:
+        assert self._capacity is not None
+        interval = self._capacity.settings.interval_s
+        since = now - interval
+        ttft = [
+            (r.first_token_s - r.arrival_s) * 1000
+            for r in self._records
+            if r.first_token_s is not None and r.first_token_s >= since
+        ]
+        itl = [
+            ((r.last_token_s or 0.0) - (r.first_token_s or 0.0)) * 1000 / (r.output_tokens - 1)
+            for r in self._records
+            if r.done and r.output_tokens > 1 and (r.last_token_s or 0.0) >= since
+        ]
+        prefill = [w for w in self._workers if w.role == "prefill" and w.next_role is None]
+        decode = [w for w in self._workers if w.role != "prefill" and w.next_role is None]
+        decision = self._capacity.decide(
+            Observation(
+                percentile(ttft, 95) if ttft else None,
+                percentile(itl, 95) if itl else None,
+                sum(w.engine.load().waiting_prefill_tokens for w in prefill),
+                len(prefill),
+                len(decode),
+            )
+        )
+        if decision.move is not None:
+            # Move the least busy: they finish their in-flight work soonest.
+            pool = decode if decision.move == "to_prefill" else prefill
+            target: Role = "prefill" if decision.move == "to_prefill" else "decode"
+            for worker in sorted(pool, key=lambda w: (w.in_flight, w.worker_id))[
+                : decision.workers
+            ]:
+                worker.next_role = target
+                if worker.in_flight == 0:
+                    self._switch(now, worker)
+            self._record_roles(now, decision.reason)
+        self._push(now + interval, _PLAN, 0)
+
+    def _switch(self, now: float, worker: _Worker) -> None:
+        assert worker.next_role is not None
+        worker.role, worker.next_role = worker.next_role, None
+        self._record_roles(now, f"{worker.worker_id} is now {worker.role}")
+
+    def _record_roles(self, now: float, reason: str) -> None:
+        self._roles_timeline.append(
+            {
+                "t": round(now, 3),
+                "prefill": sum(1 for w in self._workers if w.role == "prefill"),
+                "decode": sum(1 for w in self._workers if w.role != "prefill"),
+                "reason": reason,
+            }
+        )
 
     def _hand_off(self, now: float, prefill: _Worker, i: int, first_token: int) -> None:
         w, hashes = self._handoffs[i]

@@ -19,6 +19,7 @@ from infra.bench.traces import TraceRequest, load_trace
 from infra.cluster import ClusterConfig, LocalCluster
 from infra.embedded import free_port
 from services.engine.sim import SimConfig
+from services.planner.capacity import CapacitySettings
 from services.planner.disagg import DisaggSettings, KvTransferModel
 from services.planner.registry import POLICY_NAMES, make_policy
 
@@ -28,6 +29,7 @@ DEFAULT_TRACE = (
 MODEL = "laneway-sim"
 _ENGINE_DEFAULTS = SimConfig()
 _LINK_DEFAULTS = KvTransferModel()
+_CAPACITY = CapacitySettings()
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -50,6 +52,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default="auto",
         help="with prefill workers: prefill remotely never, always, or when it pays (kv policy)",
     )
+    bench.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="capacity loop on: move workers between pools (start split: --prefill-workers)",
+    )
+    bench.add_argument("--ttft-target-ms", type=float, default=_CAPACITY.ttft_target_ms)
+    bench.add_argument("--itl-target-ms", type=float, default=_CAPACITY.itl_target_ms)
+    bench.add_argument("--plan-interval-s", type=float, default=_CAPACITY.interval_s)
     bench.add_argument(
         "--min-remote-tokens",
         type=int,

@@ -1,0 +1,80 @@
+"""The capacity loop: move workers between the prefill and decode pools when TTFT or ITL drift
+from their targets (the seed article's advice): a small step at a time, then a cool-down to see
+its effect, with hysteresis so that it does not flap, reacting to queue growth as well as to
+latencies (a burst shows in the prefill queue before it shows in finished requests).
+
+Pure: the live planner and the offline simulator call it with what they observed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Move = Literal["to_prefill", "to_decode"]
+
+
+@dataclass(frozen=True, slots=True)
+class CapacitySettings:
+    ttft_target_ms: float = 1000.0
+    itl_target_ms: float = 25.0
+    # Seconds between decisions; each decision looks at the requests of the last interval.
+    interval_s: float = 60.0
+    # Intervals to wait after a move before the next one, to see what it did.
+    cooldown_intervals: int = 1
+    # Share of the pool one step may move (at least one worker).
+    max_move_fraction: float = 0.1
+    # A latency must be this far past its target (as a fraction) to act on it.
+    hysteresis: float = 0.1
+    # Prefill queue growth over one interval (tokens per prefill worker) that counts as a TTFT
+    # violation by itself.
+    burst_tokens_per_worker: int = 200_000
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What one interval showed. Latencies are p95 over requests of the interval, or None."""
+
+    ttft_p95_ms: float | None
+    itl_p95_ms: float | None
+    prefill_queue_tokens: int
+    prefill_workers: int
+    decode_workers: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    move: Move | None
+    workers: int
+    reason: str
+
+
+class CapacityPlanner:
+    def __init__(self, settings: CapacitySettings | None = None) -> None:
+        self.settings = settings or CapacitySettings()
+        self._cooldown = 0
+        self._last_queue: int | None = None
+
+    def decide(self, obs: Observation) -> Decision:
+        s = self.settings
+        growth = obs.prefill_queue_tokens - (self._last_queue or 0)
+        self._last_queue = obs.prefill_queue_tokens
+        if self._cooldown > 0:
+            self._cooldown -= 1
+            return Decision(None, 0, "cooling down after the last move")
+        ttft = (obs.ttft_p95_ms or 0.0) / s.ttft_target_ms
+        itl = (obs.itl_p95_ms or 0.0) / s.itl_target_ms
+        burst = growth > s.burst_tokens_per_worker * max(1, obs.prefill_workers)
+        if burst:
+            ttft = max(ttft, 1.0 + 2 * s.hysteresis)
+        pool = obs.prefill_workers + obs.decode_workers
+        step = max(1, int(pool * s.max_move_fraction))
+        over = 1.0 + s.hysteresis
+        if ttft > over and ttft >= itl and obs.decode_workers > step:
+            self._cooldown = s.cooldown_intervals
+            why = "prefill queue burst" if burst else f"TTFT p95 at {ttft:.2f}× target"
+            return Decision("to_prefill", step, why)
+        if itl > over and itl > ttft and obs.prefill_workers > step:
+            self._cooldown = s.cooldown_intervals
+            return Decision("to_decode", step, f"ITL p95 at {itl:.2f}× target")
+        return Decision(None, 0, f"within targets (TTFT {ttft:.2f}×, ITL {itl:.2f}×)")
