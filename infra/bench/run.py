@@ -115,6 +115,15 @@ def _offline(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -
             latency_ms=args.link_latency_ms,
         ),
     )
+    autoscale = (
+        CapacitySettings(
+            ttft_target_ms=args.ttft_target_ms,
+            itl_target_ms=args.itl_target_ms,
+            interval_s=args.plan_interval_s,
+        )
+        if args.autoscale
+        else None
+    )
     replay = OfflineReplay(
         trace,
         make_policy(policy, args.seed),
@@ -122,6 +131,7 @@ def _offline(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -
         config,
         prefill_workers=prefill,
         disagg=disagg,
+        autoscale=autoscale,
     )
     if args.decisions:
         replay.decisions = []

@@ -89,3 +89,20 @@ def test_bench_without_a_trace_says_so(tmp_path: Path) -> None:
     )
     assert run.returncode == 2
     assert "no trace" in run.stderr
+
+
+def test_bench_disaggregated_with_autoscale(small_trace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "disagg.json"
+    run = subprocess.run(
+        [
+            sys.executable, "-m", "infra.cli", "bench", "--trace", str(small_trace),
+            "--policy", "kv", "--workers", "3", "--prefill-workers", "1", "--autoscale",
+            "--plan-interval-s", "1", "--num-gpu-blocks", "2048", "--json", str(out),
+        ],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())["kv"]
+    assert report["completed"] == 12
+    assert report["roles_timeline"][0] == {"t": 0.0, "prefill": 1, "decode": 2, "reason": "start"}
+    assert set(report["pool_busy_fraction"]) == {"prefill", "decode"}
