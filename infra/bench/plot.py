@@ -157,10 +157,12 @@ def plot_reports(
     if not reports:
         raise ValueError("no reports to plot")
     names = list(reports)
-    fig = Figure(figsize=(16, 12), dpi=100, layout="constrained")
+    scaled = {n: r["roles_timeline"] for n, r in reports.items() if r.get("roles_timeline")}
+    fig = Figure(figsize=(16, 15 if scaled else 12), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     fig.suptitle(title, fontsize=14)
-    rows = fig.add_gridspec(3, 1, height_ratios=[1, 1, 1.2])
+    heights = [1, 1, 1.2, 0.8] if scaled else [1, 1, 1.2]
+    rows = fig.add_gridspec(len(heights), 1, height_ratios=heights)
 
     headline_axes = rows[0].subgridspec(1, len(_HEADLINE)).subplots(squeeze=False)[0]
     for ax, (metric_title, value, spec) in zip(headline_axes, _HEADLINE, strict=True):
@@ -170,5 +172,25 @@ def plot_reports(
 
     busy_axes = rows[2].subgridspec(1, len(names)).subplots(squeeze=False)[0]
     _busy_row(fig, busy_axes, reports)
+    if scaled:
+        _roles(fig.add_subplot(rows[3]), scaled)
 
     fig.savefig(path, format="png")
+
+
+def _roles(ax: Axes, timelines: dict[str, list[dict[str, Any]]]) -> None:
+    """The capacity loop's trajectory: prefill workers over time, per policy."""
+    for i, (name, timeline) in enumerate(timelines.items()):
+        times = [step["t"] for step in timeline]
+        ax.step(
+            times,
+            [step["prefill"] for step in timeline],
+            where="post",
+            color=_color(i),
+            label=f"{name}: prefill workers",
+        )
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("prefill workers")
+    ax.set_title("role timeline (capacity loop)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
