@@ -104,7 +104,7 @@ class OfflineReplay:
             )
             for i in range(workers)
         ]
-        self._disagg = disagg or DisaggSettings()
+        self._disagg = disagg or DisaggSettings(mode="never")
         self._capacity = CapacityPlanner(autoscale) if autoscale and prefill_workers else None
         self._roles_timeline: list[dict[str, Any]] = []
         if prefill_workers and not isinstance(policy, KvAware):
@@ -181,8 +181,7 @@ class OfflineReplay:
             for p in self._workers
             if p.role == "prefill" and p.next_role is None
         ]
-        if prefill:
-            assert isinstance(self._policy, KvAware)
+        if prefill and self._disagg.mode != "never" and isinstance(self._policy, KvAware):
             plan = plan_prefill(self._policy, route, views[choice.worker_id], prefill, self._disagg)
             if plan.prefill_worker is not None and request.output_length > 1:
                 self._remote_prefills += 1

@@ -64,9 +64,13 @@ def plan_prefill(
     if settings.mode == "never" or not prefill:
         return PrefillPlan(None, local_ms, None, "aggregated")
     uncached = request.prompt_tokens - decode.cached_blocks * decode.block_size
-    best = min(prefill, key=lambda w: (policy.predict(request, w).cost, w.worker_id))
+    others = [w for w in prefill if w.worker_id != decode.worker_id]
+    if not others:
+        return PrefillPlan(None, local_ms, None, "no other worker to prefill on")
+    best = min(others, key=lambda w: (policy.predict(request, w).cost, w.worker_id))
     remote = policy.predict(request, best)
-    remote_ms = remote.queue_ms + remote.prefill_ms + settings.transfer.transfer_ms(uncached)
+    # The candidate's own cost counts the stall its decodes suffer, when it has any.
+    remote_ms = remote.cost + settings.transfer.transfer_ms(uncached)
     if settings.mode == "always":
         return PrefillPlan(best.worker_id, local_ms, remote_ms, "static disaggregation")
     if uncached < settings.min_remote_tokens:
