@@ -45,3 +45,6 @@ class IndexState(Frozen):
     digest: str = Field(description="hash over every (worker, block) pair, order-free")
     position: int = Field(ge=0, description="KV stream position folded up to")
     restored_from: int = Field(ge=0, description="snapshot position it started from, 0: none")
+    blocks_per_worker: dict[str, int] = Field(description="indexed blocks of each worker")
+    duplicates: int = Field(ge=0, description="redelivered KV events ignored since start")
+    gaps: int = Field(ge=0, description="missing KV events skipped since start")

@@ -62,3 +62,5 @@ async def test_restarted_indexer_equals_the_one_that_never_stopped(
     assert restarted.position == steady.position
     assert restarted.indexed_blocks == steady.indexed_blocks > 0
     assert restarted.digest == steady.digest
+    assert restarted.blocks_per_worker == steady.blocks_per_worker
+    assert sum(steady.blocks_per_worker.values()) == steady.indexed_blocks

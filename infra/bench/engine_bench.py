@@ -70,13 +70,14 @@ def _ttft(engine: TorchEngine, prompt: list[int], tag: str) -> tuple[float, int]
     return time.perf_counter() - started, cached
 
 
-def _hf_generate(model: Any, prompts: list[list[int]], output_tokens: int) -> float:
+def hf_greedy(model: Any, prompts: list[list[int]], output_tokens: int) -> list[list[int]]:
+    """transformers' greedy `generate`, exactly ``output_tokens`` new tokens per prompt; the
+    prompts must be of equal length (no padding)."""
     import torch
 
-    batch = torch.tensor(prompts)  # equal lengths: no padding needed
-    started = time.perf_counter()
+    batch = torch.tensor(prompts)
     with torch.inference_mode():
-        model.generate(
+        out = model.generate(
             batch,
             attention_mask=torch.ones_like(batch),
             max_new_tokens=output_tokens,
@@ -84,6 +85,12 @@ def _hf_generate(model: Any, prompts: list[list[int]], output_tokens: int) -> fl
             do_sample=False,
             pad_token_id=0,
         )
+    return [row[batch.shape[1] :] for row in out.tolist()]
+
+
+def _hf_generate(model: Any, prompts: list[list[int]], output_tokens: int) -> float:
+    started = time.perf_counter()
+    hf_greedy(model, prompts, output_tokens)
     return time.perf_counter() - started
 
 

@@ -56,11 +56,15 @@ class Indexer:
             for block in self.index.cached(worker_id)
         )
         digest = xxhash.xxh3_128_hexdigest(repr(pairs).encode())
+        index = self.index
         return IndexState(
-            indexed_blocks=self.index.size,
+            indexed_blocks=index.size,
             digest=digest,
-            position=self.index.position,
+            position=index.position,
             restored_from=self.restored_from,
+            blocks_per_worker={w: index.blocks_of(w) for w in index.workers()},
+            duplicates=index.duplicates,
+            gaps=index.gaps,
         )
 
     async def on_workers(self, workers: dict[str, WorkerRegistration]) -> None:

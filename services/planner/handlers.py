@@ -124,10 +124,11 @@ class Planner:
                         waiting=c.waiting,
                         kv_usage=min(1.0, c.kv_usage),
                         score=choice.scores[c.worker_id],
-                        predicted_queue_ms=choice.predictions.get(c.worker_id, (None, None))[0],
-                        predicted_prefill_ms=choice.predictions.get(c.worker_id, (None, None))[1],
+                        predicted_queue_ms=queue_ms,
+                        predicted_prefill_ms=prefill_ms,
                     )
                     for c in candidates
+                    for queue_ms, prefill_ms in [choice.predictions.get(c.worker_id, (None, None))]
                 ),
                 spec=spec,
             ),

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
+from infra.bench.engine_bench import hf_greedy
 from schemas.events import SamplingParams
 from services.engine.protocol import EngineRequest
 from services.engine.torch_engine.config import TorchEngineConfig
@@ -36,14 +36,4 @@ def test_greedy_tokens_equal_transformers_generate(made_model: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(made_model, local_files_only=True)
     model.eval()
     for i, prompt in enumerate(prompts):
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        assert out[0, len(prompt) :].tolist() == ours[f"r{i}"]
+        assert hf_greedy(model, [prompt], NEW_TOKENS)[0] == ours[f"r{i}"]

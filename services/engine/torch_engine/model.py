@@ -45,7 +45,6 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
@@ -79,7 +78,6 @@ class LlamaConfig:
             rope_theta=float(theta),
             rope_scaling=_rope_scaling(rope),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         )
 
