@@ -74,6 +74,15 @@ class Bus:
         else:
             await self._nc.publish(subject, data, headers=_headers(event))
 
+    async def publish_bytes(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        """Core NATS, no stream: bulk data that is not an event (see :mod:`bus.blobs`)."""
+        await self._nc.publish(subject, data, headers=headers)
+
+    async def subscribe_bytes(
+        self, subject: str, handler: Callable[[Msg], Awaitable[None]]
+    ) -> None:
+        self._subs.append(await self._nc.subscribe(subject, cb=handler))
+
     async def subscribe(self, subject: str, handler: EventHandler) -> None:
         """Core (non-durable) subscription: lowest latency, for live views of a stream."""
 

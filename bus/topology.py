@@ -49,7 +49,10 @@ LOAD = Stream(
     "LW_LOAD", (f"{_PREFIX}.load.>",), StorageType.MEMORY, 600.0, keep_last_per_subject=True
 )
 
-ALL_STREAMS = (REQUESTS, ROUTES, KV, TOKENS, LOAD)
+# The capacity loop's moves between the prefill and decode pools. Replayable.
+CONTROL = Stream("LW_CONTROL", (f"{_PREFIX}.ctl.>",), StorageType.FILE, DAY_S)
+
+ALL_STREAMS = (REQUESTS, ROUTES, KV, TOKENS, LOAD, CONTROL)
 
 
 class Subjects:
@@ -61,6 +64,7 @@ class Subjects:
     all_routes = f"{_PREFIX}.route.>"
     all_kv = f"{_PREFIX}.kv.>"
     all_load = f"{_PREFIX}.load.>"
+    roles_rebalanced = f"{_PREFIX}.ctl.roles"
     # Core NATS request/reply, deliberately outside every stream: queries are not facts.
     overlap_query = f"{_PREFIX}.query.overlap"
 
@@ -76,6 +80,17 @@ class Subjects:
     @staticmethod
     def route(worker_id: str) -> str:
         return f"{_PREFIX}.route.{worker_id}"
+
+    @staticmethod
+    def kv_transferred(worker_id: str) -> str:
+        """A hand-off's arrival at the decode worker; in the routes stream with the decision,
+        outside the worker's own route subject."""
+        return f"{_PREFIX}.route.{worker_id}.transferred"
+
+    @staticmethod
+    def kv_handoff(worker_id: str) -> str:
+        """Core NATS, outside every stream: the KV tensors of hand-offs to this worker, chunked."""
+        return f"{_PREFIX}.kvx.{worker_id}"
 
     @staticmethod
     def kv(worker_id: str) -> str:

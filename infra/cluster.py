@@ -114,8 +114,10 @@ class LocalCluster:
             )
             for i in range(cfg.planners)
         ]
+        # Beside a prefill pool the others decode; alone they serve requests end to end.
+        role = {"LANEWAY_ROLE": "decode"} if cfg.prefill_workers else {}
         self.services += [
-            Service(f"decode-worker-{i}", "services.decode_worker", common)
+            Service(f"decode-worker-{i}", "services.decode_worker", {**role, **common})
             for i in range(cfg.workers)
         ]
         self.services += [

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 TokenIds = tuple[int, ...]
 BlockHashes = tuple[Annotated[int, Field(ge=0, lt=1 << 64)], ...]
 Role = Literal["prefill", "decode", "both"]
+FinishReason = Literal["stop", "length"]
 
 
 def new_id() -> str:
@@ -97,24 +98,62 @@ class RouteCandidate(Frozen):
     )
 
 
+class PrefillPlacement(Frozen):
+    """Where the prompt's uncached part is prefilled, and the predictions that decided it."""
+
+    prefill_worker_id: str | None = Field(
+        description="prefill worker that computes the prompt; None: the decode worker itself"
+    )
+    local_ms: float = Field(description="predicted TTFT prefilling on the decode worker, ms")
+    remote_ms: float | None = Field(
+        default=None, description="predicted TTFT prefilling remotely, KV transfer included, ms"
+    )
+    reason: str
+
+
 class RouteDecided(Envelope):
-    """The planner chose a worker for a request."""
+    """The planner chose a worker for a request. With remote prefill, the same decision also goes
+    to the prefill worker, which computes the prompt and hands its KV to ``worker_id``."""
 
     type: Literal["RouteDecided"] = "RouteDecided"
-    worker_id: str = Field(description="worker that serves the request")
+    worker_id: str = Field(description="worker that generates the answer (decodes)")
     policy: str = Field(description="routing policy that decided")
     reason: str = Field(description="why this worker, in words")
     candidates: tuple[RouteCandidate, ...] = Field(description="every worker weighed")
     spec: RequestSpec
+    prefill: PrefillPlacement | None = Field(
+        default=None, description="the disaggregation decision; None: no prefill pool to weigh"
+    )
+
+
+class KvPayload(Frozen):
+    """How a hand-off's KV tensors travel: chunks on the decode worker's hand-off subject."""
+
+    chunks: int = Field(ge=1, description="number of chunks")
+    size: int = Field(ge=0, description="total bytes")
+    sha256: str = Field(description="hex SHA-256 of the whole payload")
 
 
 class PrefillCompleted(Envelope):
-    """A prefill worker finished a request's prompt and is handing its KV to a decode worker."""
+    """A prefill worker finished a request's prompt and hands its KV to the decode worker.
+    ``error`` set: it could not, and the decode worker prefills locally instead."""
 
     type: Literal["PrefillCompleted"] = "PrefillCompleted"
     worker_id: str = Field(description="prefill worker")
     decode_worker_id: str = Field(description="worker that will decode")
     prefilled_tokens: int = Field(ge=0, description="prompt tokens computed (not from cache)")
+    cached_tokens: int = Field(default=0, ge=0, description="prompt tokens it found cached")
+    first_token_id: int | None = Field(default=None, description="the first generated token")
+    finish_reason: FinishReason | None = Field(
+        default=None, description="set when the first token already ends the answer"
+    )
+    block_hashes: BlockHashes = Field(
+        default=(), description="the prompt blocks handed over, at the engines' block size"
+    )
+    payload: KvPayload | None = Field(
+        default=None, description="the tensors' chunks; None: the engine models KV (sim)"
+    )
+    error: str | None = Field(default=None, description="why the prefill did not complete")
 
 
 class KvTransferred(Envelope):
@@ -143,9 +182,6 @@ class Usage(Frozen):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     cached_tokens: int = Field(default=0, ge=0, description="prompt tokens served from KV cache")
-
-
-FinishReason = Literal["stop", "length"]
 
 
 class RequestFinished(Envelope):

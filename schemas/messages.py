@@ -31,6 +31,12 @@ class WorkerRegistration(Frozen):
     kv_blocks_total: int = Field(gt=0, description="KV cache capacity, in blocks")
     max_num_seqs: int = Field(gt=0, description="most requests it runs at once")
     kv_events: bool = Field(default=True, description="publishes KV events (else: approximate)")
+    kv_handoff: bool = Field(
+        default=False, description="its engine can send and take a prompt's KV (disaggregation)"
+    )
+    draining: bool = Field(
+        default=False, description="finishing in-flight work before a role change; takes none new"
+    )
     pid: int = Field(description="OS process id, for operators")
 
 

@@ -15,10 +15,13 @@ from bus.runtime import run_service
 from bus.settings import ServiceSettings
 from observability.tracing import setup_tracing
 from schemas.events import Role, new_id
+from services.engine.kv_transfer import KvTransferModel
 from services.engine.protocol import Engine
 from services.engine.serving import Worker, WorkerOptions
 from services.engine.sim import SimConfig, SimEngine, timing_preset
 from services.engine.tokenizer import ByteTokenizer, Tokenizer
+
+_LINK = KvTransferModel()
 
 
 class WorkerSettings(ServiceSettings):
@@ -47,6 +50,14 @@ class WorkerSettings(ServiceSettings):
     # Tokens of a request may be coalesced for this long before they are published (seconds).
     stream_interval_s: float = 0.02
     drain_timeout_s: float = 5.0
+    # The link a sim decode worker models for a hand-off's KV (see KvTransferModel).
+    kv_bytes_per_token: int = _LINK.kv_bytes_per_token
+    link_gb_s: float = _LINK.bandwidth_gb_s
+    link_latency_ms: float = _LINK.latency_ms
+    # A remote prefill's KV is waited for max(this, factor × predicted) seconds, then the decode
+    # worker prefills locally.
+    handoff_timeout_s: float = 5.0
+    handoff_timeout_factor: float = 3.0
 
 
 # The scheduler's settings, named alike in every engine that uses it.
@@ -114,6 +125,11 @@ def worker_main(default_role: Role) -> None:
                 kv_events=settings.kv_events and getattr(engine, "publishes_kv_events", True),
                 step_thread=settings.engine != "sim",
                 stream_interval_s=settings.stream_interval_s,
+                kv_transfer=KvTransferModel(
+                    settings.kv_bytes_per_token, settings.link_gb_s, settings.link_latency_ms
+                ),
+                handoff_timeout_s=settings.handoff_timeout_s,
+                handoff_timeout_factor=settings.handoff_timeout_factor,
             ),
         )
         lease = LeasedKey.worker(etcd, worker.registration(), settings.lease_ttl_s)

@@ -90,3 +90,19 @@ class Engine(Protocol):
     def has_work(self) -> bool: ...
 
     def load(self) -> EngineLoad: ...
+
+
+class KvPortable(Protocol):
+    """An engine whose cached prompt blocks can move to another engine of the same model: a
+    prefill worker exports, a decode worker imports (disaggregation)."""
+
+    def export_prefix(self, block_hashes: Sequence[int]) -> tuple[int, bytes]:
+        """The leading blocks of ``block_hashes`` cached here: how many, and their KV serialized
+        (empty for an engine that only models its KV)."""
+        ...
+
+    def import_prefix(self, block_hashes: Sequence[int], payload: bytes) -> int:
+        """Cache the blocks another engine exported (``payload`` from its ``export_prefix``); how
+        many leading ``block_hashes`` are cached afterwards. Their ``BlocksStored`` changes come
+        with the next step's result."""
+        ...

@@ -10,13 +10,15 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
+from bus.blobs import BlobAssembler, send_blob
 from bus.client import Bus
 from bus.registry import LeasedKey
 from bus.topology import Subjects, worker_routes
@@ -26,6 +28,9 @@ from schemas.events import (
     Envelope,
     Event,
     FailureCode,
+    FinishReason,
+    KvTransferred,
+    PrefillCompleted,
     RequestCancelled,
     RequestFailed,
     RequestFinished,
@@ -38,16 +43,19 @@ from schemas.events import (
 )
 from schemas.messages import WorkerRegistration
 from services.engine.kv_events import kv_event
+from services.engine.kv_transfer import KvTransferModel
 from services.engine.protocol import (
     Engine,
     EngineRequest,
     KvChange,
+    KvPortable,
     RequestOutput,
     StepResult,
 )
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # How long a cancellation for a request this worker has not (yet) seen is remembered: the
 # cancel may overtake the route decision on its way here.
@@ -72,6 +80,33 @@ class WorkerOptions:
     # While busy, a report at most this often (seconds): the planner's queue estimates are only
     # as fresh as the last report.
     busy_report_interval_s: float = 0.05
+    # What a sim decode worker waits out for a hand-off's KV (a real engine's bytes take what
+    # they take).
+    kv_transfer: KvTransferModel = field(default_factory=KvTransferModel)
+    # A decode worker waits for a remote prefill's KV this long, at least, or this many times
+    # the planner's prediction, before it prefills locally instead.
+    handoff_timeout_s: float = 5.0
+    handoff_timeout_factor: float = 3.0
+
+
+@dataclass
+class _Awaiting:
+    """A decode-side request whose prompt a prefill worker is computing."""
+
+    prefill_worker_id: str
+    timer: asyncio.Task[None] | None = None
+    # The KV is on its way in: the deadline no longer applies.
+    receiving: bool = False
+
+
+@dataclass
+class _Prefill:
+    """A prompt this worker computes for another worker, which will decode it."""
+
+    decode_worker_id: str
+    block_hashes: tuple[int, ...]
+    span: Span
+    session_id: str | None
 
 
 @dataclass
@@ -88,6 +123,7 @@ class _Active:
     pending_text: str = ""
     flushed_at: float = 0.0
     cached_tokens: int = 0
+    awaiting: _Awaiting | None = None
 
 
 class Worker:
@@ -100,6 +136,8 @@ class Worker:
         self._opt = options
         self._source = f"worker/{options.worker_id}"
         self._active: dict[str, _Active] = {}
+        self._prefills: dict[str, _Prefill] = {}
+        self._blobs = BlobAssembler()
         self._early_cancels: dict[str, float] = {}
         self._wake = asyncio.Event()
         self._kv_seq = 0
@@ -124,12 +162,22 @@ class Worker:
             kv_blocks_total=self._engine.kv_blocks_total,
             max_num_seqs=self._engine.max_num_seqs,
             kv_events=self._opt.kv_events,
+            kv_handoff=self._portable is not None,
             pid=os.getpid(),
         )
+
+    @property
+    def _portable(self) -> KvPortable | None:
+        engine = self._engine
+        ok = hasattr(engine, "export_prefix") and hasattr(engine, "import_prefix")
+        return engine if ok else None  # type: ignore[return-value]
 
     async def run(self, lease: LeasedKey, stop: asyncio.Event) -> None:
         await lease.start()
         await self._bus.subscribe(Subjects.cancellation_requested, self._on_cancel)
+        await self._bus.subscribe_bytes(
+            Subjects.kv_handoff(self._opt.worker_id), self._blobs.on_msg
+        )
         await self._bus.consume(worker_routes(self._opt.worker_id), self._on_route)
         loops = [
             asyncio.create_task(self._step_loop(), name="engine-steps"),
@@ -140,10 +188,12 @@ class Worker:
         # Leave the pool first so that no new work is routed here, then let in-flight work end.
         await lease.stop()
         deadline = time.monotonic() + self._opt.drain_timeout_s
-        while self._active and time.monotonic() < deadline:
+        while (self._active or self._prefills) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for request_id in list(self._active):
             await self._fail(request_id, "worker shut down before the request finished")
+        for request_id in list(self._prefills):
+            self._prefill_failed(request_id, "prefill worker shut down")
         for task in loops:
             task.cancel()
         await asyncio.gather(*loops, *self._background, return_exceptions=True)
@@ -151,10 +201,17 @@ class Worker:
     # -- inputs ---------------------------------------------------------------------------
 
     async def _on_route(self, event: Event) -> None:
+        if isinstance(event, PrefillCompleted):
+            self._on_prefilled(event)
+            return
         if not isinstance(event, RouteDecided) or event.request_id is None:
             return
         request_id = event.request_id
-        if request_id in self._active:  # redelivery of a route we already hold
+        if request_id in self._active or request_id in self._prefills:  # a redelivery
+            return
+        remote = event.prefill.prefill_worker_id if event.prefill is not None else None
+        if remote == self._opt.worker_id and event.worker_id != self._opt.worker_id:
+            await self._start_prefill(event)
             return
         span = self._tracer.start_span("worker.generate", context=context_of(event))
         span.set_attribute("laneway.request_id", request_id)
@@ -170,18 +227,237 @@ class Worker:
         if self._early_cancels.pop(request_id, None) is not None:
             await self._cancelled(request_id, "client_disconnected")
             return
-        block_hashes = (
-            event.spec.block_hashes if event.spec.block_size == self._engine.block_size else ()
+        if remote is not None and event.prefill is not None:
+            predicted_s = (event.prefill.remote_ms or 0.0) / 1000 / self._opt.speedup
+            timeout = max(
+                self._opt.handoff_timeout_s, self._opt.handoff_timeout_factor * predicted_s
+            )
+            state.awaiting = _Awaiting(remote)
+            state.awaiting.timer = self._spawn(self._handoff_deadline(request_id, timeout))
+            return
+        await self._admit_now(self._engine_request(request_id, event.spec))
+
+    def _block_hashes(self, spec: RequestSpec) -> tuple[int, ...]:
+        return spec.block_hashes if spec.block_size == self._engine.block_size else ()
+
+    def _engine_request(self, request_id: str, spec: RequestSpec) -> EngineRequest:
+        return EngineRequest(
+            request_id, spec.prompt_token_ids, spec.sampling, self._block_hashes(spec)
         )
-        request = EngineRequest(
-            request_id, event.spec.prompt_token_ids, event.spec.sampling, block_hashes
-        )
+
+    async def _admit_now(self, request: EngineRequest) -> None:
         self._engine_op(lambda: self._admit(request))
         await self._fail_refused()
         self._wake.set()
 
+    def _spawn(self, work: Coroutine[object, object, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # -- disaggregation: the prefill side --------------------------------------------------
+
+    async def _start_prefill(self, event: RouteDecided) -> None:
+        assert event.request_id is not None
+        request_id = event.request_id
+        if self._early_cancels.pop(request_id, None) is not None:
+            return
+        span = self._tracer.start_span("worker.prefill", context=context_of(event))
+        span.set_attribute("laneway.request_id", request_id)
+        span.set_attribute("laneway.decode_worker_id", event.worker_id)
+        hashes = self._block_hashes(event.spec)
+        self._prefills[request_id] = _Prefill(event.worker_id, hashes, span, event.session_id)
+        # The first token is sampled here exactly as the aggregated path would sample it.
+        one = event.spec.sampling.model_copy(update={"max_tokens": 1})
+        await self._admit_now(EngineRequest(request_id, event.spec.prompt_token_ids, one, hashes))
+
+    async def _prefill_done(self, output: RequestOutput) -> None:
+        """Runs between steps, so the prompt's blocks are still cached when they are exported."""
+        prefill = self._prefills.pop(output.request_id)
+        request_id = output.request_id
+        prompt_blocks = prefill.block_hashes
+        portable = self._portable
+        assert portable is not None
+        try:
+            _, data = await self._on_engine(lambda: portable.export_prefix(prompt_blocks))
+        except Exception as err:  # export is best effort: the decode worker then prefills
+            log.exception("KV export of %s failed", request_id)
+            self._prefill_failed(request_id, f"KV export failed: {err}", prefill)
+            return
+        cached = output.cached_tokens or 0
+        finish: FinishReason | None = "stop" if output.finish_reason == "stop" else None
+        prefill.span.end()
+        self._spawn(
+            self._hand_off(request_id, prefill, output.new_token_ids[-1], finish, cached, data)
+        )
+
+    async def _hand_off(
+        self,
+        request_id: str,
+        prefill: _Prefill,
+        first_token: int,
+        finish: FinishReason | None,
+        cached: int,
+        data: bytes,
+    ) -> None:
+        to = prefill.decode_worker_id
+        payload = None
+        if data:
+            payload = await send_blob(
+                self._bus.publish_bytes, Subjects.kv_handoff(to), request_id, data
+            )
+        prompt_tokens = len(prefill.block_hashes) * self._engine.block_size
+        await self._bus.publish(
+            Subjects.route(to),
+            PrefillCompleted(
+                event_id=f"prefilled-{request_id}",
+                source=self._source,
+                request_id=request_id,
+                session_id=prefill.session_id,
+                trace=trace_context(prefill.span),
+                worker_id=self._opt.worker_id,
+                decode_worker_id=to,
+                prefilled_tokens=max(0, prompt_tokens - cached),
+                cached_tokens=cached,
+                first_token_id=first_token,
+                finish_reason=finish,
+                block_hashes=prefill.block_hashes,
+                payload=payload,
+            ),
+        )
+
+    def _prefill_failed(
+        self, request_id: str, message: str, prefill: _Prefill | None = None
+    ) -> None:
+        """Tell the decode worker at once, so that it prefills locally without waiting."""
+        prefill = prefill or self._prefills.pop(request_id)
+        self._abort(request_id)
+        prefill.span.set_attribute("laneway.failed", message)
+        prefill.span.end()
+        event = PrefillCompleted(
+            event_id=f"prefilled-{request_id}",
+            source=self._source,
+            request_id=request_id,
+            session_id=prefill.session_id,
+            worker_id=self._opt.worker_id,
+            decode_worker_id=prefill.decode_worker_id,
+            prefilled_tokens=0,
+            error=message,
+        )
+        self._spawn(self._bus.publish(Subjects.route(prefill.decode_worker_id), event))
+
+    # -- disaggregation: the decode side ---------------------------------------------------
+
+    def _on_prefilled(self, event: PrefillCompleted) -> None:
+        request_id = event.request_id or ""
+        state = self._active.get(request_id)
+        awaiting = state.awaiting if state is not None else None
+        if state is None or awaiting is None or awaiting.receiving:
+            self._blobs.drop(request_id)  # fell back, cancelled, or a redelivery
+            return
+        if event.error is not None or event.first_token_id is None:
+            self._fall_back(request_id, state, f"remote prefill failed: {event.error}")
+            return
+        awaiting.receiving = True
+        if awaiting.timer is not None:
+            awaiting.timer.cancel()
+        self._spawn(self._receive_kv(request_id, state, event))
+
+    async def _receive_kv(self, request_id: str, state: _Active, event: PrefillCompleted) -> None:
+        assert event.first_token_id is not None
+        started = time.monotonic()
+        tokens = len(event.block_hashes) * self._engine.block_size
+        data = b""
+        try:
+            if event.payload is not None:
+                data = await self._blobs.take(
+                    request_id, event.payload, self._opt.handoff_timeout_s
+                )
+            else:  # modelled KV: the link's modelled time
+                delay_ms = self._opt.kv_transfer.transfer_ms(tokens)
+                await asyncio.sleep(delay_ms / 1000 / self._opt.speedup)
+        except ValueError as err:
+            if self._active.get(request_id) is state:
+                self._fall_back(request_id, state, f"KV hand-off failed: {err}")
+            return
+        if self._active.get(request_id) is not state:  # cancelled meanwhile
+            return
+        state.awaiting = None
+        self._spawn(
+            self._bus.publish(
+                Subjects.kv_transferred(self._opt.worker_id),
+                KvTransferred(
+                    source=self._source,
+                    request_id=request_id,
+                    session_id=state.session_id,
+                    trace=trace_context(state.span),
+                    from_worker_id=event.worker_id,
+                    to_worker_id=self._opt.worker_id,
+                    block_hashes=event.block_hashes,
+                    transfer_ms=(time.monotonic() - started) * 1000,
+                ),
+                durable=False,
+            )
+        )
+        spec = state.spec
+        first = event.first_token_id
+        last = event.finish_reason is not None or spec.sampling.max_tokens <= 1
+        await self._on_output(
+            RequestOutput(
+                request_id,
+                (first,),
+                finished=last,
+                finish_reason=event.finish_reason or ("length" if last else None),
+                cached_tokens=event.cached_tokens,
+            )
+        )
+        if request_id not in self._active:  # the first token was also the last
+            return
+        portable = self._portable
+        hashes = event.block_hashes
+        # The decode continues from the first token, whose KV it computes itself.
+        rest = EngineRequest(
+            request_id,
+            (*spec.prompt_token_ids, first),
+            spec.sampling.model_copy(update={"max_tokens": spec.sampling.max_tokens - 1}),
+        )
+
+        def adopt_and_admit() -> None:
+            try:
+                if portable is not None:
+                    portable.import_prefix(hashes, data)
+            except Exception:  # unusable KV costs a local prefill, never the request
+                log.exception("KV import of %s failed; prefilling locally", request_id)
+            self._admit(rest)
+
+        self._engine_op(adopt_and_admit)
+        await self._fail_refused()
+        self._wake.set()
+
+    async def _handoff_deadline(self, request_id: str, timeout_s: float) -> None:
+        await asyncio.sleep(timeout_s)
+        state = self._active.get(request_id)
+        if state is not None and state.awaiting is not None and not state.awaiting.receiving:
+            state.awaiting.timer = None
+            self._fall_back(request_id, state, f"no KV hand-off within {timeout_s:.1f} s")
+
+    def _fall_back(self, request_id: str, state: _Active, why: str) -> None:
+        log.warning("request %s: %s; prefilling locally", request_id, why)
+        state.span.set_attribute("laneway.handoff_fallback", why)
+        if state.awaiting is not None and state.awaiting.timer is not None:
+            state.awaiting.timer.cancel()
+        state.awaiting = None
+        self._blobs.drop(request_id)
+        self._spawn(self._admit_now(self._engine_request(request_id, state.spec)))
+
     async def _on_cancel(self, event: Event) -> None:
         if not isinstance(event, CancellationRequested) or event.request_id is None:
+            return
+        prefill = self._prefills.pop(event.request_id, None)
+        if prefill is not None:  # the decode worker holds the request and ends it
+            self._abort(event.request_id)
+            prefill.span.end()
             return
         if event.request_id in self._active:
             self._abort(event.request_id)
@@ -203,6 +479,12 @@ class Worker:
         else:
             self._ops.append(op)
 
+    async def _on_engine(self, call: Callable[[], _T]) -> _T:
+        """Call into the engine between steps, on the thread its steps run on."""
+        if self._step_thread is None:
+            return call()
+        return await asyncio.get_running_loop().run_in_executor(self._step_thread, call)
+
     def _admit(self, request: EngineRequest) -> None:
         try:
             self._engine.add_request(request)
@@ -214,14 +496,21 @@ class Worker:
         # request it held is lost with the step.
         log.exception("engine step failed")
         failed = getattr(err, "request_id", None)
-        victims = [failed] if failed in self._active else list(self._active)
+        known = failed in self._active or failed in self._prefills
+        victims = [failed] if known else [*self._active, *self._prefills]
         for request_id in victims:
-            await self._fail(request_id, f"engine error: {err}")
+            if request_id in self._prefills:
+                self._prefill_failed(request_id, f"engine error: {err}")
+            elif request_id in self._active and self._active[request_id].awaiting is None:
+                await self._fail(request_id, f"engine error: {err}")
 
     async def _fail_refused(self) -> None:
         refused, self._refused = self._refused, []
         for request_id, message in refused:
-            await self._fail(request_id, message, "invalid_request")
+            if request_id in self._prefills:
+                self._prefill_failed(request_id, message)
+            elif request_id in self._active:
+                await self._fail(request_id, message, "invalid_request")
 
     def _abort(self, request_id: str) -> None:
         self._engine_op(lambda: self._engine.abort(request_id))
@@ -262,6 +551,10 @@ class Worker:
                 await self._report_load()
 
     async def _on_output(self, output: RequestOutput) -> None:
+        if output.request_id in self._prefills:
+            if output.finished:
+                await self._prefill_done(output)
+            return
         state = self._active.get(output.request_id)
         if state is None:  # cancelled while the step ran
             return
@@ -328,11 +621,11 @@ class Worker:
     def _publish_terminal(self, state: _Active, event: Envelope) -> None:
         # Awaiting JetStream's ack here would stall every other request's next step; the
         # publish is queued on the connection behind this request's token deltas, so order holds.
-        task = asyncio.create_task(
-            self._bus.publish(Subjects.request_terminal(state.spec.reply_to), event)
-        )
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        if state.awaiting is not None:
+            if state.awaiting.timer is not None:
+                state.awaiting.timer.cancel()
+            self._blobs.drop(event.request_id or "")
+        self._spawn(self._bus.publish(Subjects.request_terminal(state.spec.reply_to), event))
 
     async def _cancelled(self, request_id: str, reason: str) -> None:
         state = self._active.pop(request_id)

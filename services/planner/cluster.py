@@ -14,6 +14,7 @@ from services.planner.policy import WorkerView
 
 # Roles that decode, and so can serve a request end to end in aggregated mode.
 SERVING_ROLES = frozenset({"both", "decode"})
+PREFILL_ROLES = frozenset({"prefill"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +55,20 @@ class ClusterView:
         while pending and pending[0][0] <= reported_at:
             pending.popleft()
 
-    def routed(self, request_id: str, route: Routed, prefill_tokens: int, now: float) -> None:
-        """``now``: wall-clock seconds, comparable with the reports' ``occurred_at``."""
+    def routed(
+        self,
+        request_id: str,
+        route: Routed,
+        prefill_tokens: int,
+        now: float,
+        prefill_worker: str | None = None,
+    ) -> None:
+        """``now``: wall-clock seconds, comparable with the reports' ``occurred_at``. The prompt
+        queues on ``prefill_worker`` when it prefills remotely, else on the decode worker."""
         self._routed[request_id] = route
         self._in_flight[route.worker_id] = self._in_flight.get(route.worker_id, 0) + 1
-        self._unreported.setdefault(route.worker_id, deque()).append((now, prefill_tokens))
+        queue = prefill_worker or route.worker_id
+        self._unreported.setdefault(queue, deque()).append((now, prefill_tokens))
 
     def is_routed(self, request_id: str) -> bool:
         return request_id in self._routed
@@ -71,9 +81,26 @@ class ClusterView:
     def candidates(
         self, cached_blocks: dict[str, int] | None = None, session_owner: str | None = None
     ) -> list[WorkerView]:
+        """Workers that can serve a request end to end (or decode it after a remote prefill)."""
+        return self._views(SERVING_ROLES, cached_blocks, session_owner)
+
+    def prefill_candidates(self, cached_blocks: dict[str, int] | None = None) -> list[WorkerView]:
+        """Prefill-only workers that can hand their KV over."""
+        return [
+            view
+            for view in self._views(PREFILL_ROLES, cached_blocks, None)
+            if self.workers[view.worker_id].kv_handoff
+        ]
+
+    def _views(
+        self,
+        roles: frozenset[str],
+        cached_blocks: dict[str, int] | None,
+        session_owner: str | None,
+    ) -> list[WorkerView]:
         views = []
         for worker_id, reg in self.workers.items():
-            if reg.role not in SERVING_ROLES:
+            if reg.role not in roles or reg.draining:
                 continue
             load = self._load.get(worker_id)
             unreported = sum(tokens for _, tokens in self._unreported.get(worker_id, ()))

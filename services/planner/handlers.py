@@ -16,6 +16,7 @@ from observability.tracing import context_of, trace_context
 from schemas.events import (
     Event,
     FailureCode,
+    PrefillPlacement,
     RequestAccepted,
     RequestCancelled,
     RequestFailed,
@@ -27,6 +28,8 @@ from schemas.events import (
 )
 from schemas.messages import OverlapQuery, OverlapReply, WorkerRegistration
 from services.planner.cluster import ClusterView, Routed
+from services.planner.disagg import DisaggSettings, plan_prefill
+from services.planner.kv_policy import KvAware
 from services.planner.policy import Policy, RouteRequest, WorkerView
 
 log = logging.getLogger(__name__)
@@ -41,8 +44,10 @@ class Planner:
         overlap_timeout_s: float = 0.05,
         sessions: SessionStore | None = None,
         no_worker_grace_s: float = 2.0,
+        disagg: DisaggSettings | None = None,
     ) -> None:
         self._bus = bus
+        self._disagg = disagg or DisaggSettings(mode="never")
         self._no_worker_grace_s = no_worker_grace_s
         self._workers_changed = asyncio.Event()
         self._policy = policy
@@ -96,42 +101,74 @@ class Planner:
                 event.session_id, owner, worker_id, reason, candidates
             )
         picked = next(c for c in candidates if c.worker_id == worker_id)
+        placement = self._place_prefill(route, picked, overlaps)
+        remote = placement.prefill_worker_id if placement is not None else None
         uncached = len(spec.prompt_token_ids) - picked.cached_blocks * picked.block_size
-        trace.get_current_span().set_attribute("laneway.worker_id", worker_id)
+        span = trace.get_current_span()
+        span.set_attribute("laneway.worker_id", worker_id)
+        if remote is not None:
+            span.set_attribute("laneway.prefill_worker_id", remote)
         self.cluster.routed(
             event.request_id,
             Routed(worker_id, spec.reply_to, event.session_id),
             max(0, uncached),
             time.time(),
+            remote,
         )
-        await self._bus.publish(
-            Subjects.route(worker_id),
-            RouteDecided(
-                # One decision per request: a re-routing after a crash is dropped as a duplicate.
-                event_id=f"route-{event.request_id}",
-                source=self._source,
-                request_id=event.request_id,
-                session_id=event.session_id,
-                trace=trace_context(),
-                worker_id=worker_id,
-                policy=self._policy.name,
-                reason=reason,
-                candidates=tuple(
-                    RouteCandidate(
-                        worker_id=c.worker_id,
-                        cached_blocks=c.cached_blocks,
-                        running=max(c.running, c.in_flight),
-                        waiting=c.waiting,
-                        kv_usage=min(1.0, c.kv_usage),
-                        score=choice.scores[c.worker_id],
-                        predicted_queue_ms=queue_ms,
-                        predicted_prefill_ms=prefill_ms,
-                    )
-                    for c in candidates
-                    for queue_ms, prefill_ms in [choice.predictions.get(c.worker_id, (None, None))]
-                ),
-                spec=spec,
+        decision = RouteDecided(
+            # One decision per request: a re-routing after a crash is dropped as a duplicate.
+            event_id=f"route-{event.request_id}",
+            source=self._source,
+            request_id=event.request_id,
+            session_id=event.session_id,
+            trace=trace_context(),
+            worker_id=worker_id,
+            policy=self._policy.name,
+            reason=reason,
+            candidates=tuple(
+                RouteCandidate(
+                    worker_id=c.worker_id,
+                    cached_blocks=c.cached_blocks,
+                    running=max(c.running, c.in_flight),
+                    waiting=c.waiting,
+                    kv_usage=min(1.0, c.kv_usage),
+                    score=choice.scores[c.worker_id],
+                    predicted_queue_ms=queue_ms,
+                    predicted_prefill_ms=prefill_ms,
+                )
+                for c in candidates
+                for queue_ms, prefill_ms in [choice.predictions.get(c.worker_id, (None, None))]
             ),
+            spec=spec,
+            prefill=placement,
+        )
+        await self._bus.publish(Subjects.route(worker_id), decision)
+        if remote is not None:
+            # The same decision, to the worker that computes the prompt.
+            prefill_copy = decision.model_copy(
+                update={"event_id": f"route-{event.request_id}-prefill"}
+            )
+            await self._bus.publish(Subjects.route(remote), prefill_copy)
+
+    def _place_prefill(
+        self, route: RouteRequest, decode: WorkerView, overlaps: dict[str, int] | None
+    ) -> PrefillPlacement | None:
+        """Whether the prompt is prefilled on a prefill worker (None: no prefill pool to weigh)."""
+        policy = self._policy
+        if self._disagg.mode == "never" or not isinstance(policy, KvAware):
+            return None
+        prefill = self.cluster.prefill_candidates(overlaps)
+        if not prefill:
+            return None
+        if route.max_tokens <= 1 or not self.cluster.workers[decode.worker_id].kv_handoff:
+            local = policy.predict(route, decode).cost
+            return PrefillPlacement(prefill_worker_id=None, local_ms=local, reason="no hand-off")
+        plan = plan_prefill(policy, route, decode, prefill, self._disagg)
+        return PrefillPlacement(
+            prefill_worker_id=plan.prefill_worker,
+            local_ms=plan.local_ms,
+            remote_ms=plan.remote_ms,
+            reason=plan.reason,
         )
 
     async def _bind_session(

@@ -14,11 +14,14 @@ from bus.settings import ServiceSettings
 from bus.topology import PLANNER_INTAKE, Subjects
 from observability.tracing import setup_tracing
 from schemas.events import new_id
+from services.engine.kv_transfer import KvTransferModel
+from services.planner.disagg import DisaggMode, DisaggSettings
 from services.planner.handlers import Planner
 from services.planner.kv_policy import KvSettings
 from services.planner.registry import make_policy
 
 _KV = KvSettings()
+_DISAGG = DisaggSettings()
 
 
 class PlannerSettings(ServiceSettings):
@@ -38,6 +41,13 @@ class PlannerSettings(ServiceSettings):
     kv_short_prompt_tokens: int = _KV.short_prompt_tokens
     kv_session_slack_ms: float = _KV.session_slack_ms
     kv_tie_ms: float = _KV.tie_ms
+    # With prefill workers: prefill remotely never, always, or when it pays (kv policy only).
+    disagg: DisaggMode = _DISAGG.mode
+    disagg_min_remote_tokens: int = _DISAGG.min_remote_tokens
+    # The link between prefill and decode workers, as the planner models it.
+    kv_bytes_per_token: int = _DISAGG.transfer.kv_bytes_per_token
+    link_gb_s: float = _DISAGG.transfer.bandwidth_gb_s
+    link_latency_ms: float = _DISAGG.transfer.latency_ms
 
     def kv(self) -> KvSettings:
         return KvSettings(
@@ -51,6 +61,13 @@ class PlannerSettings(ServiceSettings):
             tie_ms=self.kv_tie_ms,
         )
 
+    def disagg_settings(self) -> DisaggSettings:
+        return DisaggSettings(
+            mode=self.disagg,
+            min_remote_tokens=self.disagg_min_remote_tokens,
+            transfer=KvTransferModel(self.kv_bytes_per_token, self.link_gb_s, self.link_latency_ms),
+        )
+
 
 def main() -> None:
     settings = PlannerSettings()
@@ -62,7 +79,14 @@ def main() -> None:
         etcd = connect_etcd(settings.etcd_endpoints)
         policy = make_policy(settings.policy, settings.seed, settings.kv())
         sessions = SessionStore(etcd, settings.session_ttl_s) if settings.policy == "kv" else None
-        planner = Planner(bus, policy, settings.instance_id, settings.overlap_timeout_s, sessions)
+        planner = Planner(
+            bus,
+            policy,
+            settings.instance_id,
+            settings.overlap_timeout_s,
+            sessions,
+            disagg=settings.disagg_settings(),
+        )
         watcher = asyncio.create_task(watch_workers(etcd, planner.on_workers))
         await bus.subscribe(Subjects.all_request_terminals, planner.on_terminal)
         await bus.subscribe(Subjects.all_load, planner.on_load)

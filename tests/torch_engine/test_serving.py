@@ -3,16 +3,21 @@ official openai client, streaming, through ingress, planner, kv-indexer and a to
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
+from bus.client import Bus
+from bus.topology import Subjects
 from infra.cli import _engine_env
+from schemas.events import Event, PrefillCompleted
 from tests.conftest import ClusterFactory
 
 
@@ -65,3 +70,50 @@ async def test_torch_engine_serves_chat_through_every_service(
     # The second identical prompt finds its prefix in the worker's paged cache.
     assert usage.prompt_tokens_details is not None
     assert (usage.prompt_tokens_details.cached_tokens or 0) > 0
+
+
+async def test_a_disaggregated_request_generates_the_aggregated_tokens(
+    cluster_factory: ClusterFactory, product_model: Path
+) -> None:
+    """The prompt's KV computed on a prefill worker travels as tensors over NATS (chunked and
+    checksummed); the decode worker continues from it to exactly the aggregated answer."""
+    engine = _engine_env("torch", product_model)
+    aggregated = cluster_factory(workers=1, env=engine)
+    disaggregated = cluster_factory(
+        workers=1, prefill_workers=1, env={**engine, "LANEWAY_DISAGG": "always"}
+    )
+    bus = await Bus.connect(disaggregated.nats_url, "test-observer")
+    handoffs: list[PrefillCompleted] = []
+
+    async def observe(event: Event) -> None:
+        if isinstance(event, PrefillCompleted):
+            handoffs.append(event)
+
+    await bus.subscribe(Subjects.all_routes, observe)
+    story = "The river ran past the mill and the old stone bridge, " * 6
+    prompts = [story + "and then", story + "until the evening came", "A short one."]
+    answers: list[list[str]] = []
+    try:
+        for cluster in (aggregated, disaggregated):
+            client = openai.AsyncOpenAI(
+                base_url=cluster.config.base_url, api_key="x", max_retries=0
+            )
+            texts = []
+            for prompt in prompts:
+                answer = await client.completions.create(
+                    model="tiny-llama", prompt=prompt, max_tokens=16, temperature=0
+                )
+                texts.append(answer.choices[0].text)
+            answers.append(texts)
+        assert all(answers[0]) and answers[0] == answers[1]
+        deadline = time.monotonic() + 5
+        while len(handoffs) < len(prompts) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert len(handoffs) == len(prompts)
+        assert all(h.error is None for h in handoffs)
+        # The long prompts' blocks went over as tensors; the second found the first's prefix
+        # cached on the prefill worker.
+        assert handoffs[0].payload is not None and handoffs[0].payload.size > 0
+        assert handoffs[1].cached_tokens > 0
+    finally:
+        await bus.close()

@@ -33,6 +33,13 @@ class SimEngine(ScheduledEngine):
         """How many leading blocks of ``block_hashes`` are cached here (and how many idle)."""
         return self._pool.count_hits(block_hashes, len(block_hashes))
 
+    def export_prefix(self, block_hashes: Sequence[int]) -> tuple[int, bytes]:
+        # Modelled KV has no contents to send: the receiver models the transfer's time.
+        return self.cached_prefix(block_hashes)[0], b""
+
+    def import_prefix(self, block_hashes: Sequence[int], payload: bytes) -> int:
+        return self.import_blocks(block_hashes)
+
     def step(self) -> StepResult:
         batch = self._scheduler.schedule()
         if not batch.scheduled:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,13 @@ from services.engine.sim.request import SimRequest
 from services.engine.sim.scheduled import ScheduledEngine
 from services.engine.torch_engine.blocks import PagedBlockPool, PagedKvManager
 from services.engine.torch_engine.config import TorchEngineConfig
-from services.engine.torch_engine.export import KvExport, export_blocks, import_blocks
+from services.engine.torch_engine.export import (
+    KvExport,
+    export_blocks,
+    from_bytes,
+    import_blocks,
+    to_bytes,
+)
 from services.engine.torch_engine.kv_cache import PagedKvCache, SeqChunk, paged_forward
 from services.engine.torch_engine.model import DTYPES, LlamaForCausalLM, load_model
 from services.engine.torch_engine.sampler import RequestSampler, sample
@@ -141,6 +148,19 @@ class TorchEngine(ScheduledEngine):
         """Cache another engine's exported blocks so requests with that prefix hit them; how many
         blocks were copied in. The ``BlocksStored`` changes come with the next step's result."""
         return import_blocks(self._cache, self._paged_pool, export)
+
+    def export_prefix(self, block_hashes: Sequence[int]) -> tuple[int, bytes]:
+        hits, _ = self._paged_pool.count_hits(block_hashes, len(block_hashes))
+        hashes = list(block_hashes[:hits])
+        ids = [self._paged_pool.block_id(h) for h in hashes]
+        return hits, to_bytes(export_blocks(self._cache, hashes, ids))
+
+    def import_prefix(self, block_hashes: Sequence[int], payload: bytes) -> int:
+        export = from_bytes(payload)
+        if export.block_hashes != tuple(block_hashes[: len(export.block_hashes)]):
+            raise ValueError("the KV payload is not a prefix of the request's blocks")
+        self.import_kv(export)
+        return self._paged_pool.count_hits(block_hashes, len(block_hashes))[0]
 
 
 def _tokens(req: SimRequest, start: int, end: int) -> list[int]:

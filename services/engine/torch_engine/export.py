@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from safetensors.torch import load, save
 from torch import Tensor
 
 from services.engine.torch_engine.blocks import PagedBlockPool
@@ -62,3 +63,31 @@ def import_blocks(cache: PagedKvCache, pool: PagedBlockPool, export: KvExport) -
         cache.key[:, index] = export.key[:, new].to(cache.key.device, cache.key.dtype)
         cache.value[:, index] = export.value[:, new].to(cache.value.device, cache.value.dtype)
     return len(block_ids)
+
+
+_U64 = 1 << 64
+
+
+def to_bytes(export: KvExport) -> bytes:
+    """safetensors, not pickle: the bytes come over the network."""
+    # Hashes are unsigned 64-bit; torch has no such tensor dtype, so they travel as int64 bits.
+    hashes = [h - _U64 if h >= _U64 >> 1 else h for h in export.block_hashes]
+    return save(
+        {
+            "key": export.key.contiguous(),
+            "value": export.value.contiguous(),
+            "hashes": torch.tensor(hashes, dtype=torch.int64),
+        }
+    )
+
+
+def from_bytes(data: bytes) -> KvExport:
+    tensors = load(data)
+    key, value = tensors["key"], tensors["value"]
+    layers, _, block_size, kv_heads, head_dim = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"KV value shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    hashes = tuple(h % _U64 for h in tensors["hashes"].tolist())
+    if len(hashes) != key.shape[1]:
+        raise ValueError(f"{len(hashes)} block hashes for {key.shape[1]} KV blocks")
+    return KvExport(KvLayout(block_size, layers, kv_heads, head_dim), hashes, key, value)
