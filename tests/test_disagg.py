@@ -10,8 +10,9 @@ import pytest
 
 from infra.bench.offline import OfflineReplay
 from infra.bench.traces import load_trace
+from services.engine.kv_transfer import KvTransferModel
 from services.engine.sim import SimConfig
-from services.planner.disagg import DisaggSettings, KvTransferModel, plan_prefill
+from services.planner.disagg import DisaggSettings, plan_prefill
 from services.planner.kv_policy import KvAware
 from services.planner.policy import RouteRequest, WorkerView
 

@@ -10,9 +10,10 @@ local whatever the costs say, since a hand-off has fixed overheads the model doe
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from services.engine.kv_transfer import KvTransferModel
 from services.planner.kv_policy import KvAware
 from services.planner.policy import RouteRequest, WorkerView
 
@@ -20,27 +21,11 @@ DisaggMode = Literal["never", "always", "auto"]
 
 
 @dataclass(frozen=True, slots=True)
-class KvTransferModel:
-    """Time to move KV from a prefill to a decode worker. The default shape is a Llama-3-8B-like
-    model in bf16 (32 layers × 8 KV heads × 128 dims × K and V × 2 bytes = 128 KiB a token)
-    over a 25 GB/s link with 1 ms of fixed latency."""
-
-    kv_bytes_per_token: int = 131_072
-    bandwidth_gb_s: float = 25.0
-    latency_ms: float = 1.0
-
-    def transfer_ms(self, tokens: int) -> float:
-        if tokens <= 0:
-            return 0.0
-        return self.latency_ms + tokens * self.kv_bytes_per_token / (self.bandwidth_gb_s * 1e6)
-
-
-@dataclass(frozen=True, slots=True)
 class DisaggSettings:
     mode: DisaggMode = "auto"
     # Uncached prompt tokens below which prefill always stays on the decode worker.
     min_remote_tokens: int = 1024
-    transfer: KvTransferModel = KvTransferModel()
+    transfer: KvTransferModel = field(default_factory=KvTransferModel)
 
 
 @dataclass(frozen=True, slots=True)
