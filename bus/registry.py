@@ -13,12 +13,17 @@ from collections.abc import Awaitable, Callable
 
 import aetcd
 
+from schemas.events import Role
 from schemas.messages import WorkerRegistration
 
 log = logging.getLogger(__name__)
 
 WORKERS_PREFIX = b"/laneway/workers/"
 PLANNERS_PREFIX = b"/laneway/planners/"
+# The capacity plan: `roles/<worker_id>` → the role the capacity loop gave that worker.
+ROLES_PREFIX = b"/laneway/roles/"
+# Held by the planner replica that runs the capacity loop.
+LEADER_KEY = b"/laneway/planner/leader"
 
 
 def connect_etcd(endpoints: str) -> aetcd.Client:
@@ -46,6 +51,10 @@ class LeasedKey:
         return cls(client, key, registration.model_dump_json().encode(), ttl_s)
 
     @classmethod
+    def leader(cls, client: aetcd.Client, instance_id: str, ttl_s: int) -> LeasedKey:
+        return cls(client, LEADER_KEY, instance_id.encode(), ttl_s)
+
+    @classmethod
     def planner(cls, client: aetcd.Client, instance_id: str, ttl_s: int) -> LeasedKey:
         """A planner replica that is consuming requests (operators, readiness checks)."""
         return cls(client, PLANNERS_PREFIX + instance_id.encode(), str(os.getpid()).encode(), ttl_s)
@@ -54,6 +63,39 @@ class LeasedKey:
         self._lease = await self._client.lease(self._ttl_s)
         await self._client.put(self.key, self._value, lease=self._lease)
         self._task = asyncio.create_task(self._keep_alive(), name="etcd-keepalive")
+
+    async def start_if_absent(self) -> bool:
+        """Take the key unless someone holds it (an election); True if this holder has it now."""
+        if self._task is not None:
+            return await self.holds()
+        lease = await self._client.lease(self._ttl_s)
+        tx = self._client.transactions
+        won, _ = await self._client.transaction(
+            compare=[tx.create(self.key) == 0],
+            success=[tx.put(self.key, self._value, lease=lease)],
+            failure=[],
+        )
+        if not won:
+            await lease.revoke()
+            return False
+        self._lease = lease
+        self._task = asyncio.create_task(self._keep_alive(), name="etcd-keepalive")
+        return True
+
+    async def holds(self) -> bool:
+        """Whether the key still carries this holder's value (its lease may have lapsed)."""
+        found = await self._client.get(self.key)
+        if found is not None and found.value == self._value:
+            return True
+        await self.stop()  # lost it: campaign afresh next time
+        self._task = self._lease = None
+        return False
+
+    async def update(self, value: bytes) -> None:
+        """A new value under the same lease (a worker's registration after a role change)."""
+        self._value = value
+        if self._lease is not None:
+            await self._client.put(self.key, value, lease=self._lease)
 
     async def _keep_alive(self) -> None:
         assert self._lease is not None
@@ -149,3 +191,48 @@ class SessionStore:
     async def move(self, session_id: str, worker_id: str) -> None:
         lease = await self._client.lease(self._ttl_s)
         await self._client.put(self.key(session_id), worker_id.encode(), lease=lease)
+
+
+def role_key(worker_id: str) -> bytes:
+    return ROLES_PREFIX + worker_id.encode()
+
+
+async def assign_roles(client: aetcd.Client, roles: dict[str, Role]) -> None:
+    """Write a capacity step's new roles at once: workers see all of them or none."""
+    tx = client.transactions
+    await client.transaction(
+        compare=[],
+        success=[tx.put(role_key(w), role.encode()) for w, role in roles.items()],
+        failure=[],
+    )
+
+
+RoleChanged = Callable[[Role], Awaitable[None]]
+
+
+async def watch_role(client: aetcd.Client, worker_id: str, on_change: RoleChanged) -> None:
+    """Call ``on_change`` with the role assigned to ``worker_id`` now (if any) and after every
+    change, forever; a broken watch is re-established from a fresh read."""
+    key = role_key(worker_id)
+    while True:
+        try:
+            snapshot = await client.get_prefix(key)
+            for kv in snapshot:
+                if kv.key == key:
+                    await on_change(_role(kv.value))
+            start = snapshot.header.revision + 1
+            async for event in await client.watch(key, start_revision=start):
+                if event.kind == aetcd.EventKind.PUT:
+                    await on_change(_role(event.kv.value))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.warning("role watch broke; re-reading from etcd", exc_info=True)
+            await asyncio.sleep(1.0)
+
+
+def _role(value: bytes) -> Role:
+    role = value.decode()
+    if role not in ("prefill", "decode", "both"):
+        raise ValueError(f"unknown role {role!r}")
+    return role  # type: ignore[return-value]

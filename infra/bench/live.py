@@ -19,25 +19,56 @@ from bus.client import Bus
 from bus.topology import Subjects
 from infra.bench.metrics import ReplayResult, RequestRecord, WorkerRecord, build_report
 from infra.bench.traces import PromptFactory, TraceRequest
-from schemas.events import Event, RouteDecided, WorkerLoadReported
+from schemas.events import Event, Role, RolesRebalanced, RouteDecided, WorkerLoadReported
 
 
 class _ClusterObserver:
-    """Which worker served each request, and how busy each worker was, from the bus."""
+    """Which worker served each request, how busy each worker was and in which role, and how the
+    capacity loop moved them, from the bus."""
 
-    def __init__(self) -> None:
+    def __init__(self, time_scale: float) -> None:
         self.routes: dict[str, str] = {}
         self.decisions: list[dict[str, Any]] = []
         self.busy_start: dict[str, float] = {}
         self.busy_now: dict[str, float] = {}
+        self.roles: dict[str, Role] = {}
+        self.roles_timeline: list[dict[str, Any]] = []
+        self.remote_prefills = 0
+        self._time_scale = time_scale
+        self._t0 = time.monotonic()
+
+    def start(self) -> None:
+        self._t0 = time.monotonic()
+        self._record_roles("start")
 
     async def on_event(self, event: Event) -> None:
-        if isinstance(event, RouteDecided) and event.request_id:
+        # A remote prefill's decision also goes to the prefill worker: count it once.
+        if isinstance(event, RouteDecided) and event.request_id not in (None, *self.routes):
+            assert event.request_id is not None
             self.routes[event.request_id] = event.worker_id
             self.decisions.append(event.model_dump(mode="json", exclude={"spec"}))
+            if event.prefill is not None and event.prefill.prefill_worker_id is not None:
+                self.remote_prefills += 1
         elif isinstance(event, WorkerLoadReported):
             self.busy_start.setdefault(event.worker_id, event.busy_s)
             self.busy_now[event.worker_id] = event.busy_s
+            if self.roles.get(event.worker_id, event.role) != event.role:
+                self.roles[event.worker_id] = event.role
+                self._record_roles(f"{event.worker_id} is now {event.role}")
+            self.roles[event.worker_id] = event.role
+        elif isinstance(event, RolesRebalanced):
+            self._record_roles(event.reason)
+
+    def _record_roles(self, reason: str) -> None:
+        roles = list(self.roles.values())
+        self.roles_timeline.append(
+            {
+                "t": round((time.monotonic() - self._t0) * self._time_scale, 3),
+                "prefill": roles.count("prefill"),
+                "decode": len(roles) - roles.count("prefill"),
+                "reason": reason,
+            }
+        )
 
 
 async def _one(
@@ -100,11 +131,13 @@ async def replay_live(
     prompts = PromptFactory(block_size)
     texts = [prompts.prompt(r).text() for r in trace]
     records = [RequestRecord(r.arrival_s, r.input_length) for r in trace]
-    observer = _ClusterObserver()
+    observer = _ClusterObserver(time_scale)
     bus = await Bus.connect(nats_url, "laneway-bench")
     await bus.subscribe(Subjects.all_routes, observer.on_event)
     await bus.subscribe(Subjects.all_load, observer.on_event)
+    await bus.subscribe(Subjects.roles_rebalanced, observer.on_event)
     await asyncio.sleep(1.0)  # a first load report from every worker, for the busy baseline
+    observer.start()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     started = time.perf_counter()
     request_ids: list[str | None] = []
@@ -145,4 +178,15 @@ async def replay_live(
             workers.setdefault(served_by, WorkerRecord()).requests += 1
     extra: dict[str, Any] = {"time_scale": time_scale}
     report = build_report(records, workers, time.perf_counter() - started, extra)
+    if "prefill" in observer.roles.values():
+        span = report["duration_s"]
+        pools: dict[str, list[float]] = {}
+        for worker_id, record in workers.items():
+            pools.setdefault(observer.roles.get(worker_id, "both"), []).append(record.busy_s())
+        report["pool_busy_fraction"] = {
+            role: sum(busy) / (span * len(busy)) for role, busy in sorted(pools.items())
+        }
+        report["remote_prefills"] = observer.remote_prefills
+        if len(observer.roles_timeline) > 1:
+            report["roles_timeline"] = observer.roles_timeline
     return ReplayResult(report, records, observer.decisions)

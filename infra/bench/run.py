@@ -139,9 +139,25 @@ def _offline(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -
     return replay.run()
 
 
+def _disagg_env(args: argparse.Namespace) -> dict[str, str]:
+    """The planner's disaggregation and capacity settings, and the link the workers model."""
+    return {
+        "LANEWAY_DISAGG": args.disagg,
+        "LANEWAY_DISAGG_MIN_REMOTE_TOKENS": str(args.min_remote_tokens),
+        "LANEWAY_KV_BYTES_PER_TOKEN": str(args.kv_bytes_per_token),
+        "LANEWAY_LINK_GB_S": str(args.link_gb_s),
+        "LANEWAY_LINK_LATENCY_MS": str(args.link_latency_ms),
+        "LANEWAY_AUTOSCALE": str(bool(args.autoscale and args.prefill_workers)).lower(),
+        # The loop sees wall-clock latencies of a compressed replay: scale targets and interval.
+        "LANEWAY_TTFT_TARGET_MS": str(args.ttft_target_ms / args.time_scale),
+        "LANEWAY_ITL_TARGET_MS": str(args.itl_target_ms / args.time_scale),
+        "LANEWAY_PLAN_INTERVAL_S": str(args.plan_interval_s / args.time_scale),
+    }
+
+
 def _live(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -> ReplayResult:
-    if args.prefill_workers:
-        raise SystemExit("laneway bench: live disaggregation is not available yet (offline only)")
+    prefill = args.prefill_workers
+    decode = args.decode_workers if args.decode_workers is not None else args.workers - prefill
     longest = max(r.input_length + r.output_length for r in trace)
     with tempfile.TemporaryDirectory(prefix="laneway-bench-") as state:
         cluster = LocalCluster(
@@ -150,9 +166,11 @@ def _live(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -> R
                 http_port=free_port(),
                 nats_url=args.nats_url,
                 etcd_endpoints=args.etcd_endpoints,
-                workers=args.workers,
+                workers=decode,
+                prefill_workers=prefill,
                 policy=policy,
                 env={
+                    **_disagg_env(args),
                     "LANEWAY_TIMING": args.engine_preset,
                     "LANEWAY_SPEEDUP": str(args.time_scale),
                     "LANEWAY_SEED": str(args.seed),

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field
 
 from bus.client import Bus
-from bus.registry import LeasedKey, connect_etcd
+from bus.registry import LeasedKey, connect_etcd, watch_role
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
 from observability.tracing import setup_tracing
@@ -134,7 +134,9 @@ def worker_main(default_role: Role) -> None:
         )
         lease = LeasedKey.worker(etcd, worker.registration(), settings.lease_ttl_s)
         try:
-            await worker.run(lease, stop)
+            await worker.run(
+                lease, stop, lambda changed: watch_role(etcd, settings.worker_id, changed)
+            )
         finally:
             await bus.close()
             await etcd.close()

@@ -20,7 +20,7 @@ from opentelemetry.trace import Span
 
 from bus.blobs import BlobAssembler, send_blob
 from bus.client import Bus
-from bus.registry import LeasedKey
+from bus.registry import LeasedKey, RoleChanged
 from bus.topology import Subjects, worker_routes
 from observability.tracing import context_of, trace_context
 from schemas.events import (
@@ -149,6 +149,9 @@ class Worker:
             ThreadPoolExecutor(1, thread_name_prefix="engine") if options.step_thread else None
         )
         self._reported_at = 0.0
+        self._lease: LeasedKey | None = None
+        # The role the capacity loop gave this worker, taken once in-flight work is done.
+        self._next_role: Role | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._tracer = trace.get_tracer("laneway.worker")
 
@@ -163,6 +166,7 @@ class Worker:
             max_num_seqs=self._engine.max_num_seqs,
             kv_events=self._opt.kv_events,
             kv_handoff=self._portable is not None,
+            draining=self._next_role is not None,
             pid=os.getpid(),
         )
 
@@ -172,7 +176,13 @@ class Worker:
         ok = hasattr(engine, "export_prefix") and hasattr(engine, "import_prefix")
         return engine if ok else None  # type: ignore[return-value]
 
-    async def run(self, lease: LeasedKey, stop: asyncio.Event) -> None:
+    async def run(
+        self,
+        lease: LeasedKey,
+        stop: asyncio.Event,
+        watch_role: Callable[[RoleChanged], Coroutine[object, object, None]] | None = None,
+    ) -> None:
+        self._lease = lease
         await lease.start()
         await self._bus.subscribe(Subjects.cancellation_requested, self._on_cancel)
         await self._bus.subscribe_bytes(
@@ -183,6 +193,8 @@ class Worker:
             asyncio.create_task(self._step_loop(), name="engine-steps"),
             asyncio.create_task(self._report_loop(), name="load-reports"),
         ]
+        if watch_role is not None:
+            loops.append(asyncio.create_task(watch_role(self._on_role), name="role-watch"))
         log.info("worker %s (%s) ready", self._opt.worker_id, self._opt.role)
         await stop.wait()
         # Leave the pool first so that no new work is routed here, then let in-flight work end.
@@ -197,6 +209,32 @@ class Worker:
         for task in loops:
             task.cancel()
         await asyncio.gather(*loops, *self._background, return_exceptions=True)
+
+    # -- role changes ---------------------------------------------------------------------
+
+    async def _on_role(self, role: Role) -> None:
+        """Leave the old role's pool at once (draining: no new work), finish what is in flight,
+        then join the new one."""
+        if role == (self._next_role or self._opt.role):
+            return
+        switching = self._next_role is not None
+        self._next_role = role
+        await self._register()
+        if not switching:
+            self._spawn(self._switch_when_idle())
+
+    async def _switch_when_idle(self) -> None:
+        while self._active or self._prefills:
+            await asyncio.sleep(0.05)
+        assert self._next_role is not None
+        log.info("worker %s: role %s → %s", self._opt.worker_id, self._opt.role, self._next_role)
+        self._opt.role, self._next_role = self._next_role, None
+        await self._register()
+        await self._report_load()
+
+    async def _register(self) -> None:
+        if self._lease is not None:
+            await self._lease.update(self.registration().model_dump_json().encode())
 
     # -- inputs ---------------------------------------------------------------------------
 

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+from dataclasses import replace
 
 from pydantic import Field
 
 from bus.client import Bus
-from bus.registry import LeasedKey, SessionStore, connect_etcd, watch_workers
+from bus.registry import LeasedKey, SessionStore, assign_roles, connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
 from bus.topology import PLANNER_INTAKE, Subjects
 from observability.tracing import setup_tracing
-from schemas.events import new_id
+from schemas.events import Event, RequestFinished, new_id
 from services.engine.kv_transfer import KvTransferModel
+from services.planner.capacity import CapacityPlanner, CapacitySettings
+from services.planner.capacity_loop import CapacityLoop
 from services.planner.disagg import DisaggMode, DisaggSettings
 from services.planner.handlers import Planner
 from services.planner.kv_policy import KvSettings
@@ -22,6 +24,7 @@ from services.planner.registry import make_policy
 
 _KV = KvSettings()
 _DISAGG = DisaggSettings()
+_CAPACITY = CapacitySettings()
 
 
 class PlannerSettings(ServiceSettings):
@@ -48,6 +51,12 @@ class PlannerSettings(ServiceSettings):
     kv_bytes_per_token: int = _DISAGG.transfer.kv_bytes_per_token
     link_gb_s: float = _DISAGG.transfer.bandwidth_gb_s
     link_latency_ms: float = _DISAGG.transfer.latency_ms
+    # The capacity loop (one replica at a time leads it): moves workers between the prefill
+    # and decode pools against these targets.
+    autoscale: bool = False
+    ttft_target_ms: float = _CAPACITY.ttft_target_ms
+    itl_target_ms: float = _CAPACITY.itl_target_ms
+    plan_interval_s: float = _CAPACITY.interval_s
 
     def kv(self) -> KvSettings:
         return KvSettings(
@@ -59,6 +68,14 @@ class PlannerSettings(ServiceSettings):
             short_prompt_tokens=self.kv_short_prompt_tokens,
             session_slack_ms=self.kv_session_slack_ms,
             tie_ms=self.kv_tie_ms,
+        )
+
+    def capacity(self) -> CapacitySettings:
+        return replace(
+            _CAPACITY,
+            ttft_target_ms=self.ttft_target_ms,
+            itl_target_ms=self.itl_target_ms,
+            interval_s=self.plan_interval_s,
         )
 
     def disagg_settings(self) -> DisaggSettings:
@@ -87,17 +104,36 @@ def main() -> None:
             sessions,
             disagg=settings.disagg_settings(),
         )
-        watcher = asyncio.create_task(watch_workers(etcd, planner.on_workers))
-        await bus.subscribe(Subjects.all_request_terminals, planner.on_terminal)
+        tasks = [asyncio.create_task(watch_workers(etcd, planner.on_workers))]
+        capacity = None
+        leadership = LeasedKey.leader(etcd, settings.instance_id, ttl_s=5)
+        if settings.autoscale:
+            capacity = CapacityLoop(
+                CapacityPlanner(settings.capacity()),
+                planner.cluster,
+                leadership,
+                lambda roles: assign_roles(etcd, roles),
+                bus.publish,
+                f"planner/{settings.instance_id}",
+            )
+            tasks.append(asyncio.create_task(capacity.run()))
+
+        async def on_terminal(event: Event) -> None:
+            await planner.on_terminal(event)
+            if capacity is not None and isinstance(event, RequestFinished):
+                capacity.on_finished(event)
+
+        await bus.subscribe(Subjects.all_request_terminals, on_terminal)
         await bus.subscribe(Subjects.all_load, planner.on_load)
         await bus.consume(PLANNER_INTAKE, planner.on_request)
         presence = LeasedKey.planner(etcd, settings.instance_id, ttl_s=5)
         await presence.start()
         await stop.wait()
         await presence.stop()
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await leadership.stop()
         await bus.close()
         await etcd.close()
 

@@ -106,3 +106,22 @@ def test_bench_disaggregated_with_autoscale(small_trace: Path, tmp_path: Path) -
     assert report["completed"] == 12
     assert report["roles_timeline"][0] == {"t": 0.0, "prefill": 1, "decode": 2, "reason": "start"}
     assert set(report["pool_busy_fraction"]) == {"prefill", "decode"}
+
+
+def test_live_bench_with_a_prefill_pool(small_trace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "live-disagg.json"
+    run = subprocess.run(
+        [
+            sys.executable, "-m", "infra.cli", "bench", "--trace", str(small_trace),
+            "--mode", "live", "--time-scale", "10", "--policy", "kv", "--workers", "3",
+            "--prefill-workers", "1", "--disagg", "always", "--num-gpu-blocks", "4096",
+            "--json", str(out),
+        ],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())["kv"]
+    assert report["completed"] == 12 and report["failed"] == 0
+    assert report["remote_prefills"] == 12
+    assert set(report["pool_busy_fraction"]) == {"prefill", "decode"}
+    assert report["pool_busy_fraction"]["prefill"] > 0

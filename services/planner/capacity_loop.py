@@ -1,0 +1,115 @@
+"""The capacity loop, live: one planner replica at a time (an etcd election) watches TTFT and ITL
+of finished requests and the prefill pool's queue, asks the pure :class:`CapacityPlanner` what to
+do, and carries a move out: new roles in etcd (each worker watches its own), then a
+``RolesRebalanced`` event as the record of why."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+from bus.registry import LeasedKey
+from bus.topology import Subjects
+from schemas.events import RequestFinished, Role, RoleMove, RolesRebalanced
+from services.planner.capacity import CapacityPlanner, Observation
+from services.planner.cluster import ClusterView
+
+log = logging.getLogger(__name__)
+
+AssignRoles = Callable[[dict[str, Role]], Awaitable[None]]
+Publish = Callable[[str, RolesRebalanced], Awaitable[None]]
+
+
+class CapacityLoop:
+    def __init__(
+        self,
+        planner: CapacityPlanner,
+        cluster: ClusterView,
+        leadership: LeasedKey,
+        assign_roles: AssignRoles,
+        publish: Publish,
+        source: str,
+    ) -> None:
+        self._planner = planner
+        self._cluster = cluster
+        self._leadership = leadership
+        self._assign_roles = assign_roles
+        self._publish = publish
+        self._source = source
+        # (finished at, TTFT ms, ITL ms or None) of recent requests, monotonic seconds.
+        self._finished: deque[tuple[float, float, float | None]] = deque()
+
+    def on_finished(self, event: RequestFinished) -> None:
+        n = event.usage.completion_tokens
+        itl = (event.e2e_ms - event.ttft_ms) / (n - 1) if n > 1 else None
+        self._finished.append((time.monotonic(), event.ttft_ms, itl))
+
+    async def run(self) -> None:
+        interval = self._planner.settings.interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if await self._leadership.start_if_absent():
+                    await self.step()
+                else:
+                    self._forget_before(time.monotonic() - interval)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # etcd unreachable for a moment: try again next interval
+                log.warning("capacity step failed", exc_info=True)
+
+    def _forget_before(self, since: float) -> None:
+        while self._finished and self._finished[0][0] < since:
+            self._finished.popleft()
+
+    def observe(self) -> Observation:
+        """The last interval's latencies and the pools as they stand."""
+        self._forget_before(time.monotonic() - self._planner.settings.interval_s)
+        ttft = [t for _, t, _ in self._finished]
+        itl = [i for _, _, i in self._finished if i is not None]
+        prefill = self._cluster.prefill_candidates()
+        return Observation(
+            _p95(ttft),
+            _p95(itl),
+            sum(w.waiting_prefill_tokens for w in prefill),
+            len(prefill),
+            len(self._movable("decode")),
+        )
+
+    def _movable(self, role: Role) -> list[str]:
+        """Workers of a pool, least busy first: they finish their in-flight work soonest."""
+        views = self._cluster.prefill_candidates() if role == "prefill" else []
+        if role == "decode":
+            decode = {w for w, reg in self._cluster.workers.items() if reg.role == "decode"}
+            views = [v for v in self._cluster.candidates() if v.worker_id in decode]
+        return [v.worker_id for v in sorted(views, key=lambda v: (v.load, v.worker_id))]
+
+    async def step(self) -> RolesRebalanced | None:
+        decision = self._planner.decide(self.observe())
+        if decision.move is None:
+            return None
+        source: Role = "decode" if decision.move == "to_prefill" else "prefill"
+        target: Role = "prefill" if source == "decode" else "decode"
+        moved = self._movable(source)[: decision.workers]
+        if not moved:
+            return None
+        await self._assign_roles(dict.fromkeys(moved, target))
+        event = RolesRebalanced(
+            source=self._source,
+            moves=tuple(RoleMove(worker_id=w, from_role=source, to_role=target) for w in moved),
+            reason=decision.reason,
+        )
+        await self._publish(Subjects.roles_rebalanced, event)
+        log.info("capacity: %s → %s for %s (%s)", source, target, moved, decision.reason)
+        return event
+
+
+def _p95(values: list[float]) -> float | None:
+    if len(values) < 2:
+        return values[0] if values else None
+    # "inclusive": linear interpolation between closest ranks, as the bench reports it.
+    return statistics.quantiles(values, n=20, method="inclusive")[-1]

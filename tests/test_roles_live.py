@@ -1,0 +1,84 @@
+"""The capacity loop moves a worker between pools in the middle of a live replay: the worker leaves
+its pool, finishes what it holds, joins the other; no request is lost and no token repeated."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, defaultdict
+
+from bus.client import Bus
+from bus.registry import WORKERS_PREFIX, connect_etcd
+from bus.topology import Subjects
+from infra.bench.live import replay_live
+from infra.bench.traces import TraceRequest
+from schemas.events import Event, RolesRebalanced, TokensGenerated
+from schemas.messages import WorkerRegistration
+from tests.conftest import ClusterFactory
+
+OUTPUT_TOKENS = 60
+# Every prompt prefilled remotely; a TTFT target nothing can meet, so the loop moves a decode
+# worker to the prefill pool at its first chance, then has no decode worker to spare.
+AUTOSCALE = {
+    "LANEWAY_DISAGG": "always",
+    "LANEWAY_AUTOSCALE": "true",
+    "LANEWAY_TTFT_TARGET_MS": "0.001",
+    "LANEWAY_ITL_TARGET_MS": "1000000",
+    "LANEWAY_PLAN_INTERVAL_S": "1",
+    "LANEWAY_TIMING": "fixed",
+}
+
+
+async def test_a_role_switch_mid_replay_loses_no_request_and_repeats_no_token(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = cluster_factory(workers=2, prefill_workers=1, env=AUTOSCALE)
+    bus = await Bus.connect(cluster.nats_url, "test-observer")
+    tokens: dict[str, list[int]] = defaultdict(list)
+    terminals: Counter[str] = Counter()
+    moves: list[RolesRebalanced] = []
+
+    async def observe(event: Event) -> None:
+        if isinstance(event, TokensGenerated) and event.request_id:
+            tokens[event.request_id] += range(event.index, event.index + len(event.token_ids))
+        elif isinstance(event, RolesRebalanced):
+            moves.append(event)
+        elif event.type in ("RequestFinished", "RequestFailed", "RequestCancelled"):
+            terminals[event.request_id or ""] += 1
+
+    await bus.subscribe(Subjects.tokens(">"), observe)
+    await bus.subscribe(Subjects.all_request_terminals, observe)
+    await bus.subscribe(Subjects.roles_rebalanced, observe)
+    trace = [
+        TraceRequest(arrival_s=i * 0.1, input_length=600, output_length=OUTPUT_TOKENS,
+                     hash_ids=(), index=i)
+        for i in range(60)
+    ]  # fmt: skip
+    try:
+        result = await replay_live(
+            trace, cluster.config.base_url, cluster.nats_url, "laneway-sim", 16, timeout_s=60
+        )
+        deadline = time.monotonic() + 5
+        while sum(terminals.values()) < len(trace) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        await bus.close()
+    assert all(not r.failed and r.output_tokens == OUTPUT_TOKENS for r in result.records)
+    assert len(tokens) == len(trace)
+    assert all(sorted(t) == list(range(OUTPUT_TOKENS)) for t in tokens.values())
+    assert set(terminals) == set(tokens) and set(terminals.values()) == {1}
+    # The loop moved one decode worker (10% of 3, at least one) and no more.
+    assert len(moves) == 1 and len(moves[0].moves) == 1
+    move = moves[0].moves[0]
+    assert (move.from_role, move.to_role) == ("decode", "prefill")
+    report = result.report
+    assert report["roles_timeline"][0]["prefill"] == 1
+    assert report["roles_timeline"][-1]["prefill"] == 2
+    etcd = connect_etcd(cluster.etcd_endpoints)
+    try:
+        found = await etcd.get(WORKERS_PREFIX + move.worker_id.encode())
+    finally:
+        await etcd.close()
+    assert found is not None
+    registration = WorkerRegistration.model_validate_json(found.value)
+    assert registration.role == "prefill" and not registration.draining
