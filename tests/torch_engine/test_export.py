@@ -10,6 +10,7 @@ import torch
 from schemas.block_hash import chain_block_hashes
 from services.engine.protocol import BlocksStored
 from services.engine.torch_engine import KvExport, TorchEngine
+from services.engine.torch_engine.export import from_bytes, to_bytes
 from tests.engine._sim_support import fold
 
 from ._support import make_engine, make_request, outputs_by_request, random_prompt, run_to_end
@@ -21,7 +22,9 @@ def _prefill_and_export(engine: TorchEngine, temperature: float) -> tuple[KvExpo
     """The export after the prefill step, and the tokens the engine then generates."""
     engine.add_request(make_request("r", PROMPT, max_tokens=10, temperature=temperature, seed=3))
     first = engine.step()
-    export = engine.export_kv("r")
+    exported, data = engine.export_prefix(chain_block_hashes(PROMPT, 4))
+    export = from_bytes(data)
+    assert exported == len(export.block_hashes)
     outputs = first.outputs + [o for r in run_to_end(engine) for o in r.outputs]
     return export, [t for o in outputs for t in o.new_token_ids]
 
@@ -72,10 +75,26 @@ def test_import_rejects_another_layout(tiny_model_dir: Path) -> None:
         make_engine(tiny_model_dir, block_size=8).import_kv(export)
 
 
-def test_only_running_requests_export(tiny_model_dir: Path) -> None:
-    engine = make_engine(tiny_model_dir)
-    engine.add_request(make_request("waiting", PROMPT))
-    with pytest.raises(ValueError, match="not running"):
-        engine.export_kv("waiting")
-    with pytest.raises(ValueError, match="not running"):
-        engine.export_kv("unknown")
+def test_the_wire_format_keeps_64_bit_hashes_and_tensors(tiny_model_dir: Path) -> None:
+    export, _ = _prefill_and_export(make_engine(tiny_model_dir), 0.0)
+    odd = KvExport(
+        export.layout, ((1 << 64) - 1, 1 << 63, *export.block_hashes[2:]), export.key, export.value
+    )
+    back = from_bytes(to_bytes(odd))
+    assert back.block_hashes == odd.block_hashes and back.layout == odd.layout
+    assert torch.equal(back.key, odd.key) and torch.equal(back.value, odd.value)
+
+
+def test_import_takes_only_a_prefix_of_the_request(tiny_model_dir: Path) -> None:
+    source = make_engine(tiny_model_dir)
+    source.add_request(make_request("r", PROMPT, max_tokens=2))
+    source.step()
+    hashes = chain_block_hashes(PROMPT, 4)
+    exported, data = source.export_prefix(hashes)
+    assert exported == 5
+    target = make_engine(tiny_model_dir)
+    with pytest.raises(ValueError, match="prefix"):
+        target.import_prefix(chain_block_hashes([7, *PROMPT], 4), data)
+    assert target.import_prefix(hashes, data) == 5
+    # Nothing cached: nothing to send, and nothing to take.
+    assert source.export_prefix(chain_block_hashes([9] * 8, 4))[0] == 0

@@ -8,9 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from schemas.block_hash import chain_block_hashes
 from services.engine.torch_engine import load_model
+from services.engine.torch_engine.export import from_bytes
 
 from ._support import (
+    SMALL,
     greedy_reference,
     make_engine,
     make_request,
@@ -43,7 +46,8 @@ def test_half_precision_generates_and_exports(tiny_model_dir: Path, dtype: str) 
     engine = make_engine(tiny_model_dir, device="cuda", dtype=dtype)
     engine.add_request(make_request("r", list(range(3, 30)), max_tokens=6))
     engine.step()
-    export = engine.export_kv("r")
+    _, data = engine.export_prefix(chain_block_hashes(list(range(3, 30)), SMALL["block_size"]))
+    export = from_bytes(data)
     assert export.key.dtype == getattr(torch, dtype)
     assert export.key.device.type == "cpu"
     assert len(tokens_by_request(run_to_end(engine))["r"]) == 5

@@ -135,15 +135,6 @@ class TorchEngine(ScheduledEngine):
             return []
         return sample(self.model.compute_logits(hidden[rows]), samplers)
 
-    def export_kv(self, request_id: str) -> KvExport:
-        """The KV of a running request's full, computed blocks, e.g. after its prefill step."""
-        req = self._requests.get(request_id)
-        if req is None or not req.running:
-            raise ValueError(f"request {request_id} is not running in this engine")
-        full = req.num_computed // self.block_size
-        hashes = req.hashes_upto(full, self.block_size)[:full]
-        return export_blocks(self._cache, hashes, self._paged_kv.block_ids(req)[:full])
-
     def import_kv(self, export: KvExport) -> int:
         """Cache another engine's exported blocks so requests with that prefix hit them; how many
         blocks were copied in. The ``BlocksStored`` changes come with the next step's result."""

@@ -1,0 +1,105 @@
+"""The live capacity loop's bookkeeping, with in-memory stand-ins for etcd and the bus."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schemas.events import RequestFinished, Role, RolesRebalanced, Usage, WorkerLoadReported
+from schemas.messages import WorkerRegistration
+from services.planner.capacity import CapacityPlanner, CapacitySettings
+from services.planner.capacity_loop import CapacityLoop
+from services.planner.cluster import ClusterView
+
+
+class Leader:
+    async def start_if_absent(self) -> bool:
+        return True
+
+
+def worker(worker_id: str, role: Role, draining: bool = False) -> WorkerRegistration:
+    return WorkerRegistration(
+        worker_id=worker_id,
+        role=role,
+        engine="sim",
+        model="m",
+        block_size=16,
+        kv_blocks_total=1000,
+        max_num_seqs=8,
+        kv_handoff=True,
+        draining=draining,
+        pid=1,
+    )
+
+
+def finished(ttft_ms: float, e2e_ms: float, tokens: int) -> RequestFinished:
+    return RequestFinished(
+        source="t",
+        request_id="r",
+        worker_id="d1",
+        finish_reason="length",
+        usage=Usage(prompt_tokens=10, completion_tokens=tokens),
+        ttft_ms=ttft_ms,
+        e2e_ms=e2e_ms,
+    )
+
+
+def make_loop(
+    workers: list[WorkerRegistration], **settings: Any
+) -> tuple[CapacityLoop, ClusterView, dict[str, Role], list[RolesRebalanced]]:
+    cluster = ClusterView()
+    cluster.set_workers({w.worker_id: w for w in workers})
+    assigned: dict[str, Role] = {}
+    published: list[RolesRebalanced] = []
+
+    async def assign(roles: dict[str, Role]) -> None:
+        assigned.update(roles)
+
+    async def publish(subject: str, event: RolesRebalanced) -> None:
+        published.append(event)
+
+    capacity = CapacityPlanner(CapacitySettings(**{"cooldown_intervals": 0, **settings}))
+    loop = CapacityLoop(capacity, cluster, Leader(), assign, publish, "planner/t")  # type: ignore[arg-type]
+    return loop, cluster, assigned, published
+
+
+async def test_slow_first_tokens_move_the_least_busy_decode_worker() -> None:
+    pool = [worker("p1", "prefill"), worker("d1", "decode"), worker("d2", "decode")]
+    loop, cluster, assigned, published = make_loop(pool, ttft_target_ms=100)
+    cluster.report(
+        WorkerLoadReported(
+            source="t", worker_id="d1", role="decode", running=5, waiting=0,
+            waiting_prefill_tokens=0, kv_blocks_used=1, kv_blocks_total=10,
+        )
+    )  # fmt: skip
+    for _ in range(10):
+        loop.on_finished(finished(ttft_ms=500, e2e_ms=900, tokens=21))
+    observed = loop.observe()
+    assert observed.ttft_p95_ms == 500 and observed.itl_p95_ms == 20
+    assert (observed.prefill_workers, observed.decode_workers) == (1, 2)
+    event = await loop.step()
+    assert event is not None and assigned == {"d2": "prefill"}
+    assert [(m.worker_id, m.from_role, m.to_role) for m in event.moves] == [
+        ("d2", "decode", "prefill")
+    ]
+    assert published == [event] and "TTFT" in event.reason
+
+
+async def test_slow_tokens_move_a_prefill_worker_back_and_draining_ones_do_not_count() -> None:
+    pool = [
+        worker("p1", "prefill"),
+        worker("p2", "prefill"),
+        worker("p3", "prefill", draining=True),
+        worker("d1", "decode"),
+    ]
+    loop, _, assigned, _ = make_loop(pool, itl_target_ms=10)
+    loop.on_finished(finished(ttft_ms=10, e2e_ms=1010, tokens=11))  # ITL 100 ms
+    assert loop.observe().prefill_workers == 2
+    event = await loop.step()
+    assert event is not None and assigned == {"p1": "decode"}
+
+
+async def test_within_targets_nothing_moves() -> None:
+    loop, _, assigned, published = make_loop([worker("p1", "prefill"), worker("d1", "decode")])
+    loop.on_finished(finished(ttft_ms=10, e2e_ms=100, tokens=10))
+    assert await loop.step() is None
+    assert not assigned and not published
