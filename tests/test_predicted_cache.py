@@ -1,6 +1,31 @@
 from __future__ import annotations
 
+from schemas.events import (
+    PrefillPlacement,
+    RequestSpec,
+    RouteDecided,
+    SamplingParams,
+    utc_now,
+)
+from schemas.messages import OverlapQuery, WorkerRegistration
+from services.kv_indexer.handlers import Indexer
+from services.kv_indexer.index import PrefixIndex
 from services.kv_indexer.predicted import PredictedCache
+
+
+def registration(worker_id: str) -> WorkerRegistration:
+    """A worker without KV events: the indexer predicts its cache."""
+    return WorkerRegistration(
+        worker_id=worker_id,
+        role="prefill" if worker_id == "prefill" else "decode",
+        engine="sim",
+        model="m",
+        block_size=16,
+        kv_blocks_total=100,
+        max_num_seqs=4,
+        kv_events=False,
+        pid=1,
+    )
 
 
 def test_routed_prompts_are_predicted_cached_until_they_expire() -> None:
@@ -31,3 +56,27 @@ def test_only_tracked_workers_are_predicted() -> None:
     cache.routed("w", [1], now=0)
     cache.forget("w")
     assert cache.overlaps([1], now=0) == {}
+
+
+async def test_a_remote_prefill_is_predicted_on_both_workers() -> None:
+    indexer = Indexer(PrefixIndex())
+    workers = {w: registration(w) for w in ("decode", "prefill")}
+    await indexer.on_workers(workers)
+    spec = RequestSpec(
+        model="m",
+        prompt_token_ids=tuple(range(32)),
+        block_size=16,
+        block_hashes=(11, 12),
+        sampling=SamplingParams(max_tokens=4),
+        reply_to="i",
+        deadline=utc_now(),
+    )
+    placement = PrefillPlacement(prefill_worker_id="prefill", local_ms=9.0, reason="test")
+    await indexer.on_route(
+        RouteDecided(
+            source="t", request_id="r", worker_id="decode", policy="kv", reason="test",
+            candidates=(), spec=spec, prefill=placement,
+        )
+    )  # fmt: skip
+    reply = await indexer.on_query(OverlapQuery(block_hashes=(11, 12, 13)))
+    assert reply.overlaps == {"decode": 2, "prefill": 2}

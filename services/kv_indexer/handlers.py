@@ -37,7 +37,12 @@ class Indexer:
 
     async def on_route(self, event: Event) -> None:
         if isinstance(event, RouteDecided):
-            self.predicted.routed(event.worker_id, event.spec.block_hashes, time.monotonic())
+            now = time.monotonic()
+            self.predicted.routed(event.worker_id, event.spec.block_hashes, now)
+            # A remote prefill caches the prompt on the prefill worker too.
+            remote = event.prefill.prefill_worker_id if event.prefill is not None else None
+            if remote is not None:
+                self.predicted.routed(remote, event.spec.block_hashes, now)
 
     async def on_query(self, query: OverlapQuery) -> OverlapReply:
         overlaps = self.index.overlaps(query.block_hashes)
