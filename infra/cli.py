@@ -23,8 +23,22 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--etcd-endpoints", help="use this etcd (host:port) instead of an embedded one")
     up.add_argument("--nats-port", type=int, help="port of the embedded NATS (default: free)")
     up.add_argument("--etcd-port", type=int, help="port of the embedded etcd (default: free)")
-    up.add_argument("--workers", type=int, default=2, help="aggregated (prefill+decode) workers")
+    up.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="workers that decode (aggregated without a prefill pool)",
+    )
     up.add_argument("--prefill-workers", type=int, default=0, help="prefill-only workers")
+    up.add_argument(
+        "--disagg",
+        choices=["never", "always", "auto"],
+        default="auto",
+        help="with prefill workers: prefill remotely never, always, or when it pays (kv policy)",
+    )
+    up.add_argument(
+        "--autoscale", action="store_true", help="capacity loop: move workers between the pools"
+    )
     up.add_argument(
         "--policy",
         default="kv",
@@ -85,6 +99,8 @@ def _up(args: argparse.Namespace) -> int:
                 "LANEWAY_TIMING": args.timing,
                 "LANEWAY_SPEEDUP": str(args.speedup),
                 "LANEWAY_TRACE_EXPORTER": args.trace_exporter,
+                "LANEWAY_DISAGG": args.disagg,
+                "LANEWAY_AUTOSCALE": str(args.autoscale).lower(),
                 **_engine_env(args.engine, args.model),
             },
         )
