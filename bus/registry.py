@@ -35,11 +35,16 @@ def connect_etcd(endpoints: str) -> aetcd.Client:
 class LeasedKey:
     """Keeps a key alive under a lease; when the process dies the key expires with it."""
 
-    def __init__(self, client: aetcd.Client, key: bytes, value: bytes, ttl_s: int) -> None:
+    def __init__(
+        self, client: aetcd.Client, key: bytes, value: bytes, ttl_s: int, renew: bool = True
+    ) -> None:
         self._client = client
         self.key = key
         self._value = value
         self._ttl_s = ttl_s
+        # Put the key back under a new lease if the old one expired (a paused process coming
+        # back); never for an election, whose key may have a new holder by then.
+        self._renew = renew
         self._lease: aetcd.Lease | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -52,7 +57,7 @@ class LeasedKey:
 
     @classmethod
     def leader(cls, client: aetcd.Client, instance_id: str, ttl_s: int) -> LeasedKey:
-        return cls(client, LEADER_KEY, instance_id.encode(), ttl_s)
+        return cls(client, LEADER_KEY, instance_id.encode(), ttl_s, renew=False)
 
     @classmethod
     def planner(cls, client: aetcd.Client, instance_id: str, ttl_s: int) -> LeasedKey:
@@ -102,7 +107,11 @@ class LeasedKey:
         while True:
             await asyncio.sleep(self._ttl_s / 3)
             try:
-                await self._lease.refresh()
+                reply = await self._lease.refresh()
+                if reply.TTL <= 0 and self._renew:
+                    log.warning("lease of %s expired; registering again", self.key.decode())
+                    self._lease = await self._client.lease(self._ttl_s)
+                    await self._client.put(self.key, self._value, lease=self._lease)
             except Exception:  # a missed refresh is retried; the TTL leaves room for two more
                 log.warning("lease refresh failed", exc_info=True)
 

@@ -72,3 +72,21 @@ async def test_two_replicas_claiming_a_session_agree(etcd_server: EmbeddedServer
     await b.move("conv-1", "worker-c")
     assert await a.owner("conv-1") == "worker-c"
     assert await a.owner("conv-unknown") is None
+
+
+async def test_an_expired_lease_is_taken_out_again(etcd_server: EmbeddedServer) -> None:
+    """A process that was paused past its TTL registers again once it runs."""
+    client = connect_etcd(etcd_server.url)
+    lease = LeasedKey.worker(client, registration("paused"), ttl_s=1)
+    await lease.start()
+    try:
+        assert lease._lease is not None
+        await lease._lease.revoke()  # what expiry does while the process cannot refresh
+        assert await client.get(lease.key) is None
+        deadline = time.monotonic() + 5
+        while await client.get(lease.key) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert await client.get(lease.key) is not None
+    finally:
+        await lease.stop()
+        await client.close()
