@@ -109,6 +109,9 @@ class PrefillPlacement(Frozen):
         default=None, description="predicted TTFT prefilling remotely, KV transfer included, ms"
     )
     reason: str
+    candidates: tuple[RouteCandidate, ...] = Field(
+        default=(), description="prefill workers weighed; score: their predicted cost, ms"
+    )
 
 
 class RouteDecided(Envelope):

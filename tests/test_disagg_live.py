@@ -102,6 +102,7 @@ async def test_a_remote_prefill_hands_its_kv_to_the_decode_worker(
             assert {r.worker_id for r in routes} == {decode}
             assert routes[0].prefill is not None
             assert routes[0].prefill.prefill_worker_id == prefill
+            assert [c.worker_id for c in routes[0].prefill.candidates] == [prefill]
             completed = seen.of(PrefillCompleted, rid)
             assert len(completed) == 1 and isinstance(completed[0], PrefillCompleted)
             assert completed[0].error is None and completed[0].block_hashes

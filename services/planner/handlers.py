@@ -103,7 +103,12 @@ class Planner:
         picked = next(c for c in candidates if c.worker_id == worker_id)
         placement = self._place_prefill(route, picked, overlaps)
         remote = placement.prefill_worker_id if placement is not None else None
-        uncached = len(spec.prompt_token_ids) - picked.cached_blocks * picked.block_size
+        # The prompt queues where it is prefilled, less what that worker caches.
+        cached = picked.cached_blocks * picked.block_size
+        if placement is not None and remote is not None:
+            prefiller = next(c for c in placement.candidates if c.worker_id == remote)
+            cached = prefiller.cached_blocks * picked.block_size
+        uncached = len(spec.prompt_token_ids) - cached
         span = trace.get_current_span()
         span.set_attribute("laneway.worker_id", worker_id)
         if remote is not None:
@@ -126,18 +131,12 @@ class Planner:
             policy=self._policy.name,
             reason=reason,
             candidates=tuple(
-                RouteCandidate(
-                    worker_id=c.worker_id,
-                    cached_blocks=c.cached_blocks,
-                    running=max(c.running, c.in_flight),
-                    waiting=c.waiting,
-                    kv_usage=min(1.0, c.kv_usage),
-                    score=choice.scores[c.worker_id],
-                    predicted_queue_ms=queue_ms,
-                    predicted_prefill_ms=prefill_ms,
+                _candidate(
+                    c,
+                    choice.scores[c.worker_id],
+                    *choice.predictions.get(c.worker_id, (None, None)),
                 )
                 for c in candidates
-                for queue_ms, prefill_ms in [choice.predictions.get(c.worker_id, (None, None))]
             ),
             spec=spec,
             prefill=placement,
@@ -164,11 +163,17 @@ class Planner:
             local = policy.predict(route, decode).cost
             return PrefillPlacement(prefill_worker_id=None, local_ms=local, reason="no hand-off")
         plan = plan_prefill(policy, route, decode, prefill, self._disagg)
+        predictions = {w.worker_id: policy.predict(route, w) for w in prefill}
         return PrefillPlacement(
             prefill_worker_id=plan.prefill_worker,
             local_ms=plan.local_ms,
             remote_ms=plan.remote_ms,
             reason=plan.reason,
+            candidates=tuple(
+                _candidate(w, p.cost, p.queue_ms, p.prefill_ms)
+                for w in prefill
+                for p in [predictions[w.worker_id]]
+            ),
         )
 
     async def _bind_session(
@@ -247,3 +252,18 @@ class Planner:
                     worker_id=route.worker_id,
                 ),
             )
+
+
+def _candidate(
+    view: WorkerView, score: float, queue_ms: float | None, prefill_ms: float | None
+) -> RouteCandidate:
+    return RouteCandidate(
+        worker_id=view.worker_id,
+        cached_blocks=view.cached_blocks,
+        running=max(view.running, view.in_flight),
+        waiting=view.waiting,
+        kv_usage=min(1.0, view.kv_usage),
+        score=score,
+        predicted_queue_ms=queue_ms,
+        predicted_prefill_ms=prefill_ms,
+    )
