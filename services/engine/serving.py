@@ -18,7 +18,6 @@ from typing import TypeVar
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-from bus.blobs import BlobAssembler, send_blob
 from bus.client import Bus
 from bus.registry import LeasedKey, RoleChanged
 from bus.topology import Subjects, worker_routes
@@ -28,9 +27,8 @@ from schemas.events import (
     Envelope,
     Event,
     FailureCode,
-    FinishReason,
-    KvTransferred,
     PrefillCompleted,
+    PrefillPlacement,
     RequestCancelled,
     RequestFailed,
     RequestFinished,
@@ -42,6 +40,7 @@ from schemas.events import (
     WorkerLoadReported,
 )
 from schemas.messages import WorkerRegistration
+from services.engine.handoff import KvReceiver, KvSender, PrefillJob, continuation
 from services.engine.kv_events import kv_event
 from services.engine.kv_transfer import KvTransferModel
 from services.engine.protocol import (
@@ -100,16 +99,6 @@ class _Awaiting:
 
 
 @dataclass
-class _Prefill:
-    """A prompt this worker computes for another worker, which will decode it."""
-
-    decode_worker_id: str
-    block_hashes: tuple[int, ...]
-    span: Span
-    session_id: str | None
-
-
-@dataclass
 class _Active:
     spec: RequestSpec
     session_id: str | None
@@ -136,8 +125,15 @@ class Worker:
         self._opt = options
         self._source = f"worker/{options.worker_id}"
         self._active: dict[str, _Active] = {}
-        self._prefills: dict[str, _Prefill] = {}
-        self._blobs = BlobAssembler()
+        self._prefills: dict[str, PrefillJob] = {}
+        self._sender = KvSender(bus, options.worker_id, self._source, engine.block_size)
+        self._receiver = KvReceiver(
+            engine.block_size,
+            options.kv_transfer,
+            options.speedup,
+            options.handoff_timeout_s,
+            options.handoff_timeout_factor,
+        )
         self._early_cancels: dict[str, float] = {}
         self._wake = asyncio.Event()
         self._kv_seq = 0
@@ -186,7 +182,7 @@ class Worker:
         await lease.start()
         await self._bus.subscribe(Subjects.cancellation_requested, self._on_cancel)
         await self._bus.subscribe_bytes(
-            Subjects.kv_handoff(self._opt.worker_id), self._blobs.on_msg
+            Subjects.kv_handoff(self._opt.worker_id), self._receiver.blobs.on_msg
         )
         await self._bus.consume(worker_routes(self._opt.worker_id), self._on_route)
         loops = [
@@ -266,12 +262,7 @@ class Worker:
             await self._cancelled(request_id, "client_disconnected")
             return
         if remote is not None and event.prefill is not None:
-            predicted_s = (event.prefill.remote_ms or 0.0) / 1000 / self._opt.speedup
-            timeout = max(
-                self._opt.handoff_timeout_s, self._opt.handoff_timeout_factor * predicted_s
-            )
-            state.awaiting = _Awaiting(remote)
-            state.awaiting.timer = self._spawn(self._handoff_deadline(request_id, timeout))
+            self._await_prefill(request_id, state, event.prefill)
             return
         await self._admit_now(self._engine_request(request_id, event.spec))
 
@@ -305,94 +296,47 @@ class Worker:
         span.set_attribute("laneway.request_id", request_id)
         span.set_attribute("laneway.decode_worker_id", event.worker_id)
         hashes = self._block_hashes(event.spec)
-        self._prefills[request_id] = _Prefill(event.worker_id, hashes, span, event.session_id)
+        self._prefills[request_id] = PrefillJob(event.worker_id, hashes, span, event.session_id)
         # The first token is sampled here exactly as the aggregated path would sample it.
         one = event.spec.sampling.model_copy(update={"max_tokens": 1})
         await self._admit_now(EngineRequest(request_id, event.spec.prompt_token_ids, one, hashes))
 
     async def _prefill_done(self, output: RequestOutput) -> None:
         """Runs between steps, so the prompt's blocks are still cached when they are exported."""
-        prefill = self._prefills.pop(output.request_id)
         request_id = output.request_id
-        prompt_blocks = prefill.block_hashes
+        job = self._prefills.pop(request_id)
         portable = self._portable
         assert portable is not None
         try:
-            _, data = await self._on_engine(lambda: portable.export_prefix(prompt_blocks))
+            _, data = await self._on_engine(lambda: portable.export_prefix(job.block_hashes))
         except Exception as err:  # export is best effort: the decode worker then prefills
             log.exception("KV export of %s failed", request_id)
-            self._prefill_failed(request_id, f"KV export failed: {err}", prefill)
+            self._prefill_failed(request_id, f"KV export failed: {err}", job)
             return
-        cached = output.cached_tokens or 0
-        finish: FinishReason | None = "stop" if output.finish_reason == "stop" else None
-        prefill.span.end()
-        self._spawn(
-            self._hand_off(request_id, prefill, output.new_token_ids[-1], finish, cached, data)
-        )
+        job.span.end()
+        self._spawn(self._sender.hand_off(request_id, job, output, data))
 
-    async def _hand_off(
-        self,
-        request_id: str,
-        prefill: _Prefill,
-        first_token: int,
-        finish: FinishReason | None,
-        cached: int,
-        data: bytes,
-    ) -> None:
-        to = prefill.decode_worker_id
-        payload = None
-        if data:
-            payload = await send_blob(
-                self._bus.publish_bytes, Subjects.kv_handoff(to), request_id, data
-            )
-        prompt_tokens = len(prefill.block_hashes) * self._engine.block_size
-        await self._bus.publish(
-            Subjects.route(to),
-            PrefillCompleted(
-                event_id=f"prefilled-{request_id}",
-                source=self._source,
-                request_id=request_id,
-                session_id=prefill.session_id,
-                trace=trace_context(prefill.span),
-                worker_id=self._opt.worker_id,
-                decode_worker_id=to,
-                prefilled_tokens=max(0, prompt_tokens - cached),
-                cached_tokens=cached,
-                first_token_id=first_token,
-                finish_reason=finish,
-                block_hashes=prefill.block_hashes,
-                payload=payload,
-            ),
-        )
-
-    def _prefill_failed(
-        self, request_id: str, message: str, prefill: _Prefill | None = None
-    ) -> None:
-        """Tell the decode worker at once, so that it prefills locally without waiting."""
-        prefill = prefill or self._prefills.pop(request_id)
+    def _prefill_failed(self, request_id: str, message: str, job: PrefillJob | None = None) -> None:
+        job = job or self._prefills.pop(request_id)
         self._abort(request_id)
-        prefill.span.set_attribute("laneway.failed", message)
-        prefill.span.end()
-        event = PrefillCompleted(
-            event_id=f"prefilled-{request_id}",
-            source=self._source,
-            request_id=request_id,
-            session_id=prefill.session_id,
-            worker_id=self._opt.worker_id,
-            decode_worker_id=prefill.decode_worker_id,
-            prefilled_tokens=0,
-            error=message,
-        )
-        self._spawn(self._bus.publish(Subjects.route(prefill.decode_worker_id), event))
+        job.span.set_attribute("laneway.failed", message)
+        job.span.end()
+        self._spawn(self._sender.failed(request_id, job, message))
 
     # -- disaggregation: the decode side ---------------------------------------------------
+
+    def _await_prefill(self, request_id: str, state: _Active, placement: PrefillPlacement) -> None:
+        assert placement.prefill_worker_id is not None
+        state.awaiting = _Awaiting(placement.prefill_worker_id)
+        timeout = self._receiver.deadline_s(placement)
+        state.awaiting.timer = self._spawn(self._handoff_deadline(request_id, timeout))
 
     def _on_prefilled(self, event: PrefillCompleted) -> None:
         request_id = event.request_id or ""
         state = self._active.get(request_id)
         awaiting = state.awaiting if state is not None else None
         if state is None or awaiting is None or awaiting.receiving:
-            self._blobs.drop(request_id)  # fell back, cancelled, or a redelivery
+            self._receiver.blobs.drop(request_id)  # fell back, cancelled, or a redelivery
             return
         if event.error is not None or event.first_token_id is None:
             self._fall_back(request_id, state, f"remote prefill failed: {event.error}")
@@ -403,18 +347,9 @@ class Worker:
         self._spawn(self._receive_kv(request_id, state, event))
 
     async def _receive_kv(self, request_id: str, state: _Active, event: PrefillCompleted) -> None:
-        assert event.first_token_id is not None
         started = time.monotonic()
-        tokens = len(event.block_hashes) * self._engine.block_size
-        data = b""
         try:
-            if event.payload is not None:
-                data = await self._blobs.take(
-                    request_id, event.payload, self._opt.handoff_timeout_s
-                )
-            else:  # modelled KV: the link's modelled time
-                delay_ms = self._opt.kv_transfer.transfer_ms(tokens)
-                await asyncio.sleep(delay_ms / 1000 / self._opt.speedup)
+            data = await self._receiver.receive(event)
         except ValueError as err:
             if self._active.get(request_id) is state:
                 self._fall_back(request_id, state, f"KV hand-off failed: {err}")
@@ -422,44 +357,20 @@ class Worker:
         if self._active.get(request_id) is not state:  # cancelled meanwhile
             return
         state.awaiting = None
+        transferred = self._receiver.transferred(
+            event, self._opt.worker_id, self._source, state.span, started
+        )
         self._spawn(
             self._bus.publish(
-                Subjects.kv_transferred(self._opt.worker_id),
-                KvTransferred(
-                    source=self._source,
-                    request_id=request_id,
-                    session_id=state.session_id,
-                    trace=trace_context(state.span),
-                    from_worker_id=event.worker_id,
-                    to_worker_id=self._opt.worker_id,
-                    block_hashes=event.block_hashes,
-                    transfer_ms=(time.monotonic() - started) * 1000,
-                ),
-                durable=False,
+                Subjects.kv_transferred(self._opt.worker_id), transferred, durable=False
             )
         )
-        spec = state.spec
-        first = event.first_token_id
-        last = event.finish_reason is not None or spec.sampling.max_tokens <= 1
-        await self._on_output(
-            RequestOutput(
-                request_id,
-                (first,),
-                finished=last,
-                finish_reason=event.finish_reason or ("length" if last else None),
-                cached_tokens=event.cached_tokens,
-            )
-        )
-        if request_id not in self._active:  # the first token was also the last
+        first, rest = continuation(request_id, state.spec, event)
+        await self._on_output(first)
+        if rest is None or request_id not in self._active:  # the first token was the last
             return
         portable = self._portable
         hashes = event.block_hashes
-        # The decode continues from the first token, whose KV it computes itself.
-        rest = EngineRequest(
-            request_id,
-            (*spec.prompt_token_ids, first),
-            spec.sampling.model_copy(update={"max_tokens": spec.sampling.max_tokens - 1}),
-        )
 
         def adopt_and_admit() -> None:
             try:
@@ -486,7 +397,7 @@ class Worker:
         if state.awaiting is not None and state.awaiting.timer is not None:
             state.awaiting.timer.cancel()
         state.awaiting = None
-        self._blobs.drop(request_id)
+        self._receiver.blobs.drop(request_id)
         self._spawn(self._admit_now(self._engine_request(request_id, state.spec)))
 
     async def _on_cancel(self, event: Event) -> None:
@@ -662,7 +573,7 @@ class Worker:
         if state.awaiting is not None:
             if state.awaiting.timer is not None:
                 state.awaiting.timer.cancel()
-            self._blobs.drop(event.request_id or "")
+            self._receiver.blobs.drop(event.request_id or "")
         self._spawn(self._bus.publish(Subjects.request_terminal(state.spec.reply_to), event))
 
     async def _cancelled(self, request_id: str, reason: str) -> None:

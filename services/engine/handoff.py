@@ -1,0 +1,160 @@
+"""A worker's two ends of a KV hand-off (disaggregation). As a prefill worker it sends a finished
+prompt's KV (chunks on core NATS, then ``PrefillCompleted``); as a decode worker it takes that KV
+whole and intact, or reports why not, and continues the request from the first token.
+
+The worker decides when; these say how.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from opentelemetry.trace import Span
+
+from bus.blobs import BlobAssembler, send_blob
+from bus.client import Bus
+from bus.topology import Subjects
+from observability.tracing import trace_context
+from schemas.events import (
+    FinishReason,
+    KvTransferred,
+    PrefillCompleted,
+    PrefillPlacement,
+    RequestSpec,
+)
+from services.engine.kv_transfer import KvTransferModel
+from services.engine.protocol import EngineRequest, RequestOutput
+
+
+@dataclass
+class PrefillJob:
+    """A prompt this worker computes for another worker, which will decode it."""
+
+    decode_worker_id: str
+    block_hashes: tuple[int, ...]
+    span: Span
+    session_id: str | None
+
+
+class KvSender:
+    def __init__(self, bus: Bus, worker_id: str, source: str, block_size: int) -> None:
+        self._bus = bus
+        self._worker_id = worker_id
+        self._source = source
+        self._block_size = block_size
+
+    async def hand_off(
+        self, request_id: str, job: PrefillJob, output: RequestOutput, data: bytes
+    ) -> None:
+        """``data``: the prompt's KV as the engine exported it (empty: the engine models KV)."""
+        to = job.decode_worker_id
+        payload = None
+        if data:
+            payload = await send_blob(
+                self._bus.publish_bytes, Subjects.kv_handoff(to), request_id, data
+            )
+        cached = output.cached_tokens or 0
+        finish: FinishReason | None = "stop" if output.finish_reason == "stop" else None
+        prompt_tokens = len(job.block_hashes) * self._block_size
+        await self._publish(
+            request_id,
+            job,
+            prefilled_tokens=max(0, prompt_tokens - cached),
+            cached_tokens=cached,
+            first_token_id=output.new_token_ids[-1],
+            finish_reason=finish,
+            block_hashes=job.block_hashes,
+            payload=payload,
+        )
+
+    async def failed(self, request_id: str, job: PrefillJob, message: str) -> None:
+        """Tell the decode worker at once, so that it prefills locally without waiting."""
+        await self._publish(request_id, job, prefilled_tokens=0, error=message)
+
+    async def _publish(self, request_id: str, job: PrefillJob, **fields: object) -> None:
+        event = PrefillCompleted(
+            event_id=f"prefilled-{request_id}",
+            source=self._source,
+            request_id=request_id,
+            session_id=job.session_id,
+            trace=trace_context(job.span),
+            worker_id=self._worker_id,
+            decode_worker_id=job.decode_worker_id,
+            **fields,
+        )
+        await self._bus.publish(Subjects.route(job.decode_worker_id), event)
+
+
+class KvReceiver:
+    def __init__(
+        self,
+        block_size: int,
+        transfer: KvTransferModel,
+        speedup: float,
+        timeout_s: float,
+        timeout_factor: float,
+    ) -> None:
+        self.blobs = BlobAssembler()
+        self._block_size = block_size
+        self._transfer = transfer
+        self._speedup = speedup
+        self._timeout_s = timeout_s
+        self._timeout_factor = timeout_factor
+
+    def deadline_s(self, placement: PrefillPlacement) -> float:
+        """How long to wait for a remote prefill before prefilling locally instead."""
+        predicted_s = (placement.remote_ms or 0.0) / 1000 / self._speedup
+        return max(self._timeout_s, self._timeout_factor * predicted_s)
+
+    async def receive(self, event: PrefillCompleted) -> bytes:
+        """The hand-off's KV payload (empty for a modelled one, after the link's modelled time);
+        ``ValueError`` if it did not arrive whole and intact."""
+        request_id = event.request_id or ""
+        if event.payload is not None:
+            return await self.blobs.take(request_id, event.payload, self._timeout_s)
+        tokens = len(event.block_hashes) * self._block_size
+        await asyncio.sleep(self._transfer.transfer_ms(tokens) / 1000 / self._speedup)
+        return b""
+
+    @staticmethod
+    def transferred(
+        event: PrefillCompleted, to: str, source: str, span: Span, started: float
+    ) -> KvTransferred:
+        return KvTransferred(
+            source=source,
+            request_id=event.request_id,
+            session_id=event.session_id,
+            trace=trace_context(span),
+            from_worker_id=event.worker_id,
+            to_worker_id=to,
+            block_hashes=event.block_hashes,
+            transfer_ms=(time.monotonic() - started) * 1000,
+        )
+
+
+def continuation(
+    request_id: str, spec: RequestSpec, event: PrefillCompleted
+) -> tuple[RequestOutput, EngineRequest | None]:
+    """The first token as the decode worker's own output, and the rest of the request for its
+    engine (None when the first token was also the last)."""
+    assert event.first_token_id is not None
+    first = event.first_token_id
+    last = event.finish_reason is not None or spec.sampling.max_tokens <= 1
+    output = RequestOutput(
+        request_id,
+        (first,),
+        finished=last,
+        finish_reason=event.finish_reason or ("length" if last else None),
+        cached_tokens=event.cached_tokens,
+    )
+    if last:
+        return output, None
+    # The decode continues from the first token, whose KV it computes itself.
+    rest = EngineRequest(
+        request_id,
+        (*spec.prompt_token_ids, first),
+        spec.sampling.model_copy(update={"max_tokens": spec.sampling.max_tokens - 1}),
+    )
+    return output, rest
