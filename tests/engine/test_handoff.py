@@ -1,0 +1,87 @@
+"""The decode side of a hand-off: how long it waits, and how a request continues from the first
+token that the prefill worker sampled."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from schemas.events import (
+    KvPayload,
+    PrefillCompleted,
+    PrefillPlacement,
+    RequestSpec,
+    SamplingParams,
+    utc_now,
+)
+from services.engine.handoff import KvReceiver, continuation
+from services.engine.kv_transfer import KvTransferModel
+
+SPEC = RequestSpec(
+    model="m",
+    prompt_token_ids=(1, 2, 3, 4, 5),
+    block_size=4,
+    block_hashes=(7,),
+    sampling=SamplingParams(max_tokens=6, temperature=0),
+    reply_to="i",
+    deadline=utc_now(),
+)
+
+
+def completed(**fields: object) -> PrefillCompleted:
+    defaults: dict[str, object] = {
+        "source": "p",
+        "request_id": "r",
+        "worker_id": "p1",
+        "decode_worker_id": "d1",
+        "prefilled_tokens": 4,
+        "first_token_id": 9,
+        "block_hashes": (7,),
+    }
+    return PrefillCompleted(**{**defaults, **fields})  # type: ignore[arg-type]
+
+
+def test_the_decode_continues_after_the_first_token() -> None:
+    first, rest = continuation("r", SPEC, completed(cached_tokens=4))
+    assert first.new_token_ids == (9,) and not first.finished and first.cached_tokens == 4
+    assert rest is not None
+    assert tuple(rest.prompt_token_ids) == (1, 2, 3, 4, 5, 9)
+    assert rest.sampling.max_tokens == 5 and rest.sampling.temperature == 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "event", "reason"),
+    [
+        (SPEC, completed(finish_reason="stop"), "stop"),
+        (
+            SPEC.model_copy(update={"sampling": SamplingParams(max_tokens=1)}),
+            completed(),
+            "length",
+        ),
+    ],
+)
+def test_a_first_token_that_ends_the_answer_ends_it_there(
+    spec: RequestSpec, event: PrefillCompleted, reason: str
+) -> None:
+    first, rest = continuation("r", spec, event)
+    assert rest is None and first.finished and first.finish_reason == reason
+
+
+def test_the_wait_scales_with_the_prediction_and_never_goes_below_the_floor() -> None:
+    receiver = KvReceiver(4, KvTransferModel(), speedup=2.0, timeout_s=1.0, timeout_factor=3.0)
+    quick = PrefillPlacement(prefill_worker_id="p", local_ms=100, remote_ms=50, reason="x")
+    slow = quick.model_copy(update={"remote_ms": 10_000})
+    assert receiver.deadline_s(quick) == 1.0
+    assert receiver.deadline_s(slow) == pytest.approx(15.0)  # 3 × 10 s at speed-up 2
+
+
+async def test_modelled_kv_takes_the_links_time_and_real_kv_must_arrive() -> None:
+    link = KvTransferModel(kv_bytes_per_token=1_000_000, bandwidth_gb_s=1.0, latency_ms=0.0)
+    receiver = KvReceiver(4, link, speedup=0.2, timeout_s=0.1, timeout_factor=1.0)
+    started = time.monotonic()
+    assert await receiver.receive(completed(block_hashes=(7, 8))) == b""
+    assert time.monotonic() - started >= 0.039  # 8 tokens × 1 ms, at a fifth of the speed
+    missing = KvPayload(chunks=2, size=10, sha256="0" * 64)
+    with pytest.raises(ValueError, match="0 of 2"):
+        await receiver.receive(completed(payload=missing))
