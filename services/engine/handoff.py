@@ -108,13 +108,14 @@ class KvReceiver:
         predicted_s = (placement.remote_ms or 0.0) / 1000 / self._speedup
         return max(self._timeout_s, self._timeout_factor * predicted_s)
 
-    async def receive(self, event: PrefillCompleted) -> bytes:
-        """The hand-off's KV payload (empty for a modelled one, after the link's modelled time);
-        ``ValueError`` if it did not arrive whole and intact."""
+    async def receive(self, event: PrefillCompleted, cached_blocks: int = 0) -> bytes:
+        """The hand-off's KV payload (empty for a modelled one, after the link's modelled time
+        for the blocks beyond the ``cached_blocks`` this worker holds); ``ValueError`` if it did
+        not arrive whole and intact."""
         request_id = event.request_id or ""
         if event.payload is not None:
             return await self.blobs.take(request_id, event.payload, self._timeout_s)
-        tokens = len(event.block_hashes) * self._block_size
+        tokens = max(0, len(event.block_hashes) - cached_blocks) * self._block_size
         await asyncio.sleep(self._transfer.transfer_ms(tokens) / 1000 / self._speedup)
         return b""
 

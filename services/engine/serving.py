@@ -28,7 +28,6 @@ from schemas.events import (
     Event,
     FailureCode,
     PrefillCompleted,
-    PrefillPlacement,
     RequestCancelled,
     RequestFailed,
     RequestFinished,
@@ -93,6 +92,8 @@ class _Awaiting:
     """A decode-side request whose prompt a prefill worker is computing."""
 
     prefill_worker_id: str
+    # Leading prompt blocks this worker cached when the planner decided.
+    cached_blocks: int
     timer: asyncio.Task[None] | None = None
     # The KV is on its way in: the deadline no longer applies.
     receiving: bool = False
@@ -262,7 +263,7 @@ class Worker:
             await self._cancelled(request_id, "client_disconnected")
             return
         if remote is not None and event.prefill is not None:
-            self._await_prefill(request_id, state, event.prefill)
+            self._await_prefill(request_id, state, event)
             return
         await self._admit_now(self._engine_request(request_id, event.spec))
 
@@ -325,9 +326,12 @@ class Worker:
 
     # -- disaggregation: the decode side ---------------------------------------------------
 
-    def _await_prefill(self, request_id: str, state: _Active, placement: PrefillPlacement) -> None:
-        assert placement.prefill_worker_id is not None
-        state.awaiting = _Awaiting(placement.prefill_worker_id)
+    def _await_prefill(self, request_id: str, state: _Active, event: RouteDecided) -> None:
+        placement = event.prefill
+        assert placement is not None and placement.prefill_worker_id is not None
+        me = self._opt.worker_id
+        cached = next((c.cached_blocks for c in event.candidates if c.worker_id == me), 0)
+        state.awaiting = _Awaiting(placement.prefill_worker_id, cached)
         timeout = self._receiver.deadline_s(placement)
         state.awaiting.timer = self._spawn(self._handoff_deadline(request_id, timeout))
 
@@ -348,8 +352,9 @@ class Worker:
 
     async def _receive_kv(self, request_id: str, state: _Active, event: PrefillCompleted) -> None:
         started = time.monotonic()
+        cached = state.awaiting.cached_blocks if state.awaiting is not None else 0
         try:
-            data = await self._receiver.receive(event)
+            data = await self._receiver.receive(event, cached)
         except ValueError as err:
             if self._active.get(request_id) is state:
                 self._fall_back(request_id, state, f"KV hand-off failed: {err}")

@@ -24,6 +24,17 @@ class SimEngine(ScheduledEngine):
     def add_request(self, request: EngineRequest) -> None:
         self._admit(self._new_request(request))
 
+    def add_handed_off(self, request: EngineRequest, prompt_tokens: int) -> None:
+        """A request whose first ``prompt_tokens`` tokens a prefill worker computed and whose KV
+        it handed over with them (the full blocks through :meth:`import_blocks` first); the rest
+        of ``request``'s prompt is the first token, which the next decode step consumes."""
+        req = self._new_request(request)
+        if not 0 < prompt_tokens < len(req.prompt):
+            raise ValueError(f"{prompt_tokens} handed-off tokens of a {len(req.prompt)} prompt")
+        req.prefill_len = prompt_tokens
+        req.handed_off = True
+        self._admit(req)
+
     def import_blocks(self, block_hashes: Sequence[int]) -> int:
         """Take a prompt's KV blocks handed over by a prefill worker into the prefix cache (as
         if computed here); how many leading blocks are cached afterwards."""

@@ -36,6 +36,10 @@ class SimRequest:
     running: bool = False
     # Prompt tokens found in the cache at first admission; reported with the first token.
     cached_tokens: int | None = None
+    # The KV of the first ``prefill_len`` tokens, the partial last block's included, came with
+    # the request from a prefill worker: it decodes from its first step if its full blocks are
+    # still cached when it is admitted.
+    handed_off: bool = False
 
     @classmethod
     def from_engine_request(cls, request: EngineRequest, block_size: int) -> SimRequest:

@@ -34,7 +34,7 @@ class Scheduler:
 
     def add(self, req: SimRequest) -> None:
         self.waiting.append(req)
-        self.pending_prefill_tokens += req.prefill_len
+        self.pending_prefill_tokens += self._pending_prefill(req)
 
     def schedule(self) -> Batch:
         batch = Batch()
@@ -62,9 +62,17 @@ class Scheduler:
             req = waiting[0]
             hits, idle_hits = kv.prefix_hits(req)
             cached = hits * kv.block_size
+            # A hand-off carried its partial last block's KV too, usable while its full blocks
+            # are still cached; otherwise it prefills what is missing like any request.
+            whole = req.handed_off and hits == req.prefill_len // kv.block_size
+            if whole:
+                cached = req.prefill_len
             num_new = min(req.num_tokens - cached, budget)
-            if not kv.admit(req, hits, idle_hits, num_new):
+            if not kv.admit(req, hits, idle_hits, cached - hits * kv.block_size + num_new):
                 break
+            req.num_computed = cached
+            if req.handed_off:
+                self._settle_hand_off(req, whole)
             waiting.popleft()
             running.append(req)
             req.running = True
@@ -74,6 +82,14 @@ class Scheduler:
             self._add_to_batch(batch, req, num_new)
             budget -= num_new
         return batch
+
+    def _settle_hand_off(self, req: SimRequest, whole: bool) -> None:
+        """A waiting hand-off counts no prompt to prefill; admitted, it owes what any request
+        would, which is nothing when its KV came whole."""
+        req.handed_off = False  # once: a preempted request recomputes everything
+        if not whole:
+            req.prefill_len = req.num_tokens
+        self.pending_prefill_tokens += req.prefill_len
 
     def _add_to_batch(self, batch: Batch, req: SimRequest, num_new: int) -> None:
         batch.scheduled.append((req, num_new))
@@ -123,4 +139,6 @@ class Scheduler:
 
     @staticmethod
     def _pending_prefill(req: SimRequest) -> int:
+        if req.handed_off:
+            return 0
         return max(0, req.prefill_len - req.num_computed)
