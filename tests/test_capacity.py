@@ -42,3 +42,25 @@ def test_a_growing_prefill_queue_acts_before_latencies_show_it() -> None:
     decision = planner.decide(obs(100, 5, queue=10_000_000))
     assert decision.move == "to_prefill"
     assert "burst" in decision.reason
+
+
+def test_undoing_the_last_move_waits_longer_each_time() -> None:
+    planner = CapacityPlanner(
+        CapacitySettings(ttft_target_ms=1000, itl_target_ms=20, max_cooldown_intervals=4)
+    )
+
+    def intervals_to_next_move(o: Observation) -> int:
+        n = 1
+        while planner.decide(o).move is None:
+            n += 1
+        return n
+
+    slow_first, slow_tokens = obs(2000, 15), obs(500, 30)
+    assert planner.decide(slow_first).move == "to_prefill"
+    # Each count is the wait the previous move set, plus the interval that moves.
+    assert intervals_to_next_move(slow_first) == 2  # onward; the wait stays 1
+    assert intervals_to_next_move(slow_tokens) == 2  # a reversal; the wait doubles to 2
+    assert intervals_to_next_move(slow_first) == 3  # another; 4, the cap
+    assert intervals_to_next_move(slow_tokens) == 5  # another; still 4
+    assert intervals_to_next_move(slow_tokens) == 5  # onward; back to 1
+    assert intervals_to_next_move(slow_tokens) == 2

@@ -12,7 +12,7 @@ from infra.bench.offline import OfflineReplay
 from infra.bench.traces import load_trace
 from services.engine.kv_transfer import KvTransferModel
 from services.engine.sim import SimConfig
-from services.planner.disagg import DisaggSettings, plan_prefill
+from services.planner.disagg import DisaggSettings, handoff_ms_per_token, plan_prefill
 from services.planner.kv_policy import KvAware
 from services.planner.policy import RouteRequest, WorkerView
 
@@ -111,3 +111,27 @@ def test_autoscale_moves_workers_a_step_at_a_time(small_trace: Path) -> None:
     assert all(d >= 1 for _, d in pools)  # never the last decoder
     for before, after in itertools.pairwise(pools):
         assert abs(after[0] - before[0]) <= 1  # at most one worker (10% of 4, at least 1)
+
+
+def test_a_short_answer_behind_a_long_transfer_prefills_locally() -> None:
+    settings = DisaggSettings(max_handoff_ms_per_token=3.0, max_local_stall_tokens=8192)
+    busy = view("d", running=60)
+    prompt = 8000
+    # 8,000 tokens of KV take about 43 ms to move: 4.8 ms a gap over 9 gaps, 0.2 over 199.
+    short = RouteRequest("r", prompt, tuple(range(prompt // 64)), max_tokens=10)
+    long = dataclasses.replace(short, max_tokens=200)
+    plan = plan_prefill(KvAware(), short, busy, [view("p")], settings)
+    assert plan.prefill_worker is None
+    assert "hand-off adds" in plan.reason
+    assert plan_prefill(KvAware(), long, busy, [view("p")], settings).prefill_worker == "p"
+    # Past the stall bound the decode worker's running requests weigh more: remote again.
+    huge = RouteRequest("r", 32_000, tuple(range(500)), max_tokens=10)
+    assert plan_prefill(KvAware(), huge, busy, [view("p")], settings).prefill_worker == "p"
+    off = dataclasses.replace(settings, max_handoff_ms_per_token=0)
+    assert plan_prefill(KvAware(), short, busy, [view("p")], off).prefill_worker == "p"
+
+
+def test_handoff_cost_is_the_transfer_over_the_gaps() -> None:
+    link = KvTransferModel(kv_bytes_per_token=1000, bandwidth_gb_s=1.0, latency_ms=2.0)
+    assert handoff_ms_per_token(link, 1000, 4) == pytest.approx(3.0 / 3)
+    assert handoff_ms_per_token(link, 1000, 1) == pytest.approx(3.0)

@@ -30,7 +30,7 @@ from services.engine.protocol import EngineRequest, KvChange, StepResult
 from services.engine.sim import SimConfig, SimEngine, timing_preset
 from services.kv_indexer.index import PrefixIndex
 from services.planner.capacity import CapacityPlanner, CapacitySettings, Observation
-from services.planner.disagg import DisaggSettings, plan_prefill
+from services.planner.disagg import DisaggSettings, pick_decoder, plan_prefill
 from services.planner.kv_policy import KvAware
 from services.planner.policy import Choice, Policy, RouteRequest, WorkerView
 
@@ -172,18 +172,26 @@ class OfflineReplay:
         choice = self._policy.choose(route, list(views.values()))
         if self.decisions is not None:
             self.decisions.append(decision_record(request_id, choice, list(views.values())))
-        w = self._index_of(choice.worker_id)
-        record = self._records[i]
-        record.worker_id = choice.worker_id
-        self._workers[w].record.requests += 1
         prefill = [
             self._view(p, overlaps)
             for p in self._workers
             if p.role == "prefill" and p.next_role is None
         ]
+        decode_id = choice.worker_id
         if prefill and self._disagg.mode != "never" and isinstance(self._policy, KvAware):
-            plan = plan_prefill(self._policy, route, views[choice.worker_id], prefill, self._disagg)
+            plan = plan_prefill(self._policy, route, views[decode_id], prefill, self._disagg)
+            if self.decisions is not None:
+                self.decisions[-1]["prefill"] = {
+                    "worker_id": plan.prefill_worker,
+                    "reason": plan.reason,
+                }
             if plan.prefill_worker is not None and request.output_length > 1:
+                # The KV comes from elsewhere: the decode worker is chosen for decoding.
+                decode = pick_decoder(self._policy, route, list(views.values()), self._disagg)
+                decode_id = decode.worker_id
+                if self.decisions is not None:
+                    self.decisions[-1]["decode_worker_id"] = decode_id
+                w = self._accept(i, decode_id)
                 self._remote_prefills += 1
                 self._handoffs[i] = (w, hashes)
                 one = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -197,8 +205,16 @@ class OfflineReplay:
                     hashes,
                 )
                 return
+        w = self._accept(i, decode_id)
         sampling = SamplingParams(max_tokens=request.output_length, ignore_eos=True)
         self._submit(now, w, i, request_id, self._prompts.prompt(request), sampling, hashes)
+
+    def _accept(self, i: int, worker_id: str) -> int:
+        """Record that request ``i`` decodes on ``worker_id``; that worker's index."""
+        self._records[i].worker_id = worker_id
+        w = self._index_of(worker_id)
+        self._workers[w].record.requests += 1
+        return w
 
     def _view(self, worker: _Worker, overlaps: dict[str, int]) -> WorkerView:
         load = worker.engine.load()
@@ -226,10 +242,16 @@ class OfflineReplay:
         prompt: Sequence[int],
         sampling: SamplingParams,
         hashes: tuple[int, ...],
+        handed_off: int = 0,
     ) -> None:
+        """``handed_off``: leading prompt tokens whose KV a prefill worker sent along."""
         worker = self._workers[w]
+        request = EngineRequest(request_id, prompt, sampling, hashes)
         try:
-            worker.engine.add_request(EngineRequest(request_id, prompt, sampling, hashes))
+            if handed_off:
+                worker.engine.add_handed_off(request, handed_off)
+            else:
+                worker.engine.add_request(request)
         except ValueError:  # larger than the worker's whole KV cache
             self._records[i].failed = True
             return
@@ -250,7 +272,7 @@ class OfflineReplay:
             parent = hashes[-1] if hashes else ROOT_HASH
             hashes = (*hashes, hash_block(parent, prompt[len(prompt) - block :]))
         rest = SamplingParams(max_tokens=request.output_length - 1, ignore_eos=True)
-        self._submit(now, w, i, f"r{i}", prompt, rest, hashes)
+        self._submit(now, w, i, f"r{i}", prompt, rest, hashes, handed_off=len(prompt) - 1)
 
     def _start_step(self, now: float, worker: _Worker, w: int) -> None:
         result = worker.engine.step()
@@ -340,7 +362,8 @@ class OfflineReplay:
     def _hand_off(self, now: float, prefill: _Worker, i: int, first_token: int) -> None:
         w, hashes = self._handoffs[i]
         hits, _ = self._workers[w].engine.cached_prefix(hashes)
-        missing = (len(hashes) - hits) * prefill.engine.block_size
+        # Every prompt token's KV the decode worker lacks, the partial last block's included.
+        missing = self._trace[i].input_length - hits * prefill.engine.block_size
         arrival = now + self._disagg.transfer.transfer_ms(missing) / 1000.0
         self._push(arrival, _KV_ARRIVED, i, first_token)
 

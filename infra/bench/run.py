@@ -31,6 +31,7 @@ MODEL = "laneway-sim"
 _ENGINE_DEFAULTS = SimConfig()
 _LINK_DEFAULTS = KvTransferModel()
 _CAPACITY = CapacitySettings()
+_DISAGG = DisaggSettings()
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -64,9 +65,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bench.add_argument(
         "--min-remote-tokens",
         type=int,
-        default=DisaggSettings().min_remote_tokens,
+        default=_DISAGG.min_remote_tokens,
         help="uncached prompt tokens below which prefill stays on the decode worker",
     )
+    bench.add_argument(
+        "--max-handoff-ms-per-token",
+        type=float,
+        default=_DISAGG.max_handoff_ms_per_token,
+        help="offline: a hand-off adding more to each of the request's token gaps stays local "
+        "(up to --max-local-stall-tokens uncached tokens); 0: off",
+    )
+    bench.add_argument("--max-local-stall-tokens", type=int, default=_DISAGG.max_local_stall_tokens)
     bench.add_argument("--kv-bytes-per-token", type=int, default=_LINK_DEFAULTS.kv_bytes_per_token)
     bench.add_argument("--link-gb-s", type=float, default=_LINK_DEFAULTS.bandwidth_gb_s)
     bench.add_argument("--link-latency-ms", type=float, default=_LINK_DEFAULTS.latency_ms)
@@ -110,6 +119,8 @@ def _offline(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -
     disagg = DisaggSettings(
         mode=args.disagg,
         min_remote_tokens=args.min_remote_tokens,
+        max_handoff_ms_per_token=args.max_handoff_ms_per_token,
+        max_local_stall_tokens=args.max_local_stall_tokens,
         transfer=KvTransferModel(
             kv_bytes_per_token=args.kv_bytes_per_token,
             bandwidth_gb_s=args.link_gb_s,

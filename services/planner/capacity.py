@@ -20,8 +20,11 @@ class CapacitySettings:
     itl_target_ms: float = 25.0
     # Seconds between decisions; each decision looks at the requests of the last interval.
     interval_s: float = 60.0
-    # Intervals to wait after a move before the next one, to see what it did.
+    # Intervals to wait after a move before the next one, to see what it did. A move that undoes
+    # the previous one doubles the wait (up to `max_cooldown_intervals`): the split between two
+    # that each miss a different target is held longer instead of flapping; a move onward resets.
     cooldown_intervals: int = 1
+    max_cooldown_intervals: int = 8
     # Share of the pool one step may move (at least one worker).
     max_move_fraction: float = 0.1
     # A latency must be this far past its target (as a fraction) to act on it.
@@ -53,6 +56,8 @@ class CapacityPlanner:
     def __init__(self, settings: CapacitySettings | None = None) -> None:
         self.settings = settings or CapacitySettings()
         self._cooldown = 0
+        self._wait = self.settings.cooldown_intervals
+        self._last_move: Move | None = None
         self._last_queue: int | None = None
 
     def decide(self, obs: Observation) -> Decision:
@@ -71,10 +76,19 @@ class CapacityPlanner:
         step = max(1, int(pool * s.max_move_fraction))
         over = 1.0 + s.hysteresis
         if ttft > over and ttft >= itl and obs.decode_workers > step:
-            self._cooldown = s.cooldown_intervals
             why = "prefill queue burst" if burst else f"TTFT p95 at {ttft:.2f}× target"
-            return Decision("to_prefill", step, why)
+            return self._move("to_prefill", step, why)
         if itl > over and itl > ttft and obs.prefill_workers > step:
-            self._cooldown = s.cooldown_intervals
-            return Decision("to_decode", step, f"ITL p95 at {itl:.2f}× target")
+            return self._move("to_decode", step, f"ITL p95 at {itl:.2f}× target")
         return Decision(None, 0, f"within targets (TTFT {ttft:.2f}×, ITL {itl:.2f}×)")
+
+    def _move(self, move: Move, step: int, why: str) -> Decision:
+        s = self.settings
+        if self._last_move is not None and move != self._last_move:
+            self._wait = min(s.max_cooldown_intervals, 2 * self._wait)
+            why += f"; undoes the last move, next wait {self._wait} intervals"
+        else:
+            self._wait = s.cooldown_intervals
+        self._last_move = move
+        self._cooldown = self._wait
+        return Decision(move, step, why)

@@ -5,6 +5,11 @@ Local prefill costs the decode worker's queue plus the prompt's uncached part th
 every request decoding there while it runs. Remote prefill costs the best prefill worker's queue
 and prefill, plus moving the KV to the decode worker. The cheaper wins; short uncached parts stay
 local whatever the costs say, since a hand-off has fixed overheads the model does not capture.
+
+The request pays for its own hand-off too: its first token leaves the prefill worker, its second
+comes only after the KV has crossed the link, and inter-token latency spreads that gap over the
+tokens it generates. A short answer behind a long transfer would see its ITL dominated by it, so
+such a request prefills locally when the stall that imposes on the decode worker is bounded.
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ class DisaggSettings:
     # Uncached prompt tokens below which prefill always stays on the decode worker.
     min_remote_tokens: int = 1024
     transfer: KvTransferModel = field(default_factory=KvTransferModel)
+    # A hand-off adding more than this to each of the request's inter-token gaps (transfer time
+    # over its tokens after the first) keeps prefill local, if the uncached part is at most
+    # `max_local_stall_tokens`: beyond that the stall on the decode worker's running requests
+    # costs them more than the transfer costs this one. 0 turns the rule off.
+    max_handoff_ms_per_token: float = 3.0
+    max_local_stall_tokens: int = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +71,15 @@ def plan_prefill(
         return PrefillPlan(best.worker_id, local_ms, remote_ms, "static disaggregation")
     if uncached < settings.min_remote_tokens:
         return PrefillPlan(None, local_ms, remote_ms, f"only {uncached} uncached tokens")
+    per_token = handoff_ms_per_token(settings.transfer, uncached, request.max_tokens)
+    if (
+        settings.max_handoff_ms_per_token > 0
+        and per_token > settings.max_handoff_ms_per_token
+        and uncached <= settings.max_local_stall_tokens
+    ):
+        return PrefillPlan(
+            None, local_ms, remote_ms, f"hand-off adds {per_token:.1f} ms to each of its tokens"
+        )
     if remote_ms < local_ms:
         return PrefillPlan(
             best.worker_id, local_ms, remote_ms, f"remote {remote_ms:.0f} < local {local_ms:.0f} ms"
@@ -67,3 +87,26 @@ def plan_prefill(
     return PrefillPlan(
         None, local_ms, remote_ms, f"local {local_ms:.0f} <= remote {remote_ms:.0f} ms"
     )
+
+
+def handoff_ms_per_token(transfer: KvTransferModel, uncached: int, max_tokens: int) -> float:
+    """What a hand-off of ``uncached`` tokens adds to a request's mean inter-token latency: the
+    transfer delays its second token, and the mean is over its ``max_tokens - 1`` gaps."""
+    return transfer.transfer_ms(uncached) / max(1, max_tokens - 1)
+
+
+def pick_decoder(
+    policy: KvAware, request: RouteRequest, decode: Sequence[WorkerView], settings: DisaggSettings
+) -> WorkerView:
+    """The decode worker for a remotely prefilled request: where it will generate its tokens
+    soonest. That is the decode step there once the request's KV is in (steps slow down as a
+    worker's KV fills), plus its hand-off spread over its tokens (a worker caching more of the
+    prompt needs less of it moved); prefill time no longer matters, the prompt is computed
+    elsewhere."""
+
+    def itl_ms(worker: WorkerView) -> float:
+        uncached = request.prompt_tokens - worker.cached_blocks * worker.block_size
+        step = policy.decode_step_ms(worker, request.prompt_tokens + request.max_tokens)
+        return step + handoff_ms_per_token(settings.transfer, uncached, request.max_tokens)
+
+    return min(decode, key=lambda w: (itl_ms(w), w.load, w.worker_id))

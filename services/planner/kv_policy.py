@@ -114,13 +114,17 @@ class KvAware:
         prefill_ms = self._prefill_ms(queued + uncached, worker) - queue_ms
         # Decode steps slow down as the worker's KV fills (the timing model's decode term), and
         # this request's tokens will be generated at that pace: long answers weigh more.
-        usage = worker.kv_usage
-        if worker.kv_capacity_tokens:
-            usage += (uncached + request.max_tokens) / worker.kv_capacity_tokens
-        step_ms = self._timing.step_ms(0, 1, min(1.0, usage))
+        step_ms = self.decode_step_ms(worker, uncached + request.max_tokens)
         penalty = self.settings.decode_weight * max(1, request.max_tokens) * step_ms
         penalty += self.settings.stall_weight * worker.running * self._prefill_ms(uncached, worker)
         return Prediction(queue_ms, prefill_ms, penalty)
+
+    def decode_step_ms(self, worker: WorkerView, extra_tokens: int = 0) -> float:
+        """A decode step's time on ``worker`` once it holds ``extra_tokens`` more tokens of KV."""
+        usage = worker.kv_usage
+        if worker.kv_capacity_tokens:
+            usage += extra_tokens / worker.kv_capacity_tokens
+        return self._timing.step_ms(0, 1, min(1.0, usage))
 
     def _prefill_ms(self, tokens: int, worker: WorkerView) -> float:
         """Time to prefill ``tokens`` in budget-sized chunks, each step also decoding."""
