@@ -28,7 +28,7 @@ from schemas.events import (
 )
 from schemas.messages import OverlapQuery, OverlapReply, WorkerRegistration
 from services.planner.cluster import ClusterView, Routed
-from services.planner.disagg import DisaggSettings, plan_prefill
+from services.planner.disagg import DisaggSettings, pick_decoder, plan_prefill
 from services.planner.kv_policy import KvAware
 from services.planner.policy import Policy, RouteRequest, WorkerView
 
@@ -96,13 +96,18 @@ class Planner:
             return
         choice = self._policy.choose(route, candidates)
         worker_id, reason = choice.worker_id, choice.reason
+        placement = self._place_prefill(route, self._view(candidates, worker_id), overlaps)
+        remote = placement.prefill_worker_id if placement is not None else None
+        if remote is not None and isinstance(self._policy, KvAware):
+            # The prompt is computed elsewhere: decode where the tokens will come soonest.
+            able = [c for c in candidates if self.cluster.workers[c.worker_id].kv_handoff]
+            worker_id = pick_decoder(self._policy, route, able, self._disagg).worker_id
+            reason = f"decodes here after a remote prefill (first pick: {reason})"
         if self._sessions is not None and event.session_id is not None:
             worker_id, reason = await self._bind_session(
                 event.session_id, owner, worker_id, reason, candidates
             )
-        picked = next(c for c in candidates if c.worker_id == worker_id)
-        placement = self._place_prefill(route, picked, overlaps)
-        remote = placement.prefill_worker_id if placement is not None else None
+        picked = self._view(candidates, worker_id)
         # The prompt queues where it is prefilled, less what that worker caches.
         cached = picked.cached_blocks * picked.block_size
         if placement is not None and remote is not None:
@@ -175,6 +180,10 @@ class Planner:
                 for p in [predictions[w.worker_id]]
             ),
         )
+
+    @staticmethod
+    def _view(candidates: list[WorkerView], worker_id: str) -> WorkerView:
+        return next(c for c in candidates if c.worker_id == worker_id)
 
     async def _bind_session(
         self,
