@@ -103,3 +103,13 @@ async def test_within_targets_nothing_moves() -> None:
     loop.on_finished(finished(ttft_ms=10, e2e_ms=100, tokens=10))
     assert await loop.step() is None
     assert not assigned and not published
+
+
+async def test_an_aggregated_pool_can_be_split() -> None:
+    pool = [worker("a1", "both"), worker("a2", "both")]
+    loop, _, assigned, _ = make_loop(pool, ttft_target_ms=100)
+    loop.on_finished(finished(ttft_ms=900, e2e_ms=1000, tokens=2))
+    assert (loop.observe().prefill_workers, loop.observe().decode_workers) == (0, 2)
+    event = await loop.step()
+    assert event is not None and assigned == {"a1": "prefill"}
+    assert event.moves[0].from_role == "both"

@@ -105,9 +105,9 @@ class OfflineReplay:
             for i in range(workers)
         ]
         self._disagg = disagg or DisaggSettings(mode="never")
-        self._capacity = CapacityPlanner(autoscale) if autoscale and prefill_workers else None
+        self._capacity = CapacityPlanner(autoscale) if autoscale else None
         self._roles_timeline: list[dict[str, Any]] = []
-        if prefill_workers and not isinstance(policy, KvAware):
+        if (prefill_workers or autoscale) and not isinstance(policy, KvAware):
             raise ValueError("disaggregation needs the kv policy's cost model")
         self._index = PrefixIndex()
         self._records = [RequestRecord(r.arrival_s, r.input_length) for r in trace]

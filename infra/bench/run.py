@@ -158,7 +158,7 @@ def _disagg_env(args: argparse.Namespace) -> dict[str, str]:
         "LANEWAY_KV_BYTES_PER_TOKEN": str(args.kv_bytes_per_token),
         "LANEWAY_LINK_GB_S": str(args.link_gb_s),
         "LANEWAY_LINK_LATENCY_MS": str(args.link_latency_ms),
-        "LANEWAY_AUTOSCALE": str(bool(args.autoscale and args.prefill_workers)).lower(),
+        "LANEWAY_AUTOSCALE": str(args.autoscale).lower(),
         # The loop sees wall-clock latencies of a compressed replay: scale targets and interval.
         "LANEWAY_TTFT_TARGET_MS": str(args.ttft_target_ms / args.time_scale),
         "LANEWAY_ITL_TARGET_MS": str(args.itl_target_ms / args.time_scale),

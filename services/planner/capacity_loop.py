@@ -84,7 +84,8 @@ class CapacityLoop:
         """Workers of a pool, least busy first: they finish their in-flight work soonest."""
         views = self._cluster.prefill_candidates() if role == "prefill" else []
         if role == "decode":
-            decode = {w for w, reg in self._cluster.workers.items() if reg.role == "decode"}
+            # Aggregated workers decode too: the loop may split them into a prefill pool.
+            decode = {w for w, reg in self._cluster.workers.items() if reg.role != "prefill"}
             views = [v for v in self._cluster.candidates() if v.worker_id in decode]
         return [v.worker_id for v in sorted(views, key=lambda v: (v.load, v.worker_id))]
 
@@ -100,7 +101,10 @@ class CapacityLoop:
         await self._assign_roles(dict.fromkeys(moved, target))
         event = RolesRebalanced(
             source=self._source,
-            moves=tuple(RoleMove(worker_id=w, from_role=source, to_role=target) for w in moved),
+            moves=tuple(
+                RoleMove(worker_id=w, from_role=self._cluster.workers[w].role, to_role=target)
+                for w in moved
+            ),
             reason=decision.reason,
         )
         await self._publish(Subjects.roles_rebalanced, event)
