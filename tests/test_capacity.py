@@ -28,12 +28,11 @@ def test_hysteresis_keeps_it_still_near_the_targets() -> None:
     assert planner.decide(obs(None, None)).move is None
 
 
-def test_keeps_a_decoder_may_end_splitting_and_moves_at_most_a_tenth() -> None:
+def test_never_empties_a_pool_and_moves_at_most_a_tenth() -> None:
     planner = CapacityPlanner(CapacitySettings(cooldown_intervals=0))
     assert planner.decide(obs(5000, 1, p=7, d=1)).move is None
-    # The last prefill worker may go: serving is aggregated again.
-    assert planner.decide(obs(1, 500, p=1, d=7)).move == "to_decode"
-    assert planner.decide(obs(1, 500, p=0, d=8)).move is None
+    assert planner.decide(obs(1, 500, p=1, d=7)).move is None
+    # An aggregated pool is split when first tokens are slow.
     assert planner.decide(obs(5000, 1, p=0, d=8)).move == "to_prefill"
     big = planner.decide(obs(5000, 1, p=10, d=30))
     assert (big.move, big.workers) == ("to_prefill", 4)

@@ -78,8 +78,9 @@ class CapacityPlanner:
         if ttft > over and ttft >= itl and obs.decode_workers > step:
             why = "prefill queue burst" if burst else f"TTFT p95 at {ttft:.2f}× target"
             return self._move("to_prefill", step, why)
-        # Down to no prefill worker at all: aggregated serving, when splitting does not pay.
-        if itl > over and itl > ttft and obs.prefill_workers >= step:
+        # Never below one prefill worker: without a prefill pool, slow tokens come from prefills
+        # interleaved with the decodes, which fewer prefill workers would only make worse.
+        if itl > over and itl > ttft and obs.prefill_workers > step:
             return self._move("to_decode", step, f"ITL p95 at {itl:.2f}× target")
         return Decision(None, 0, f"within targets (TTFT {ttft:.2f}×, ITL {itl:.2f}×)")
 
