@@ -30,12 +30,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="workers that decode (aggregated without a prefill pool)",
     )
     up.add_argument("--prefill-workers", type=int, default=0, help="prefill-only workers")
-    up.add_argument(
-        "--disagg",
-        choices=["never", "always", "auto"],
-        default="auto",
-        help="with prefill workers: prefill remotely never, always, or when it pays (kv policy)",
-    )
+    bench.add_disagg_argument(up)
     up.add_argument(
         "--autoscale", action="store_true", help="capacity loop: move workers between the pools"
     )

@@ -34,6 +34,15 @@ _CAPACITY = CapacitySettings()
 _DISAGG = DisaggSettings()
 
 
+def add_disagg_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--disagg",
+        choices=["never", "always", "auto"],
+        default="auto",
+        help="with prefill workers: prefill remotely never, always, or when it pays (kv policy)",
+    )
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="replay a request trace through routing policies")
     bench.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file")
@@ -48,12 +57,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bench.add_argument(
         "--decode-workers", type=int, help="default: --workers minus --prefill-workers"
     )
-    bench.add_argument(
-        "--disagg",
-        choices=["never", "always", "auto"],
-        default="auto",
-        help="with prefill workers: prefill remotely never, always, or when it pays (kv policy)",
-    )
+    add_disagg_argument(bench)
     bench.add_argument(
         "--autoscale",
         action="store_true",
