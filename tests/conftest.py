@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from bus.client import Bus
+from bus.registry import WORKERS_PREFIX, connect_etcd
 from infra.cluster import ClusterConfig, LocalCluster
 from infra.embedded import EmbeddedServer, free_port, start_etcd, start_nats
+from schemas.messages import WorkerRegistration
 
 # Fast, deterministic workers for the end-to-end tests: 1 ms per decode step.
 FAST_WORKERS = {
@@ -46,6 +48,20 @@ async def bus(nats_server: EmbeddedServer) -> AsyncIterator[Bus]:
 
 
 ClusterFactory = Callable[..., LocalCluster]
+
+
+async def registrations(etcd_endpoints: str) -> dict[str, WorkerRegistration]:
+    etcd = connect_etcd(etcd_endpoints)
+    try:
+        return {
+            reg.worker_id: reg
+            for reg in (
+                WorkerRegistration.model_validate_json(kv.value)
+                for kv in await etcd.get_prefix(WORKERS_PREFIX)
+            )
+        }
+    finally:
+        await etcd.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from collections.abc import Callable
 import openai
 
 from bus.client import Bus
-from bus.registry import WORKERS_PREFIX, connect_etcd
 from bus.topology import Subjects
 from schemas.events import (
     Event,
@@ -24,8 +23,7 @@ from schemas.events import (
     RouteDecided,
     TokensGenerated,
 )
-from schemas.messages import WorkerRegistration
-from tests.conftest import ClusterFactory
+from tests.conftest import ClusterFactory, registrations
 
 MODEL = "laneway-sim"
 # Every prompt prefilled remotely, with the sim's modelled link.
@@ -57,20 +55,6 @@ async def observe(nats_url: str) -> tuple[Bus, Observed]:
     for subject in (Subjects.all_routes, Subjects.all_request_terminals, Subjects.tokens(">")):
         await bus.subscribe(subject, seen.on_event)
     return bus, seen
-
-
-async def registrations(etcd_endpoints: str) -> dict[str, WorkerRegistration]:
-    etcd = connect_etcd(etcd_endpoints)
-    try:
-        return {
-            reg.worker_id: reg
-            for reg in (
-                WorkerRegistration.model_validate_json(kv.value)
-                for kv in await etcd.get_prefix(WORKERS_PREFIX)
-            )
-        }
-    finally:
-        await etcd.close()
 
 
 async def test_a_remote_prefill_hands_its_kv_to_the_decode_worker(

@@ -11,11 +11,9 @@ import time
 import openai
 
 from bus.client import Bus
-from bus.registry import WORKERS_PREFIX, connect_etcd
 from bus.topology import Subjects
 from schemas.events import Event, RequestFailed, RouteDecided
-from schemas.messages import WorkerRegistration
-from tests.conftest import ClusterFactory
+from tests.conftest import ClusterFactory, registrations
 
 MODEL = "laneway-sim"
 
@@ -36,14 +34,7 @@ async def test_killed_worker_fails_its_requests_and_gets_no_more(
 
     await bus.subscribe(Subjects.all_routes, observe)
     await bus.subscribe(Subjects.all_request_terminals, observe)
-    etcd = connect_etcd(cluster.etcd_endpoints)
-    workers = {
-        reg.worker_id: reg
-        for reg in (
-            WorkerRegistration.model_validate_json(kv.value)
-            for kv in await etcd.get_prefix(WORKERS_PREFIX)
-        )
-    }
+    workers = await registrations(cluster.etcd_endpoints)
     client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
     stream = await client.completions.create(
         model=MODEL, prompt="a long one", max_tokens=4000, stream=True
@@ -74,7 +65,6 @@ async def test_killed_worker_fails_its_requests_and_gets_no_more(
         assert reply.choices[0].finish_reason == "length"
     assert {r.worker_id for r in routes} == survivors
     await bus.close()
-    await etcd.close()
 
 
 async def test_engines_without_kv_events_are_indexed_from_routing(

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.planner.capacity import percentile
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -45,17 +47,6 @@ class ReplayResult:
 
     def ttft_ms(self) -> list[float]:
         return [((r.first_token_s or 0.0) - r.arrival_s) * 1000 for r in self.records if r.done]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:

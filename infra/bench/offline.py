@@ -20,7 +20,6 @@ from infra.bench.metrics import (
     WorkerRecord,
     build_report,
     busy_timeline,
-    percentile,
 )
 from infra.bench.traces import PromptFactory, TraceRequest
 from schemas.block_hash import ROOT_HASH, hash_block
@@ -29,7 +28,12 @@ from services.engine.kv_events import kv_event
 from services.engine.protocol import EngineRequest, KvChange, StepResult
 from services.engine.sim import SimConfig, SimEngine, timing_preset
 from services.kv_indexer.index import PrefixIndex
-from services.planner.capacity import CapacityPlanner, CapacitySettings, Observation
+from services.planner.capacity import (
+    CapacityPlanner,
+    CapacitySettings,
+    Observation,
+    p95_or_none,
+)
 from services.planner.disagg import DisaggSettings, pick_decoder, plan_prefill
 from services.planner.kv_policy import KvAware
 from services.planner.policy import Choice, Policy, RouteRequest, WorkerView
@@ -324,8 +328,8 @@ class OfflineReplay:
         decode = [w for w in self._workers if w.role != "prefill" and w.next_role is None]
         decision = self._capacity.decide(
             Observation(
-                percentile(ttft, 95) if ttft else None,
-                percentile(itl, 95) if itl else None,
+                p95_or_none(ttft),
+                p95_or_none(itl),
                 sum(w.engine.load().waiting_prefill_tokens for w in prefill),
                 len(prefill),
                 len(decode),

@@ -8,6 +8,8 @@ Pure: the live planner and the offline simulator call it with what they observed
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +34,22 @@ class CapacitySettings:
     # Prefill queue growth over one interval (tokens per prefill worker) that counts as a TTFT
     # violation by itself.
     burst_tokens_per_worker: int = 200_000
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def p95_or_none(values: Sequence[float]) -> float | None:
+    """An interval's p95, None when nothing finished in it."""
+    return percentile(values, 95) if values else None
 
 
 @dataclass(frozen=True, slots=True)

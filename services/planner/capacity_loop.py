@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -15,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from bus.registry import LeasedKey
 from bus.topology import Subjects
 from schemas.events import RequestFinished, Role, RoleMove, RolesRebalanced
-from services.planner.capacity import CapacityPlanner, Observation
+from services.planner.capacity import CapacityPlanner, Observation, p95_or_none
 from services.planner.cluster import ClusterView
 
 log = logging.getLogger(__name__)
@@ -73,8 +72,8 @@ class CapacityLoop:
         itl = [i for _, _, i in self._finished if i is not None]
         prefill = self._cluster.prefill_candidates()
         return Observation(
-            _p95(ttft),
-            _p95(itl),
+            p95_or_none(ttft),
+            p95_or_none(itl),
             sum(w.waiting_prefill_tokens for w in prefill),
             len(prefill),
             len(self._movable("decode")),
@@ -110,10 +109,3 @@ class CapacityLoop:
         await self._publish(Subjects.roles_rebalanced, event)
         log.info("capacity: %s → %s for %s (%s)", source, target, moved, decision.reason)
         return event
-
-
-def _p95(values: list[float]) -> float | None:
-    if len(values) < 2:
-        return values[0] if values else None
-    # "inclusive": linear interpolation between closest ranks, as the bench reports it.
-    return statistics.quantiles(values, n=20, method="inclusive")[-1]
