@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.latency import LatencyHistogram
+
 TokenIds = tuple[int, ...]
 BlockHashes = tuple[Annotated[int, Field(ge=0, lt=1 << 64)], ...]
 Role = Literal["prefill", "decode", "both"]
@@ -196,6 +198,10 @@ class RequestFinished(Envelope):
     usage: Usage
     ttft_ms: float = Field(ge=0.0, description="route received to first token, milliseconds")
     e2e_ms: float = Field(ge=0.0, description="route received to last token, milliseconds")
+    token_gaps: LatencyHistogram = Field(
+        default_factory=LatencyHistogram,
+        description="gaps between consecutive generated tokens, milliseconds",
+    )
 
 
 FailureCode = Literal["worker_lost", "engine_error", "no_worker", "invalid_request", "timeout"]

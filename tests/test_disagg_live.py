@@ -98,6 +98,8 @@ async def test_a_remote_prefill_hands_its_kv_to_the_decode_worker(
             assert {d.worker_id for d in deltas} == {decode}
             indexes = [i for d in deltas for i in range(d.index, d.index + len(d.token_ids))]
             assert indexes == list(range(12))
+            # One gap per token after the first, the first of them the hand-off's.
+            assert done.token_gaps.total() == 11
             assert done.worker_id == decode and done.usage.completion_tokens == 12
     finally:
         await bus.close()

@@ -106,9 +106,7 @@ async def _one(
                 request_id = chunk["id"].removeprefix("cmpl-")
                 now = (time.monotonic() - t0) * time_scale
                 if chunk["choices"] and chunk["choices"][0].get("text"):
-                    if record.first_token_s is None:
-                        record.first_token_s = now
-                    record.last_token_s = now
+                    record.tokens_at(now, 1)
                 usage = chunk.get("usage")
                 if usage:
                     record.output_tokens = usage["completion_tokens"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,20 @@ class RequestRecord:
     output_tokens: int = 0
     cached_tokens: int = 0
     failed: bool = False
+    # Milliseconds from each streamed token (or chunk, live) to the next, in order.
+    token_gaps_ms: array[float] = field(default_factory=lambda: array("d"))
+
+    def tokens_at(self, now_s: float, count: int) -> float | None:
+        """``count`` more tokens arrived at ``now_s``; the gap since the last ones, if any."""
+        gap = None
+        if self.first_token_s is None:
+            self.first_token_s = now_s
+        else:
+            gap = (now_s - (self.last_token_s or now_s)) * 1000
+            self.token_gaps_ms.append(gap)
+        self.last_token_s = now_s
+        self.output_tokens += count
+        return gap
 
     @property
     def done(self) -> bool:
@@ -67,8 +82,13 @@ def build_report(
     done = [r for r in requests if r.done]
     ttft = [((r.first_token_s or 0.0) - r.arrival_s) * 1000 for r in done]
     e2e = [((r.last_token_s or 0.0) - r.arrival_s) * 1000 for r in done]
-    # Inter-token latency per request: its decode time spread over its tokens after the first.
-    itl = [
+    # Inter-token latency as vLLM's benchmark and Dynamo's replay count it: every gap between
+    # consecutive tokens, pooled over requests. TPOT is the per-request view: a request's decode
+    # time spread over its tokens after the first.
+    itl = array("d")
+    for r in done:
+        itl.extend(r.token_gaps_ms)
+    tpot = [
         ((r.last_token_s or 0.0) - (r.first_token_s or 0.0)) * 1000 / (r.output_tokens - 1)
         for r in done
         if r.output_tokens > 1
@@ -86,6 +106,7 @@ def build_report(
         "prefix_hit_rate": sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
         "ttft_ms": summary(ttft),
         "itl_ms": summary(itl),
+        "tpot_ms": summary(tpot),
         "e2e_ms": summary(e2e),
         "util_variance": sum((b - mean_busy) ** 2 for b in busy.values()) / len(busy)
         if busy

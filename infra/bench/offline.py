@@ -24,6 +24,7 @@ from infra.bench.metrics import (
 from infra.bench.traces import PromptFactory, TraceRequest
 from schemas.block_hash import ROOT_HASH, hash_block
 from schemas.events import Role, SamplingParams
+from schemas.latency import LatencyHistogram
 from services.engine.kv_events import kv_event
 from services.engine.protocol import EngineRequest, KvChange, StepResult
 from services.engine.sim import SimConfig, SimEngine, timing_preset
@@ -115,6 +116,8 @@ class OfflineReplay:
             raise ValueError("disaggregation needs the kv policy's cost model")
         self._index = PrefixIndex()
         self._records = [RequestRecord(r.arrival_s, r.input_length) for r in trace]
+        # Token gaps since the capacity loop last looked, bucketed as the live loop gets them.
+        self._interval_gaps = LatencyHistogram()
         self._owner: dict[str, int] = {}
         self._events: list[tuple[float, int, int, int, Any]] = []
         # Every routing decision with its inputs, when asked for (`laneway bench --decisions`).
@@ -295,10 +298,11 @@ class OfflineReplay:
             i = self._owner[output.request_id]
             record = self._records[i]
             if record.first_token_s is None:
-                record.first_token_s = now
                 record.cached_tokens = output.cached_tokens or 0
-            record.output_tokens += len(output.new_token_ids)
-            record.last_token_s = now
+            if output.new_token_ids:
+                gap = record.tokens_at(now, len(output.new_token_ids))
+                if gap is not None and self._capacity is not None:
+                    self._interval_gaps.add(gap)
             if output.finished:
                 del self._owner[output.request_id]
                 worker.in_flight -= 1
@@ -319,17 +323,13 @@ class OfflineReplay:
             for r in self._records
             if r.first_token_s is not None and r.first_token_s >= since
         ]
-        itl = [
-            ((r.last_token_s or 0.0) - (r.first_token_s or 0.0)) * 1000 / (r.output_tokens - 1)
-            for r in self._records
-            if r.done and r.output_tokens > 1 and (r.last_token_s or 0.0) >= since
-        ]
+        gaps, self._interval_gaps = self._interval_gaps, LatencyHistogram()
         prefill = [w for w in self._workers if w.role == "prefill" and w.next_role is None]
         decode = [w for w in self._workers if w.role != "prefill" and w.next_role is None]
         decision = self._capacity.decide(
             Observation(
                 p95_or_none(ttft),
-                p95_or_none(itl),
+                gaps.percentile(95),
                 sum(w.engine.load().waiting_prefill_tokens for w in prefill),
                 len(prefill),
                 len(decode),

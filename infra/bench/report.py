@@ -58,7 +58,12 @@ def _rows() -> list[_Row]:
     ]
     rows += [
         _latency_row(name, key, stat)
-        for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
+        for name, key in (
+            ("TTFT", "ttft_ms"),
+            ("ITL", "itl_ms"),
+            ("TPOT", "tpot_ms"),
+            ("E2E", "e2e_ms"),
+        )
         for stat in ("mean", "p50", "p95", "p99")
     ]
     rows += [

@@ -38,6 +38,7 @@ from schemas.events import (
     Usage,
     WorkerLoadReported,
 )
+from schemas.latency import LatencyHistogram
 from schemas.messages import WorkerRegistration
 from services.engine.handoff import KvReceiver, KvSender, PrefillJob, continuation
 from services.engine.kv_events import kv_event
@@ -114,6 +115,8 @@ class _Active:
     flushed_at: float = 0.0
     cached_tokens: int = 0
     awaiting: _Awaiting | None = None
+    last_token: float | None = None
+    token_gaps: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
 class Worker:
@@ -512,15 +515,19 @@ class Worker:
         state = self._active.get(output.request_id)
         if state is None:  # cancelled while the step ran
             return
+        now = time.monotonic()
         if state.first_token is None:
-            state.first_token = time.monotonic()
+            state.first_token = now
             state.cached_tokens = output.cached_tokens or 0
+        elif state.last_token is not None and output.new_token_ids:
+            state.token_gaps.add((now - state.last_token) * 1000)
+        if output.new_token_ids:
+            state.last_token = now
         state.pending_ids += output.new_token_ids
         state.pending_text += state.detok.push(output.new_token_ids)
         finished = output.finished or state.detok.stopped
         if finished and not state.detok.stopped:
             state.pending_text += state.detok.flush()
-        now = time.monotonic()
         # The first token goes out at once (it is the TTFT), the last with the end; between,
         # tokens are coalesced for `stream_interval_s` so that a long answer is not one message
         # per step per request.
@@ -548,6 +555,7 @@ class Worker:
             ),
             ttft_ms=((state.first_token or now) - state.received) * 1000,
             e2e_ms=(now - state.received) * 1000,
+            token_gaps=state.token_gaps,
         )
         state.span.set_attribute("laneway.completion_tokens", state.emitted)
         state.span.end()

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from bus.registry import LeasedKey
 from bus.topology import Subjects
 from schemas.events import RequestFinished, Role, RoleMove, RolesRebalanced
+from schemas.latency import LatencyHistogram
 from services.planner.capacity import CapacityPlanner, Observation, p95_or_none
 from services.planner.cluster import ClusterView
 
@@ -39,13 +40,11 @@ class CapacityLoop:
         self._assign_roles = assign_roles
         self._publish = publish
         self._source = source
-        # (finished at, TTFT ms, ITL ms or None) of recent requests, monotonic seconds.
-        self._finished: deque[tuple[float, float, float | None]] = deque()
+        # (finished at, TTFT ms, token gaps) of recent requests, monotonic seconds.
+        self._finished: deque[tuple[float, float, LatencyHistogram]] = deque()
 
     def on_finished(self, event: RequestFinished) -> None:
-        n = event.usage.completion_tokens
-        itl = (event.e2e_ms - event.ttft_ms) / (n - 1) if n > 1 else None
-        self._finished.append((time.monotonic(), event.ttft_ms, itl))
+        self._finished.append((time.monotonic(), event.ttft_ms, event.token_gaps))
 
     async def run(self) -> None:
         interval = self._planner.settings.interval_s
@@ -69,11 +68,13 @@ class CapacityLoop:
         """The last interval's latencies and the pools as they stand."""
         self._forget_before(time.monotonic() - self._planner.settings.interval_s)
         ttft = [t for _, t, _ in self._finished]
-        itl = [i for _, _, i in self._finished if i is not None]
+        gaps = LatencyHistogram()
+        for _, _, request_gaps in self._finished:
+            gaps.merge(request_gaps)
         prefill = self._cluster.prefill_candidates()
         return Observation(
             p95_or_none(ttft),
-            p95_or_none(itl),
+            gaps.percentile(95),
             sum(w.waiting_prefill_tokens for w in prefill),
             len(prefill),
             len(self._movable("decode")),

@@ -24,19 +24,13 @@ def _report(workers: int, scale: float, timeline: bool = True) -> dict[str, Any]
         worker_id = f"w{i % workers:03d}"
         arrival = 0.1 * i
         first = arrival + 0.02 * scale * (i + 1)
-        last = first + 0.01 * scale * 9
-        requests.append(
-            RequestRecord(
-                arrival,
-                prompt_tokens=100,
-                worker_id=worker_id,
-                first_token_s=first,
-                last_token_s=last,
-                output_tokens=10,
-                cached_tokens=25 * (i % 3),
-            )
+        record = RequestRecord(
+            arrival, prompt_tokens=100, worker_id=worker_id, cached_tokens=25 * (i % 3)
         )
-        records[worker_id].busy.append((arrival, last))
+        for k in range(10):
+            record.tokens_at(first + 0.01 * scale * k, 1)
+        requests.append(record)
+        records[worker_id].busy.append((arrival, record.last_token_s or first))
         records[worker_id].requests += 1
     requests.append(RequestRecord(0.7, prompt_tokens=50, worker_id="w000", failed=True))
     report = build_report(requests, records, wall_s=1.234)
@@ -90,7 +84,7 @@ def test_table_rows_in_order_and_aligned() -> None:
         "completed",
         "failed",
         "prefix hit rate",
-        *(f"{m} {s} (ms)" for m in ("TTFT", "ITL", "E2E") for s in ("mean", "p50", "p95", "p99")),
+        *(f"{m} {s} (ms)" for m in ("TTFT", "ITL", "TPOT", "E2E") for s in ("mean", "p50", "p95", "p99")),
         "util variance",
         "max worker busy",
         "min worker busy",
@@ -167,3 +161,22 @@ def test_plot_tolerates_missing_samples_and_nan(tmp_path: Path) -> None:
     plot_reports(path, {"empty": empty, "ok": _report(2, 1.0)}, {"empty": []}, "sparse")
 
     assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_itl_pools_every_gap_and_tpot_averages_per_request() -> None:
+    """A 101-token answer with one 500 ms stall and a 3-token answer at 10 ms a token: per
+    request, TPOT is 14.9 and 10 ms; pooled, 101 of the 102 gaps are 10 ms."""
+    long, short = RequestRecord(0.0, 10), RequestRecord(0.0, 10)
+    now = 1.0
+    long.tokens_at(now, 1)
+    for i in range(100):
+        now += 0.5 if i == 0 else 0.01
+        long.tokens_at(now, 1)
+    for t in (1.0, 1.01, 1.02):
+        short.tokens_at(t, 1)
+    report = build_report([long, short], {"w0": WorkerRecord()}, 0.1)
+    assert long.output_tokens == 101 and len(long.token_gaps_ms) == 100
+    assert report["tpot_ms"]["p50"] == pytest.approx((14.9 + 10) / 2)
+    assert report["itl_ms"]["p50"] == pytest.approx(10.0)
+    assert report["itl_ms"]["p99"] == pytest.approx(10.0)
+    assert report["itl_ms"]["mean"] == pytest.approx((500 + 101 * 10) / 102)
