@@ -63,7 +63,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="capacity loop on: move workers between pools (start split: --prefill-workers)",
     )
-    bench.add_argument("--ttft-target-ms", type=float, default=_CAPACITY.ttft_target_ms)
+    bench.add_argument(
+        "--ttft-target-ms",
+        type=float,
+        default=_CAPACITY.ttft_target_ms,
+        help="the capacity loop's target; a remote prefill predicted past it stays local",
+    )
     bench.add_argument("--itl-target-ms", type=float, default=_CAPACITY.itl_target_ms)
     bench.add_argument("--plan-interval-s", type=float, default=_CAPACITY.interval_s)
     bench.add_argument(
@@ -125,6 +130,7 @@ def _offline(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -
         min_remote_tokens=args.min_remote_tokens,
         max_handoff_ms_per_token=args.max_handoff_ms_per_token,
         max_local_stall_tokens=args.max_local_stall_tokens,
+        ttft_target_ms=args.ttft_target_ms,
         transfer=KvTransferModel(
             kv_bytes_per_token=args.kv_bytes_per_token,
             bandwidth_gb_s=args.link_gb_s,

@@ -10,6 +10,10 @@ The request pays for its own hand-off too: its first token leaves the prefill wo
 comes only after the KV has crossed the link, and inter-token latency spreads that gap over the
 tokens it generates. A short answer behind a long transfer would see its ITL dominated by it, so
 such a request prefills locally when the stall that imposes on the decode worker is bounded.
+
+The stall is worth sparing only while the request still gets its first token in time: a remote
+prefill predicted past the TTFT target stays local when local is predicted sooner, so a backed-up
+prefill pool never makes first tokens later than aggregated serving would.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ class DisaggSettings:
     # costs them more than the transfer costs this one. 0 turns the rule off.
     max_handoff_ms_per_token: float = 3.0
     max_local_stall_tokens: int = 8192
+    # A prompt whose remote prefill is predicted to miss this TTFT (ms) stays local when local
+    # is predicted sooner: the stall a remote prefill spares the decode worker is not worth a
+    # first token late past the target. 0 turns the rule off.
+    ttft_target_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +87,13 @@ def plan_prefill(
     ):
         return PrefillPlan(
             None, local_ms, remote_ms, f"hand-off adds {per_token:.1f} ms to each of its tokens"
+        )
+    # Costs count the stall each side's decodes suffer; first tokens come from the rest.
+    remote_ttft = remote.queue_ms + remote.prefill_ms + settings.transfer.transfer_ms(uncached)
+    local_ttft = local.queue_ms + local.prefill_ms
+    if 0 < settings.ttft_target_ms < remote_ttft and local_ttft < remote_ttft:
+        return PrefillPlan(
+            None, local_ms, remote_ms, f"remote first token {remote_ttft:.0f} ms, past target"
         )
     if remote_ms < local_ms:
         return PrefillPlan(

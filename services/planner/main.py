@@ -82,6 +82,7 @@ class PlannerSettings(ServiceSettings):
         return DisaggSettings(
             mode=self.disagg,
             min_remote_tokens=self.disagg_min_remote_tokens,
+            ttft_target_ms=self.ttft_target_ms,
             transfer=KvTransferModel(self.kv_bytes_per_token, self.link_gb_s, self.link_latency_ms),
         )
 
