@@ -202,6 +202,12 @@ class RequestFinished(Envelope):
         default_factory=LatencyHistogram,
         description="gaps between consecutive generated tokens, milliseconds",
     )
+    stalled_gaps: int = Field(
+        default=0, ge=0, description="token gaps whose step also computed prompt tokens"
+    )
+    prefill_worker_id: str | None = Field(
+        default=None, description="the worker whose KV hand-off it decoded from, if any"
+    )
 
 
 FailureCode = Literal["worker_lost", "engine_error", "no_worker", "invalid_request", "timeout"]

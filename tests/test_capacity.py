@@ -4,17 +4,67 @@ from services.planner.capacity import CapacityPlanner, CapacitySettings, Observa
 
 
 def obs(
-    ttft: float | None, itl: float | None, p: int = 2, d: int = 6, queue: int = 0
+    ttft: float | None,
+    itl: float | None,
+    p: int = 2,
+    d: int = 6,
+    queue: int = 0,
+    remote: float | None = None,
+    local: float | None = None,
+    stalled: float = 0.2,
 ) -> Observation:
-    return Observation(ttft, itl, queue, p, d)
+    """By default the slow first tokens, if any, are the remotely prefilled ones, and a fifth of
+    the token gaps wait on prefills."""
+    if remote is None and local is None and ttft is not None:
+        remote, local = ttft, ttft / 2
+    return Observation(ttft, itl, queue, p, d, remote, local, stalled)
 
 
-def test_slow_first_tokens_move_a_decoder_to_prefill_then_cool_down() -> None:
+def test_slow_remote_first_tokens_move_a_decoder_to_prefill_then_cool_down() -> None:
     planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
     first = planner.decide(obs(2000, 15))
     assert (first.move, first.workers) == ("to_prefill", 1)
     assert planner.decide(obs(2000, 15)).move is None  # cooling down
-    assert planner.decide(obs(2000, 15)).move == "to_prefill"
+    # It helped, and first tokens are still slow: onward.
+    assert planner.decide(obs(1500, 15)).move == "to_prefill"
+
+
+def test_a_move_that_did_not_help_is_undone_and_not_retried_for_a_while() -> None:
+    planner = CapacityPlanner(
+        CapacitySettings(
+            ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=0, futile_intervals=3
+        )
+    )
+    assert planner.decide(obs(900, 30, p=0, d=8)).move == "to_prefill"  # split for ITL
+    undo = planner.decide(obs(900, 31, p=1, d=7))  # tokens no faster
+    assert undo.move == "to_decode" and "after the last move" in undo.reason
+    # Aggregated again with slow tokens: the split waits out its probation.
+    assert planner.decide(obs(900, 30, p=0, d=8)).move is None
+    assert "did not help" in planner.decide(obs(900, 30, p=0, d=8)).reason
+    assert planner.decide(obs(900, 30, p=0, d=8)).move == "to_prefill"
+    # This time it helps: it stays, and nothing else is over its target.
+    assert planner.decide(obs(900, 21, p=1, d=7)).move is None
+
+
+def test_a_step_back_toward_aggregated_that_loses_a_target_is_undone() -> None:
+    planner = CapacityPlanner(
+        CapacitySettings(ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=0)
+    )
+    assert planner.decide(obs(800, 15, p=1, d=7)).move == "to_decode"
+    undo = planner.decide(obs(1500, 15, p=0, d=8))
+    assert undo.move == "to_prefill" and "lost a target" in undo.reason
+    # Back at one prefill worker and within targets: it stays there.
+    assert planner.decide(obs(800, 15, p=1, d=7)).move is None
+
+
+def test_slow_local_first_tokens_grow_the_decode_pool() -> None:
+    """The decode pool's own prefills are the slow ones: a prefill worker helps it by decoding."""
+    planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
+    decision = planner.decide(obs(2000, 15, remote=600, local=2000))
+    assert decision.move == "to_decode" and "decode pool" in decision.reason
+    # Nothing prefilled remotely in the interval: the same.
+    planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
+    assert planner.decide(obs(2000, 15, remote=None, local=2000)).move == "to_decode"
 
 
 def test_slow_tokens_move_a_prefiller_to_decode() -> None:
@@ -28,25 +78,43 @@ def test_hysteresis_keeps_it_still_near_the_targets() -> None:
     assert planner.decide(obs(None, None)).move is None
 
 
-def test_never_empties_a_pool_and_moves_at_most_a_tenth() -> None:
+def test_within_targets_prefill_workers_go_back_down_to_aggregated() -> None:
+    planner = CapacityPlanner(
+        CapacitySettings(ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=0)
+    )
+    decision = planner.decide(obs(900, 18, p=1, d=7))
+    assert (decision.move, decision.workers) == ("to_decode", 1)
+    assert "within targets" in decision.reason
+    # Aggregated and within targets, or missing only TTFT, which no split adds capacity for.
+    assert planner.decide(obs(900, 18, p=0, d=8)).move is None
+    assert planner.decide(obs(5000, 18, p=0, d=8)).move is None
+    # Slow tokens, but hardly any gap waited on a prefill: slow decode steps, which a split
+    # would only make slower.
+    calm = planner.decide(obs(900, 40, p=0, d=8, stalled=0.01))
+    assert calm.move is None and "1.0% of gaps wait on prefills" in calm.reason
+    # Tokens slowed by prefills interleaved with decodes: split.
+    assert planner.decide(obs(900, 40, p=0, d=8)).move == "to_prefill"
+
+
+def test_never_empties_the_decode_pool_and_moves_at_most_a_tenth() -> None:
     planner = CapacityPlanner(CapacitySettings(cooldown_intervals=0))
     assert planner.decide(obs(5000, 1, p=7, d=1)).move is None
-    assert planner.decide(obs(1, 500, p=1, d=7)).move is None
-    # An aggregated pool is split when first tokens are slow.
-    assert planner.decide(obs(5000, 1, p=0, d=8)).move == "to_prefill"
+    assert planner.decide(obs(1, 500, p=0, d=1)).move is None
+    assert planner.decide(obs(1, 500, p=1, d=7)).move == "to_decode"  # the last prefill worker
     big = planner.decide(obs(5000, 1, p=10, d=30))
     assert (big.move, big.workers) == ("to_prefill", 4)
 
 
 def test_a_growing_prefill_queue_acts_before_latencies_show_it() -> None:
     planner = CapacityPlanner(CapacitySettings(cooldown_intervals=0))
-    assert planner.decide(obs(100, 5, queue=0)).move is None
-    decision = planner.decide(obs(100, 5, queue=10_000_000))
+    # Near the targets (neither over nor comfortably under), and then a burst comes.
+    assert planner.decide(obs(1050, 26, queue=0)).move is None
+    decision = planner.decide(obs(1050, 26, queue=10_000_000))
     assert decision.move == "to_prefill"
     assert "burst" in decision.reason
 
 
-def test_undoing_the_last_move_waits_longer_each_time() -> None:
+def test_reversals_wait_longer_each_time() -> None:
     planner = CapacityPlanner(
         CapacitySettings(ttft_target_ms=1000, itl_target_ms=20, max_cooldown_intervals=4)
     )
@@ -57,12 +125,44 @@ def test_undoing_the_last_move_waits_longer_each_time() -> None:
             n += 1
         return n
 
+    # Each move cures what it was for and the other latency shows up slow instead.
     slow_first, slow_tokens = obs(2000, 15), obs(500, 30)
     assert planner.decide(slow_first).move == "to_prefill"
     # Each count is the wait the previous move set, plus the interval that moves.
-    assert intervals_to_next_move(slow_first) == 2  # onward; the wait stays 1
-    assert intervals_to_next_move(slow_tokens) == 2  # a reversal; the wait doubles to 2
-    assert intervals_to_next_move(slow_first) == 3  # another; 4, the cap
-    assert intervals_to_next_move(slow_tokens) == 5  # another; still 4
-    assert intervals_to_next_move(slow_tokens) == 5  # onward; back to 1
-    assert intervals_to_next_move(slow_tokens) == 2
+    assert intervals_to_next_move(slow_tokens) == 2  # the first wait, 1; this one doubles it
+    assert intervals_to_next_move(slow_first) == 3  # 2; doubles again to 4, the cap
+    assert intervals_to_next_move(slow_tokens) == 5  # 4
+    assert intervals_to_next_move(slow_first) == 5  # still 4
+
+
+def test_a_move_that_fails_again_waits_twice_as_long() -> None:
+    planner = CapacityPlanner(
+        CapacitySettings(
+            ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=0, futile_intervals=2
+        )
+    )
+    slow_aggregated, still_slow_split = obs(900, 30, p=0, d=8), obs(900, 30, p=1, d=7)
+
+    def fail_once() -> int:
+        """Intervals from undoing the split to trying it again."""
+        assert planner.decide(still_slow_split).move == "to_decode"
+        n = 1
+        while planner.decide(slow_aggregated).move is None:
+            n += 1
+        return n
+
+    assert planner.decide(slow_aggregated).move == "to_prefill"
+    assert fail_once() == 2
+    assert fail_once() == 4
+    assert fail_once() == 8
+
+
+def test_deep_overload_judges_a_move_by_its_direction_not_one_interval() -> None:
+    """Seven prefill workers and one decoder: tokens are 8× too slow and the backlog keeps
+    growing for a while whatever the loop does; it keeps adding decoders."""
+    planner = CapacityPlanner(
+        CapacitySettings(ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=0)
+    )
+    for p in (7, 6, 5):
+        decision = planner.decide(obs(900, 170, p=p, d=8 - p))
+        assert decision.move == "to_decode", decision.reason

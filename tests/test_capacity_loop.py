@@ -34,7 +34,13 @@ def worker(worker_id: str, role: Role, draining: bool = False) -> WorkerRegistra
     )
 
 
-def finished(ttft_ms: float, e2e_ms: float, tokens: int) -> RequestFinished:
+def finished(
+    ttft_ms: float,
+    e2e_ms: float,
+    tokens: int,
+    prefill_worker_id: str | None = None,
+    stalled_gaps: int = 0,
+) -> RequestFinished:
     """A request whose tokens after the first came evenly spaced."""
     gaps = LatencyHistogram()
     for _ in range(tokens - 1):
@@ -48,6 +54,8 @@ def finished(ttft_ms: float, e2e_ms: float, tokens: int) -> RequestFinished:
         ttft_ms=ttft_ms,
         e2e_ms=e2e_ms,
         token_gaps=gaps,
+        prefill_worker_id=prefill_worker_id,
+        stalled_gaps=stalled_gaps,
     )
 
 
@@ -80,9 +88,11 @@ async def test_slow_first_tokens_move_the_least_busy_decode_worker() -> None:
         )
     )  # fmt: skip
     for _ in range(10):
-        loop.on_finished(finished(ttft_ms=500, e2e_ms=900, tokens=21))
+        loop.on_finished(finished(ttft_ms=500, e2e_ms=900, tokens=21, prefill_worker_id="p1"))
+    loop.on_finished(finished(ttft_ms=50, e2e_ms=450, tokens=21))
     observed = loop.observe()
     assert observed.ttft_p95_ms == 500
+    assert (observed.remote_ttft_p95_ms, observed.local_ttft_p95_ms) == (500, 50)
     assert observed.itl_p95_ms == pytest.approx(20, rel=0.05)
     assert (observed.prefill_workers, observed.decode_workers) == (1, 2)
     event = await loop.step()
@@ -107,17 +117,33 @@ async def test_slow_tokens_move_a_prefill_worker_back_and_draining_ones_do_not_c
     assert event is not None and assigned == {"p1": "decode"}
 
 
-async def test_within_targets_nothing_moves() -> None:
+async def test_near_the_targets_nothing_moves() -> None:
     loop, _, assigned, published = make_loop([worker("p1", "prefill"), worker("d1", "decode")])
-    loop.on_finished(finished(ttft_ms=10, e2e_ms=100, tokens=10))
+    loop.on_finished(finished(ttft_ms=1050, e2e_ms=1050 + 9 * 26, tokens=10))
     assert await loop.step() is None
     assert not assigned and not published
 
 
-async def test_an_aggregated_pool_can_be_split() -> None:
+async def test_an_idle_interval_moves_nothing() -> None:
+    loop, _, assigned, _ = make_loop([worker("p1", "prefill"), worker("d1", "decode")])
+    assert loop.observe().ttft_p95_ms is None
+    assert await loop.step() is None and not assigned
+
+
+async def test_within_targets_a_prefill_worker_goes_back_to_decoding() -> None:
+    loop, _, assigned, published = make_loop([worker("p1", "prefill"), worker("d1", "decode")])
+    loop.on_finished(finished(ttft_ms=10, e2e_ms=100, tokens=10))
+    event = await loop.step()
+    assert event is not None and assigned == {"p1": "decode"}
+    assert published == [event] and "within targets" in event.reason
+
+
+async def test_an_aggregated_pool_with_slow_tokens_is_split() -> None:
     pool = [worker("a1", "both"), worker("a2", "both")]
-    loop, _, assigned, _ = make_loop(pool, ttft_target_ms=100)
-    loop.on_finished(finished(ttft_ms=900, e2e_ms=1000, tokens=2))
+    loop, _, assigned, _ = make_loop(pool, itl_target_ms=10)
+    # 50 ms a token, and 4 of its 20 gaps waited on prefills.
+    loop.on_finished(finished(ttft_ms=90, e2e_ms=1090, tokens=21, stalled_gaps=4))
+    assert loop.observe().stalled_gap_share == pytest.approx(0.2)
     assert (loop.observe().prefill_workers, loop.observe().decode_workers) == (0, 2)
     event = await loop.step()
     assert event is not None and assigned == {"a1": "prefill"}

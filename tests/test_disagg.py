@@ -95,8 +95,8 @@ def test_autoscale_moves_workers_a_step_at_a_time(small_trace: Path) -> None:
         3,
         SMALL,
         prefill_workers=1,
-        disagg=DisaggSettings(min_remote_tokens=0),
-        # Targets nobody meets: every interval wants more of something.
+        disagg=DisaggSettings(mode="always"),
+        # Targets nobody meets, first tokens all from the prefill pool: it wants more of it.
         autoscale=CapacitySettings(
             ttft_target_ms=1, itl_target_ms=1000, interval_s=0.5, cooldown_intervals=0
         ),
@@ -135,3 +135,18 @@ def test_handoff_cost_is_the_transfer_over_the_gaps() -> None:
     link = KvTransferModel(kv_bytes_per_token=1000, bandwidth_gb_s=1.0, latency_ms=2.0)
     assert handoff_ms_per_token(link, 1000, 4) == pytest.approx(3.0 / 3)
     assert handoff_ms_per_token(link, 1000, 1) == pytest.approx(3.0)
+
+
+def test_a_remote_first_token_past_the_target_stays_local_when_local_is_sooner() -> None:
+    """The prefill worker's queue puts the remote first token past the target; locally it is
+    sooner, if still stalling the decode worker's running requests."""
+    busy = view("d", running=60)
+    backed_up = view("p", waiting_prefill_tokens=64_000)
+    untargeted = plan_prefill(KvAware(), long_request(), busy, [backed_up], DisaggSettings())
+    assert untargeted.prefill_worker == "p"  # the stall on 60 decodes outweighs the queue
+    targeted = DisaggSettings(ttft_target_ms=1000)
+    plan = plan_prefill(KvAware(), long_request(), busy, [backed_up], targeted)
+    assert plan.prefill_worker is None and "past target" in plan.reason
+    # An idle prefill worker meets the target: remote as before.
+    idle = plan_prefill(KvAware(), long_request(), busy, [view("p")], targeted)
+    assert idle.prefill_worker == "p"

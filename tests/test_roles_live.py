@@ -18,7 +18,8 @@ from tests.conftest import ClusterFactory
 
 OUTPUT_TOKENS = 60
 # Every prompt prefilled remotely; a TTFT target nothing can meet, so the loop moves a decode
-# worker to the prefill pool at its first chance, then has no decode worker to spare.
+# worker to the prefill pool at its first chance, then has no decode worker to spare. If that
+# move did not cut TTFT by the time it looks again, it moves a prefill worker back.
 AUTOSCALE = {
     "LANEWAY_DISAGG": "always",
     "LANEWAY_AUTOSCALE": "true",
@@ -67,18 +68,21 @@ async def test_a_role_switch_mid_replay_loses_no_request_and_repeats_no_token(
     assert len(tokens) == len(trace)
     assert all(sorted(t) == list(range(OUTPUT_TOKENS)) for t in tokens.values())
     assert set(terminals) == set(tokens) and set(terminals.values()) == {1}
-    # The loop moved one decode worker (10% of 3, at least one) and no more.
-    assert len(moves) == 1 and len(moves[0].moves) == 1
-    move = moves[0].moves[0]
-    assert (move.from_role, move.to_role) == ("decode", "prefill")
-    report = result.report
-    assert report["roles_timeline"][0]["prefill"] == 1
-    assert report["roles_timeline"][-1]["prefill"] == 2
+    # One worker a move (10% of 3, at least one): first a decode worker to prefill, then at
+    # most its undo.
+    assert 1 <= len(moves) <= 2 and all(len(m.moves) == 1 for m in moves)
+    directions = [(m.moves[0].from_role, m.moves[0].to_role) for m in moves]
+    assert directions == [("decode", "prefill"), ("prefill", "decode")][: len(moves)]
+    pools = [t["prefill"] for t in result.report["roles_timeline"]]
+    assert pools[0] == 1 and 2 in pools
+    # Every moved worker ends registered in the role it was last given, done draining.
+    final = {m.moves[0].worker_id: m.moves[0].to_role for m in moves}
     etcd = connect_etcd(cluster.etcd_endpoints)
     try:
-        found = await etcd.get(WORKERS_PREFIX + move.worker_id.encode())
+        for worker_id, role in final.items():
+            found = await etcd.get(WORKERS_PREFIX + worker_id.encode())
+            assert found is not None
+            registration = WorkerRegistration.model_validate_json(found.value)
+            assert registration.role == role and not registration.draining
     finally:
         await etcd.close()
-    assert found is not None
-    registration = WorkerRegistration.model_validate_json(found.value)
-    assert registration.role == "prefill" and not registration.draining

@@ -17,7 +17,13 @@ import orjson
 
 from bus.client import Bus
 from bus.topology import Subjects
-from infra.bench.metrics import ReplayResult, RequestRecord, WorkerRecord, build_report
+from infra.bench.metrics import (
+    PoolUsage,
+    ReplayResult,
+    RequestRecord,
+    WorkerRecord,
+    build_report,
+)
 from infra.bench.traces import PromptFactory, TraceRequest
 from schemas.events import Event, Role, RolesRebalanced, RouteDecided, WorkerLoadReported
 
@@ -33,6 +39,9 @@ class _ClusterObserver:
         self.busy_now: dict[str, float] = {}
         self.roles: dict[str, Role] = {}
         self.roles_timeline: list[dict[str, Any]] = []
+        self.pools = PoolUsage()
+        # Each worker's last load report: when it came (monotonic) and its busy seconds.
+        self._reported: dict[str, tuple[float, float]] = {}
         self.remote_prefills = 0
         self._time_scale = time_scale
         self._t0 = time.monotonic()
@@ -52,6 +61,11 @@ class _ClusterObserver:
         elif isinstance(event, WorkerLoadReported):
             self.busy_start.setdefault(event.worker_id, event.busy_s)
             self.busy_now[event.worker_id] = event.busy_s
+            now = time.monotonic()
+            last = self._reported.get(event.worker_id)
+            if last is not None:  # the time since its last report, in the role it reports now
+                self.pools.add(event.role, now - last[0], event.busy_s - last[1])
+            self._reported[event.worker_id] = (now, event.busy_s)
             if self.roles.get(event.worker_id, event.role) != event.role:
                 self.roles[event.worker_id] = event.role
                 self._record_roles(f"{event.worker_id} is now {event.role}")
@@ -176,14 +190,9 @@ async def replay_live(
             workers.setdefault(served_by, WorkerRecord()).requests += 1
     extra: dict[str, Any] = {"time_scale": time_scale}
     report = build_report(records, workers, time.perf_counter() - started, extra)
-    if "prefill" in observer.roles.values():
-        span = report["duration_s"]
-        pools: dict[str, list[float]] = {}
-        for worker_id, record in workers.items():
-            pools.setdefault(observer.roles.get(worker_id, "both"), []).append(record.busy_s())
-        report["pool_busy_fraction"] = {
-            role: sum(busy) / (span * len(busy)) for role, busy in sorted(pools.items())
-        }
+    pools = observer.pools.fractions()
+    if "prefill" in pools:
+        report["pool_busy_fraction"] = pools
         report["remote_prefills"] = observer.remote_prefills
         if len(observer.roles_timeline) > 1:
             report["roles_timeline"] = observer.roles_timeline

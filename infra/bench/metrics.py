@@ -18,6 +18,8 @@ class RequestRecord:
     arrival_s: float
     prompt_tokens: int
     worker_id: str = ""
+    # Where its prompt was prefilled, when not on `worker_id` (offline replays know it).
+    prefill_worker_id: str = ""
     first_token_s: float | None = None
     last_token_s: float | None = None
     output_tokens: int = 0
@@ -51,6 +53,26 @@ class WorkerRecord:
 
     def busy_s(self) -> float:
         return sum(end - start for start, end in self.busy)
+
+
+@dataclass(slots=True)
+class PoolUsage:
+    """Seconds each pool's workers were busy, over the seconds they spent in it: a worker the
+    capacity loop moved counts in each pool for the time it served there."""
+
+    busy_s: dict[str, float] = field(default_factory=dict)
+    member_s: dict[str, float] = field(default_factory=dict)
+
+    def add(self, role: str, member_s: float, busy_s: float) -> None:
+        self.member_s[role] = self.member_s.get(role, 0.0) + member_s
+        self.busy_s[role] = self.busy_s.get(role, 0.0) + busy_s
+
+    def fractions(self) -> dict[str, float]:
+        return {
+            role: min(1.0, self.busy_s[role] / member)
+            for role, member in sorted(self.member_s.items())
+            if member > 0
+        }
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infra.bench.metrics import (
+    PoolUsage,
     ReplayResult,
     RequestRecord,
     WorkerRecord,
@@ -55,6 +56,9 @@ class _Worker:
     in_flight: int = 0
     stepping: bool = False
     kv_seq: int = 0
+    # Since when it has served in `role`, and its busy seconds since.
+    role_since: float = 0.0
+    busy_in_role: float = 0.0
 
 
 def decision_record(request_id: str, choice: Choice, views: Sequence[WorkerView]) -> dict[str, Any]:
@@ -112,12 +116,15 @@ class OfflineReplay:
         self._disagg = disagg or DisaggSettings(mode="never")
         self._capacity = CapacityPlanner(autoscale) if autoscale else None
         self._roles_timeline: list[dict[str, Any]] = []
+        self._pools = PoolUsage()
         if (prefill_workers or autoscale) and not isinstance(policy, KvAware):
             raise ValueError("disaggregation needs the kv policy's cost model")
         self._index = PrefixIndex()
         self._records = [RequestRecord(r.arrival_s, r.input_length) for r in trace]
-        # Token gaps since the capacity loop last looked, bucketed as the live loop gets them.
+        # Token gaps since the capacity loop last looked, bucketed as the live loop gets them,
+        # and how many of them waited on a prefill in the same step.
         self._interval_gaps = LatencyHistogram()
+        self._interval_stalled = 0
         self._owner: dict[str, int] = {}
         self._events: list[tuple[float, int, int, int, Any]] = []
         # Every routing decision with its inputs, when asked for (`laneway bench --decisions`).
@@ -152,12 +159,9 @@ class OfflineReplay:
         records = {w.worker_id: w.record for w in self._workers}
         report = build_report(self._records, records, time.perf_counter() - started)
         report["busy_timeline"] = busy_timeline(records, report["duration_s"])
-        span = report["duration_s"]
-        report["pool_busy_fraction"] = {
-            role: sum(w.record.busy_s() for w in pool) / (span * len(pool))
-            for role in ("prefill", "decode", "both")
-            if (pool := [w for w in self._workers if w.role == role])
-        }
+        for worker in self._workers:
+            self._close_role(now, worker)
+        report["pool_busy_fraction"] = self._pools.fractions()
         report["remote_prefills"] = self._remote_prefills
         if self._capacity is not None:
             report["roles_timeline"] = self._roles_timeline
@@ -200,6 +204,7 @@ class OfflineReplay:
                     self.decisions[-1]["decode_worker_id"] = decode_id
                 w = self._accept(i, decode_id)
                 self._remote_prefills += 1
+                self._records[i].prefill_worker_id = plan.prefill_worker
                 self._handoffs[i] = (w, hashes)
                 one = SamplingParams(max_tokens=1, ignore_eos=True)
                 self._submit(
@@ -289,6 +294,7 @@ class OfflineReplay:
             return
         worker.stepping = True
         worker.record.busy.append((now, now + result.duration_s))
+        worker.busy_in_role += result.duration_s
         self._push(now + result.duration_s, _STEP_END, w, result)
 
     def _step_end(self, now: float, worker: _Worker, w: int, result: StepResult) -> None:
@@ -303,6 +309,7 @@ class OfflineReplay:
                 gap = record.tokens_at(now, len(output.new_token_ids))
                 if gap is not None and self._capacity is not None:
                     self._interval_gaps.add(gap)
+                    self._interval_stalled += result.prefill_tokens > 0
             if output.finished:
                 del self._owner[output.request_id]
                 worker.in_flight -= 1
@@ -318,12 +325,14 @@ class OfflineReplay:
         assert self._capacity is not None
         interval = self._capacity.settings.interval_s
         since = now - interval
-        ttft = [
-            (r.first_token_s - r.arrival_s) * 1000
-            for r in self._records
-            if r.first_token_s is not None and r.first_token_s >= since
+        recent = [
+            r for r in self._records if r.first_token_s is not None and r.first_token_s >= since
         ]
+        ttft = [((r.first_token_s or 0.0) - r.arrival_s) * 1000 for r in recent]
+        remote = [t for t, r in zip(ttft, recent, strict=True) if r.prefill_worker_id]
+        local = [t for t, r in zip(ttft, recent, strict=True) if not r.prefill_worker_id]
         gaps, self._interval_gaps = self._interval_gaps, LatencyHistogram()
+        stalled, self._interval_stalled = self._interval_stalled, 0
         prefill = [w for w in self._workers if w.role == "prefill" and w.next_role is None]
         decode = [w for w in self._workers if w.role != "prefill" and w.next_role is None]
         decision = self._capacity.decide(
@@ -333,6 +342,9 @@ class OfflineReplay:
                 sum(w.engine.load().waiting_prefill_tokens for w in prefill),
                 len(prefill),
                 len(decode),
+                p95_or_none(remote),
+                p95_or_none(local),
+                stalled / max(1, gaps.total()),
             )
         )
         if decision.move is not None:
@@ -350,8 +362,13 @@ class OfflineReplay:
 
     def _switch(self, now: float, worker: _Worker) -> None:
         assert worker.next_role is not None
+        self._close_role(now, worker)
         worker.role, worker.next_role = worker.next_role, None
         self._record_roles(now, f"{worker.worker_id} is now {worker.role}")
+
+    def _close_role(self, now: float, worker: _Worker) -> None:
+        self._pools.add(worker.role, now - worker.role_since, worker.busy_in_role)
+        worker.role_since, worker.busy_in_role = now, 0.0
 
     def _record_roles(self, now: float, reason: str) -> None:
         self._roles_timeline.append(

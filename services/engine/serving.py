@@ -117,6 +117,8 @@ class _Active:
     awaiting: _Awaiting | None = None
     last_token: float | None = None
     token_gaps: LatencyHistogram = field(default_factory=LatencyHistogram)
+    stalled_gaps: int = 0
+    prefilled_by: str | None = None
 
 
 class Worker:
@@ -365,6 +367,7 @@ class Worker:
         if self._active.get(request_id) is not state:  # cancelled meanwhile
             return
         state.awaiting = None
+        state.prefilled_by = event.worker_id
         transferred = self._receiver.transferred(
             event, self._opt.worker_id, self._source, state.span, started
         )
@@ -501,13 +504,14 @@ class Worker:
             self._busy_s += loop.time() - started
             await self._fail_refused()
             for output in result.outputs:
-                await self._on_output(output)
+                await self._on_output(output, stalled=result.prefill_tokens > 0)
             if result.kv_changes and self._opt.kv_events:
                 await self._publish_kv(result.kv_changes)
             if loop.time() - self._reported_at >= self._opt.busy_report_interval_s:
                 await self._report_load()
 
-    async def _on_output(self, output: RequestOutput) -> None:
+    async def _on_output(self, output: RequestOutput, stalled: bool = False) -> None:
+        """``stalled``: the step that produced it also computed prompt tokens."""
         if output.request_id in self._prefills:
             if output.finished:
                 await self._prefill_done(output)
@@ -521,6 +525,7 @@ class Worker:
             state.cached_tokens = output.cached_tokens or 0
         elif state.last_token is not None and output.new_token_ids:
             state.token_gaps.add((now - state.last_token) * 1000)
+            state.stalled_gaps += stalled
         if output.new_token_ids:
             state.last_token = now
         state.pending_ids += output.new_token_ids
@@ -556,6 +561,8 @@ class Worker:
             ttft_ms=((state.first_token or now) - state.received) * 1000,
             e2e_ms=(now - state.received) * 1000,
             token_gaps=state.token_gaps,
+            stalled_gaps=state.stalled_gaps,
+            prefill_worker_id=state.prefilled_by,
         )
         state.span.set_attribute("laneway.completion_tokens", state.emitted)
         state.span.end()

@@ -34,6 +34,15 @@ class CapacitySettings:
     # Prefill queue growth over one interval (tokens per prefill worker) that counts as a TTFT
     # violation by itself.
     burst_tokens_per_worker: int = 200_000
+    # A move made for a latency at most `probation_max_ratio` times its target must cut it by
+    # `min_gain` by the time the loop looks again, or it is undone and not tried again from the
+    # same split for `futile_intervals`, twice that after a second failure, and so on (up to
+    # `max_futile_intervals`). Further past the target the pools are overloaded, queues take
+    # longer than an interval to drain, and the move is judged by its direction alone.
+    min_gain: float = 0.05
+    probation_max_ratio: float = 2.0
+    futile_intervals: int = 10
+    max_futile_intervals: int = 80
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -54,13 +63,20 @@ def p95_or_none(values: Sequence[float]) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class Observation:
-    """What one interval showed. Latencies are p95 over requests of the interval, or None."""
+    """What one interval showed. Latencies are p95 over the interval's requests (ITL over all
+    their token gaps), or None when there were none."""
 
     ttft_p95_ms: float | None
     itl_p95_ms: float | None
     prefill_queue_tokens: int
     prefill_workers: int
     decode_workers: int
+    # TTFT p95 of the requests prefilled on a prefill worker, and of those prefilled where they
+    # decode: which pool the slow first tokens come from.
+    remote_ttft_p95_ms: float | None = None
+    local_ttft_p95_ms: float | None = None
+    # Share of the token gaps whose step also computed prompt tokens (prefill interference).
+    stalled_gap_share: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,16 +86,51 @@ class Decision:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Trial:
+    """A move on probation: what it was for, and where it started."""
+
+    move: Move
+    prefill_workers: int
+    # The latency it was to cut ("TTFT" or "ITL") and its ratio to target then; None for a
+    # move back toward aggregated serving, which must only keep both targets.
+    latency: str | None
+    before: float
+
+
 class CapacityPlanner:
+    """Keeps the smallest prefill pool that meets the targets.
+
+    Aggregated serving is the default: every worker prefills and decodes, so no capacity sits
+    idle in the wrong pool and no KV crosses a link. A split pays only when prefills interleaved
+    with decodes slow the tokens, so only slow tokens split an aggregated pool. Once split, slow
+    first tokens grow the pool they come from: the prefill pool if remotely prefilled requests
+    are the slow ones (or its queue bursts), else the decode pool, whose own prefills are then
+    the slow ones. Slow tokens grow the decode pool. Within both targets, a prefill worker goes
+    back, down to aggregated serving. (A split for slow tokens needs prefills to stall enough
+    of them to reach the p95: slow decode steps alone it would only make slower.)
+
+    Every move is on probation until the loop looks again: one that did not cut the latency it
+    was for, or that lost a target on the way back to aggregated serving, is undone and not
+    tried again from the same split for a while. Each undo also waits longer before the next.
+    """
+
     def __init__(self, settings: CapacitySettings | None = None) -> None:
         self.settings = settings or CapacitySettings()
         self._cooldown = 0
         self._wait = self.settings.cooldown_intervals
         self._last_move: Move | None = None
         self._last_queue: int | None = None
+        self._trial: _Trial | None = None
+        self._interval = 0
+        # (prefill workers, move) -> the interval until which that move is not tried again, and
+        # how often it failed.
+        self._futile: dict[tuple[int, Move], int] = {}
+        self._failures: dict[tuple[int, Move], int] = {}
 
     def decide(self, obs: Observation) -> Decision:
         s = self.settings
+        self._interval += 1
         growth = obs.prefill_queue_tokens - (self._last_queue or 0)
         self._last_queue = obs.prefill_queue_tokens
         if self._cooldown > 0:
@@ -87,20 +138,77 @@ class CapacityPlanner:
             return Decision(None, 0, "cooling down after the last move")
         ttft = (obs.ttft_p95_ms or 0.0) / s.ttft_target_ms
         itl = (obs.itl_p95_ms or 0.0) / s.itl_target_ms
+        step = max(1, int((obs.prefill_workers + obs.decode_workers) * s.max_move_fraction))
+        if self._trial is not None and obs.ttft_p95_ms is not None:
+            trial, self._trial = self._trial, None
+            failed = self._failed(trial, ttft, itl)
+            if failed is not None:
+                key = (trial.prefill_workers, trial.move)
+                self._failures[key] = self._failures.get(key, 0) + 1
+                backoff = s.futile_intervals * 2 ** (self._failures[key] - 1)
+                self._futile[key] = self._interval + min(s.max_futile_intervals, backoff)
+                undo: Move = "to_decode" if trial.move == "to_prefill" else "to_prefill"
+                return self._move(undo, step, failed)
         burst = growth > s.burst_tokens_per_worker * max(1, obs.prefill_workers)
         if burst:
             ttft = max(ttft, 1.0 + 2 * s.hysteresis)
-        pool = obs.prefill_workers + obs.decode_workers
-        step = max(1, int(pool * s.max_move_fraction))
         over = 1.0 + s.hysteresis
-        if ttft > over and ttft >= itl and obs.decode_workers > step:
+        within = f"TTFT {ttft:.2f}×, ITL {itl:.2f}× target"
+        if obs.prefill_workers == 0:
+            if itl > over and obs.decode_workers > step:
+                why = f"ITL p95 at {itl:.2f}× target, aggregated"
+                # Unless prefills stall more than the 5% of gaps past the p95, the slow gaps are
+                # decode steps alone, and a prefill pool would only take decoders away.
+                if obs.stalled_gap_share <= 0.05:
+                    share = f"{obs.stalled_gap_share:.1%}"
+                    return Decision(None, 0, f"{why}, but only {share} of gaps wait on prefills")
+                return self._try("to_prefill", step, obs, "ITL", itl, why)
+            return Decision(None, 0, f"aggregated ({within})")
+        if ttft > over and ttft >= itl:
             why = "prefill queue burst" if burst else f"TTFT p95 at {ttft:.2f}× target"
-            return self._move("to_prefill", step, why)
-        # Never below one prefill worker: without a prefill pool, slow tokens come from prefills
-        # interleaved with the decodes, which fewer prefill workers would only make worse.
-        if itl > over and itl > ttft and obs.prefill_workers > step:
-            return self._move("to_decode", step, f"ITL p95 at {itl:.2f}× target")
-        return Decision(None, 0, f"within targets (TTFT {ttft:.2f}×, ITL {itl:.2f}×)")
+            if not (burst or _remote_slower(obs)):
+                why += ", prefilled on the decode pool"
+                return self._try("to_decode", step, obs, "TTFT", ttft, why)
+            if obs.decode_workers > step:
+                return self._try("to_prefill", step, obs, "TTFT", ttft, why)
+            return Decision(None, 0, why + "; no decode worker to spare")
+        if itl > over and obs.prefill_workers >= step:
+            return self._try("to_decode", step, obs, "ITL", itl, f"ITL p95 at {itl:.2f}× target")
+        if obs.ttft_p95_ms is not None and ttft <= 1.0 and itl <= 1.0:
+            why = f"within targets ({within}): fewer prefill workers"
+            return self._try("to_decode", step, obs, None, 0.0, why)
+        return Decision(None, 0, f"near targets ({within})")
+
+    def _failed(self, trial: _Trial, ttft: float, itl: float) -> str | None:
+        """Why the move on probation is to be undone, or None if it earned its place."""
+        over = 1.0 + self.settings.hysteresis
+        if trial.latency is None:
+            if ttft > over or itl > over:
+                return f"back toward aggregated lost a target (TTFT {ttft:.2f}×, ITL {itl:.2f}×)"
+            return None
+        after = ttft if trial.latency == "TTFT" else itl
+        if after > trial.before * (1.0 - self.settings.min_gain):
+            return (
+                f"{trial.latency} p95 went {trial.before:.2f}× → {after:.2f}× target "
+                "after the last move"
+            )
+        return None
+
+    def _try(
+        self,
+        move: Move,
+        step: int,
+        obs: Observation,
+        latency: str | None,
+        before: float,
+        why: str,
+    ) -> Decision:
+        until = self._futile.get((obs.prefill_workers, move), 0)
+        if self._interval < until:
+            return Decision(None, 0, f"{why}; that move did not help lately")
+        if before <= self.settings.probation_max_ratio:
+            self._trial = _Trial(move, obs.prefill_workers, latency, before)
+        return self._move(move, step, why)
 
     def _move(self, move: Move, step: int, why: str) -> Decision:
         s = self.settings
@@ -112,3 +220,10 @@ class CapacityPlanner:
         self._last_move = move
         self._cooldown = self._wait
         return Decision(move, step, why)
+
+
+def _remote_slower(obs: Observation) -> bool:
+    """Do the slow first tokens come from the prefill pool?"""
+    if obs.remote_ttft_p95_ms is None:
+        return False
+    return obs.local_ttft_p95_ms is None or obs.remote_ttft_p95_ms >= obs.local_ttft_p95_ms

@@ -10,6 +10,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from bus.registry import LeasedKey
 from bus.topology import Subjects
@@ -22,6 +23,15 @@ log = logging.getLogger(__name__)
 
 AssignRoles = Callable[[dict[str, Role]], Awaitable[None]]
 Publish = Callable[[str, RolesRebalanced], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Finished:
+    at: float  # monotonic seconds
+    ttft_ms: float
+    token_gaps: LatencyHistogram
+    stalled_gaps: int
+    remote: bool  # prefilled on a prefill worker
 
 
 class CapacityLoop:
@@ -40,11 +50,19 @@ class CapacityLoop:
         self._assign_roles = assign_roles
         self._publish = publish
         self._source = source
-        # (finished at, TTFT ms, token gaps) of recent requests, monotonic seconds.
-        self._finished: deque[tuple[float, float, LatencyHistogram]] = deque()
+        # Recent requests, oldest first.
+        self._finished: deque[_Finished] = deque()
 
     def on_finished(self, event: RequestFinished) -> None:
-        self._finished.append((time.monotonic(), event.ttft_ms, event.token_gaps))
+        self._finished.append(
+            _Finished(
+                time.monotonic(),
+                event.ttft_ms,
+                event.token_gaps,
+                event.stalled_gaps,
+                event.prefill_worker_id is not None,
+            )
+        )
 
     async def run(self) -> None:
         interval = self._planner.settings.interval_s
@@ -61,23 +79,25 @@ class CapacityLoop:
                 log.warning("capacity step failed", exc_info=True)
 
     def _forget_before(self, since: float) -> None:
-        while self._finished and self._finished[0][0] < since:
+        while self._finished and self._finished[0].at < since:
             self._finished.popleft()
 
     def observe(self) -> Observation:
         """The last interval's latencies and the pools as they stand."""
         self._forget_before(time.monotonic() - self._planner.settings.interval_s)
-        ttft = [t for _, t, _ in self._finished]
         gaps = LatencyHistogram()
-        for _, _, request_gaps in self._finished:
-            gaps.merge(request_gaps)
+        for done in self._finished:
+            gaps.merge(done.token_gaps)
         prefill = self._cluster.prefill_candidates()
         return Observation(
-            p95_or_none(ttft),
+            p95_or_none([f.ttft_ms for f in self._finished]),
             gaps.percentile(95),
             sum(w.waiting_prefill_tokens for w in prefill),
             len(prefill),
             len(self._movable("decode")),
+            p95_or_none([f.ttft_ms for f in self._finished if f.remote]),
+            p95_or_none([f.ttft_ms for f in self._finished if not f.remote]),
+            sum(f.stalled_gaps for f in self._finished) / max(1, gaps.total()),
         )
 
     def _movable(self, role: Role) -> list[str]:

@@ -84,7 +84,11 @@ def test_table_rows_in_order_and_aligned() -> None:
         "completed",
         "failed",
         "prefix hit rate",
-        *(f"{m} {s} (ms)" for m in ("TTFT", "ITL", "TPOT", "E2E") for s in ("mean", "p50", "p95", "p99")),
+        *(
+            f"{m} {s} (ms)"
+            for m in ("TTFT", "ITL", "TPOT", "E2E")
+            for s in ("mean", "p50", "p95", "p99")
+        ),
         "util variance",
         "max worker busy",
         "min worker busy",
