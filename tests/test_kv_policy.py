@@ -93,3 +93,15 @@ def test_a_burst_on_one_prefix_spreads_once_its_owner_saturates(tmp_path: Path) 
     assert burst[0] == owner  # the first of the burst hits the cache
     assert len(set(burst)) > 1  # then the queue there outweighs the cache
     assert Counter(burst)[owner] >= max(Counter(burst).values())  # the owner still gets most
+
+
+def test_kv_a_worker_holds_counts_against_it() -> None:
+    """A caches a quarter of the prompt but its running requests hold half its KV, which slows
+    every decode step there; B caches nothing and holds little."""
+    crowded = view("a", cached_blocks=64, kv_usage=0.5, kv_capacity_tokens=1_000_000)
+    light = view("b", kv_usage=0.01, kv_capacity_tokens=1_000_000)
+    assert KvAware().choose(request(), [crowded, light]).worker_id == "b"
+    unweighted = KvAware(KvSettings(balance_ms_per_block=0.0))
+    assert unweighted.choose(request(), [crowded, light]).worker_id == "a"
+    # Whether to prefill elsewhere is not its business: the prediction leaves it out.
+    assert KvAware().predict(request(), crowded) == unweighted.predict(request(), crowded)

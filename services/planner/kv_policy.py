@@ -3,7 +3,8 @@
 For every candidate it predicts the time to first token from what the planner knows: the prompt
 tokens already queued there, the part of this prompt that worker does not cache, and the step
 times of the worker's timing model (chunked prefill sharing each step with the running decodes).
-A decode-load penalty keeps long generations off crowded workers. Hot spots need no special
+A decode-load penalty keeps long generations off crowded workers, and the KV a worker already
+holds (which slows every decode step there) counts against it. Hot spots need no special
 rule: a worker that owns a popular prefix stops winning as soon as its queue costs more than
 recomputing the prefix elsewhere.
 """
@@ -30,6 +31,11 @@ class KvSettings:
     # Weight of the stall this prefill imposes on the requests decoding there: each of them
     # waits out every prefill chunk, so the harm is the prefill time times their number.
     stall_weight: float = 0.2
+    # Milliseconds per block of KV the worker's running requests hold: every decode step there
+    # slows as its KV fills, so a decode worker already holding much KV costs more. Only the
+    # choice of decode worker weighs it; whether to prefill elsewhere does not, since the KV
+    # ends up on the decode worker either way.
+    balance_ms_per_block: float = 0.25
     # 0 picks the cheapest; above 0, picks by softmax over -cost/temperature (ms).
     temperature: float = 0.0
     # Prompts shorter than this with no session skip the index: two random choices on load.
@@ -71,7 +77,7 @@ class KvAware:
         if request.session_id is None and self._short(request):
             return self._two_choices(workers)
         predictions = {w.worker_id: self.predict(request, w) for w in workers}
-        scores = {w: p.cost for w, p in predictions.items()}
+        scores = {w.worker_id: predictions[w.worker_id].cost + self._held_kv_ms(w) for w in workers}
         best = self._cheapest(scores, workers)
         reason = "lowest predicted TTFT"
         owner = next((w for w in workers if w.owns_session), None)
@@ -118,6 +124,10 @@ class KvAware:
         penalty = self.settings.decode_weight * max(1, request.max_tokens) * step_ms
         penalty += self.settings.stall_weight * worker.running * self._prefill_ms(uncached, worker)
         return Prediction(queue_ms, prefill_ms, penalty)
+
+    def _held_kv_ms(self, worker: WorkerView) -> float:
+        held_blocks = worker.kv_usage * worker.kv_capacity_tokens / worker.block_size
+        return self.settings.balance_ms_per_block * held_blocks
 
     def decode_step_ms(self, worker: WorkerView, extra_tokens: int = 0) -> float:
         """A decode step's time on ``worker`` once it holds ``extra_tokens`` more tokens of KV."""

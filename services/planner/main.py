@@ -40,6 +40,7 @@ class PlannerSettings(ServiceSettings):
     kv_max_num_batched_tokens: int = _KV.max_num_batched_tokens
     kv_decode_weight: float = _KV.decode_weight
     kv_stall_weight: float = _KV.stall_weight
+    kv_balance_ms_per_block: float = _KV.balance_ms_per_block
     kv_temperature: float = _KV.temperature
     kv_short_prompt_tokens: int = _KV.short_prompt_tokens
     kv_session_slack_ms: float = _KV.session_slack_ms
@@ -64,6 +65,7 @@ class PlannerSettings(ServiceSettings):
             max_num_batched_tokens=self.kv_max_num_batched_tokens,
             decode_weight=self.kv_decode_weight,
             stall_weight=self.kv_stall_weight,
+            balance_ms_per_block=self.kv_balance_ms_per_block,
             temperature=self.kv_temperature,
             short_prompt_tokens=self.kv_short_prompt_tokens,
             session_slack_ms=self.kv_session_slack_ms,
