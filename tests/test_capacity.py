@@ -114,6 +114,15 @@ def test_a_growing_prefill_queue_acts_before_latencies_show_it() -> None:
     assert "burst" in decision.reason
 
 
+def test_a_prefill_queue_growing_behind_slow_decoders_is_no_burst() -> None:
+    """First tokens are already slow, and the locally prefilled ones the slowest: the decode
+    pool is short, and the prefill queue grows for want of somewhere to hand its KV."""
+    planner = CapacityPlanner(CapacitySettings(cooldown_intervals=0))
+    assert planner.decide(obs(1050, 26, queue=0)).move is None
+    decision = planner.decide(obs(5000, 26, queue=10_000_000, remote=800, local=5000))
+    assert decision.move == "to_decode" and "burst" not in decision.reason
+
+
 def test_reversals_wait_longer_each_time() -> None:
     planner = CapacityPlanner(
         CapacitySettings(ttft_target_ms=1000, itl_target_ms=20, max_cooldown_intervals=4)

@@ -149,10 +149,13 @@ class CapacityPlanner:
                 self._futile[key] = self._interval + min(s.max_futile_intervals, backoff)
                 undo: Move = "to_decode" if trial.move == "to_prefill" else "to_prefill"
                 return self._move(undo, step, failed)
-        burst = growth > s.burst_tokens_per_worker * max(1, obs.prefill_workers)
+        over = 1.0 + s.hysteresis
+        # A growing prefill queue is early warning of slow first tokens, unless they are slow
+        # already and come from the decode pool: then its queue grows for want of decoders.
+        local_slow = ttft > over and not _remote_slower(obs)
+        burst = growth > s.burst_tokens_per_worker * max(1, obs.prefill_workers) and not local_slow
         if burst:
             ttft = max(ttft, 1.0 + 2 * s.hysteresis)
-        over = 1.0 + s.hysteresis
         within = f"TTFT {ttft:.2f}×, ITL {itl:.2f}× target"
         if obs.prefill_workers == 0:
             if itl > over and obs.decode_workers > step:
