@@ -35,11 +35,11 @@ class CapacitySettings:
     # violation by itself.
     burst_tokens_per_worker: int = 200_000
     # A move made for a latency at most `probation_max_ratio` times its target must cut it by
-    # `min_gain` by the time the loop looks again, or it is undone and not tried again from the
-    # same split for `futile_intervals`, twice that after a second failure, and so on (up to
-    # `max_futile_intervals`). Further past the target the pools are overloaded, queues take
-    # longer than an interval to drain, and the move is judged by its direction alone.
-    min_gain: float = 0.05
+    # more than `min_gain` by the time the loop looks again, or it is undone and not tried again
+    # from the same split for `futile_intervals`, twice that after a second failure, and so on
+    # (up to `max_futile_intervals`). Further past the target the pools are overloaded, queues
+    # take longer than an interval to drain, and the move is judged by its direction alone.
+    min_gain: float = 0.0
     probation_max_ratio: float = 2.0
     futile_intervals: int = 10
     max_futile_intervals: int = 80
@@ -190,7 +190,7 @@ class CapacityPlanner:
                 return f"back toward aggregated lost a target (TTFT {ttft:.2f}×, ITL {itl:.2f}×)"
             return None
         after = ttft if trial.latency == "TTFT" else itl
-        if after > trial.before * (1.0 - self.settings.min_gain):
+        if after >= trial.before * (1.0 - self.settings.min_gain):
             return (
                 f"{trial.latency} p95 went {trial.before:.2f}× → {after:.2f}× target "
                 "after the last move"
