@@ -25,7 +25,15 @@ from infra.bench.metrics import (
     build_report,
 )
 from infra.bench.traces import PromptFactory, TraceRequest
-from schemas.events import Event, Role, RolesRebalanced, RouteDecided, WorkerLoadReported
+from schemas.events import (
+    Event,
+    RequestFinished,
+    Role,
+    RolesRebalanced,
+    RouteDecided,
+    WorkerLoadReported,
+)
+from schemas.latency import LatencyHistogram
 
 
 class _ClusterObserver:
@@ -40,6 +48,8 @@ class _ClusterObserver:
         self.roles: dict[str, Role] = {}
         self.roles_timeline: list[dict[str, Any]] = []
         self.pools = PoolUsage()
+        # Token gaps as the workers saw them, before the trip to the client.
+        self.worker_gaps = LatencyHistogram()
         # Each worker's last load report: when it came (monotonic) and its busy seconds.
         self._reported: dict[str, tuple[float, float]] = {}
         self.remote_prefills = 0
@@ -72,6 +82,8 @@ class _ClusterObserver:
             self.roles[event.worker_id] = event.role
         elif isinstance(event, RolesRebalanced):
             self._record_roles(event.reason)
+        elif isinstance(event, RequestFinished):
+            self.worker_gaps.merge(event.token_gaps)
 
     def _record_roles(self, reason: str) -> None:
         roles = list(self.roles.values())
@@ -148,6 +160,7 @@ async def replay_live(
     await bus.subscribe(Subjects.all_routes, observer.on_event)
     await bus.subscribe(Subjects.all_load, observer.on_event)
     await bus.subscribe(Subjects.roles_rebalanced, observer.on_event)
+    await bus.subscribe(Subjects.all_request_terminals, observer.on_event)
     await asyncio.sleep(1.0)  # a first load report from every worker, for the busy baseline
     observer.start()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
@@ -189,6 +202,10 @@ async def replay_live(
             rec.worker_id = served_by
             workers.setdefault(served_by, WorkerRecord()).requests += 1
     extra: dict[str, Any] = {"time_scale": time_scale}
+    # The client's ITL counts streamed chunks and everything between worker and client; the
+    # workers' own count tells the engine's share apart.
+    worker_itl = {f"p{q}": observer.worker_gaps.percentile(q) for q in (50, 95, 99)}
+    extra["worker_itl_ms"] = {k: v * time_scale for k, v in worker_itl.items() if v is not None}
     report = build_report(records, workers, time.perf_counter() - started, extra)
     pools = observer.pools.fractions()
     if "prefill" in pools:
