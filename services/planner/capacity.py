@@ -123,10 +123,9 @@ class CapacityPlanner:
         self._last_queue: int | None = None
         self._trial: _Trial | None = None
         self._interval = 0
-        # (prefill workers, move) -> the interval until which that move is not tried again, and
-        # how often it failed.
-        self._futile: dict[tuple[int, Move], int] = {}
-        self._failures: dict[tuple[int, Move], int] = {}
+        # (prefill workers, move) -> how often that move failed from there, and the interval
+        # until which it is not tried again.
+        self._futile: dict[tuple[int, Move], tuple[int, int]] = {}
 
     def decide(self, obs: Observation) -> Decision:
         s = self.settings
@@ -144,9 +143,9 @@ class CapacityPlanner:
             failed = self._failed(trial, ttft, itl)
             if failed is not None:
                 key = (trial.prefill_workers, trial.move)
-                self._failures[key] = self._failures.get(key, 0) + 1
-                backoff = s.futile_intervals * 2 ** (self._failures[key] - 1)
-                self._futile[key] = self._interval + min(s.max_futile_intervals, backoff)
+                failures = self._futile.get(key, (0, 0))[0] + 1
+                backoff = min(s.max_futile_intervals, s.futile_intervals * 2 ** (failures - 1))
+                self._futile[key] = (failures, self._interval + backoff)
                 undo: Move = "to_decode" if trial.move == "to_prefill" else "to_prefill"
                 return self._move(undo, step, failed)
         over = 1.0 + s.hysteresis
@@ -206,7 +205,7 @@ class CapacityPlanner:
         before: float,
         why: str,
     ) -> Decision:
-        until = self._futile.get((obs.prefill_workers, move), 0)
+        _, until = self._futile.get((obs.prefill_workers, move), (0, 0))
         if self._interval < until:
             return Decision(None, 0, f"{why}; that move did not help lately")
         if before <= self.settings.probation_max_ratio:
