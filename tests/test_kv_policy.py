@@ -7,10 +7,13 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from infra.bench.offline import OfflineReplay
 from infra.bench.traces import load_trace
 from services.engine.sim import SimConfig
 from services.planner.kv_policy import KvAware, KvSettings
+from services.planner.main import PlannerSettings
 from services.planner.policy import RouteRequest, WorkerView
 
 PROMPT_BLOCKS = 256  # 4,096 tokens at block size 16
@@ -105,3 +108,30 @@ def test_kv_a_worker_holds_counts_against_it() -> None:
     assert unweighted.choose(request(), [crowded, light]).worker_id == "a"
     # Whether to prefill elsewhere is not its business: the prediction leaves it out.
     assert KvAware().predict(request(), crowded) == unweighted.predict(request(), crowded)
+
+
+def test_a_decode_step_past_the_itl_target_costs_every_token_there() -> None:
+    """A holds KV that, with this prompt's, slows its decode steps past the target; B's stay
+    under it. A caches a quarter of the prompt, which wins without a target."""
+    long_answer = RouteRequest("r", 64_000, tuple(range(4000)), max_tokens=1000)
+    crowded = view("a", cached_blocks=1000, kv_usage=0.1, kv_capacity_tokens=1_000_000, running=1)
+    light = view("b", kv_usage=0.0, kv_capacity_tokens=1_000_000)
+    settings = KvSettings(balance_ms_per_block=0.0)
+    assert KvAware(settings).choose(long_answer, [crowded, light]).worker_id == "a"
+    policy = KvAware(dataclasses.replace(settings, itl_target_ms=12.0))
+    assert policy.decode_step_ms(crowded, 65_000) > 12.0 > policy.decode_step_ms(light, 65_000)
+    assert policy.choose(long_answer, [crowded, light]).worker_id == "b"
+
+
+def test_the_planner_holds_predictions_to_targets_in_model_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Workers run 4× faster than their timing model: the capacity loop sees wall-clock
+    latencies against the targets as given, the cost model's predictions against 4× them."""
+    monkeypatch.setenv("LANEWAY_SPEEDUP", "4")
+    monkeypatch.setenv("LANEWAY_TTFT_TARGET_MS", "250")
+    monkeypatch.setenv("LANEWAY_ITL_TARGET_MS", "5")
+    settings = PlannerSettings()
+    assert settings.capacity().ttft_target_ms == 250 and settings.capacity().itl_target_ms == 5
+    assert settings.kv().itl_target_ms == 20
+    assert settings.disagg_settings().ttft_target_ms == 1000

@@ -22,6 +22,7 @@ from services.engine.kv_transfer import KvTransferModel
 from services.engine.sim import SimConfig
 from services.planner.capacity import CapacitySettings
 from services.planner.disagg import DisaggSettings
+from services.planner.kv_policy import KvSettings
 from services.planner.registry import POLICY_NAMES, make_policy
 
 DEFAULT_TRACE = (
@@ -69,7 +70,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=_CAPACITY.ttft_target_ms,
         help="the capacity loop's target; a remote prefill predicted past it stays local",
     )
-    bench.add_argument("--itl-target-ms", type=float, default=_CAPACITY.itl_target_ms)
+    bench.add_argument(
+        "--itl-target-ms",
+        type=float,
+        default=_CAPACITY.itl_target_ms,
+        help="the capacity loop's target; the kv policy avoids decode steps slower than it",
+    )
     bench.add_argument("--plan-interval-s", type=float, default=_CAPACITY.interval_s)
     bench.add_argument(
         "--min-remote-tokens",
@@ -148,7 +154,7 @@ def _offline(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -
     )
     replay = OfflineReplay(
         trace,
-        make_policy(policy, args.seed),
+        make_policy(policy, args.seed, KvSettings(itl_target_ms=args.itl_target_ms)),
         decode,
         config,
         prefill_workers=prefill,

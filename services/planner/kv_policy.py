@@ -36,6 +36,11 @@ class KvSettings:
     # choice of decode worker weighs it; whether to prefill elsewhere does not, since the KV
     # ends up on the decode worker either way.
     balance_ms_per_block: float = 0.25
+    # When this request's KV would take the worker's decode step past `itl_target_ms`, every
+    # request there (itself included) would see slow tokens: that costs this many ms per token
+    # the request may generate, times their number. 0 target: off.
+    itl_target_ms: float = 0.0
+    slow_step_ms_per_token: float = 0.25
     # 0 picks the cheapest; above 0, picks by softmax over -cost/temperature (ms).
     temperature: float = 0.0
     # Prompts shorter than this with no session skip the index: two random choices on load.
@@ -123,6 +128,13 @@ class KvAware:
         step_ms = self.decode_step_ms(worker, uncached + request.max_tokens)
         penalty = self.settings.decode_weight * max(1, request.max_tokens) * step_ms
         penalty += self.settings.stall_weight * worker.running * self._prefill_ms(uncached, worker)
+        target = self.settings.itl_target_ms
+        if (
+            target
+            and self.decode_step_ms(worker, request.prompt_tokens + request.max_tokens) > target
+        ):
+            slow_tokens = max(1, request.max_tokens) * (1 + worker.running)
+            penalty += self.settings.slow_step_ms_per_token * slow_tokens
         return Prediction(queue_ms, prefill_ms, penalty)
 
     def _held_kv_ms(self, worker: WorkerView) -> float:

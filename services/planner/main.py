@@ -55,6 +55,9 @@ class PlannerSettings(ServiceSettings):
     # The capacity loop (one replica at a time leads it): moves workers between the prefill
     # and decode pools against these targets.
     autoscale: bool = False
+    # Sim workers run this many times faster than their timing model (`laneway bench
+    # --time-scale`); the cost model predicts model time, so targets it is held to scale back.
+    speedup: float = Field(default=1.0, gt=0)
     ttft_target_ms: float = _CAPACITY.ttft_target_ms
     itl_target_ms: float = _CAPACITY.itl_target_ms
     plan_interval_s: float = _CAPACITY.interval_s
@@ -70,6 +73,7 @@ class PlannerSettings(ServiceSettings):
             short_prompt_tokens=self.kv_short_prompt_tokens,
             session_slack_ms=self.kv_session_slack_ms,
             tie_ms=self.kv_tie_ms,
+            itl_target_ms=self.itl_target_ms * self.speedup,
         )
 
     def capacity(self) -> CapacitySettings:
@@ -84,7 +88,7 @@ class PlannerSettings(ServiceSettings):
         return DisaggSettings(
             mode=self.disagg,
             min_remote_tokens=self.disagg_min_remote_tokens,
-            ttft_target_ms=self.ttft_target_ms,
+            ttft_target_ms=self.ttft_target_ms * self.speedup,
             transfer=KvTransferModel(self.kv_bytes_per_token, self.link_gb_s, self.link_latency_ms),
         )
 
