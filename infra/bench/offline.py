@@ -33,8 +33,7 @@ from services.kv_indexer.index import PrefixIndex
 from services.planner.capacity import (
     CapacityPlanner,
     CapacitySettings,
-    Observation,
-    p95_or_none,
+    observe_interval,
 )
 from services.planner.disagg import DisaggSettings, pick_decoder, plan_prefill
 from services.planner.kv_policy import KvAware
@@ -328,23 +327,21 @@ class OfflineReplay:
         recent = [
             r for r in self._records if r.first_token_s is not None and r.first_token_s >= since
         ]
-        ttft = [((r.first_token_s or 0.0) - r.arrival_s) * 1000 for r in recent]
-        remote = [t for t, r in zip(ttft, recent, strict=True) if r.prefill_worker_id]
-        local = [t for t, r in zip(ttft, recent, strict=True) if not r.prefill_worker_id]
         gaps, self._interval_gaps = self._interval_gaps, LatencyHistogram()
         stalled, self._interval_stalled = self._interval_stalled, 0
         prefill = [w for w in self._workers if w.role == "prefill" and w.next_role is None]
         decode = [w for w in self._workers if w.role != "prefill" and w.next_role is None]
         decision = self._capacity.decide(
-            Observation(
-                p95_or_none(ttft),
-                gaps.percentile(95),
+            observe_interval(
+                [
+                    (((r.first_token_s or 0.0) - r.arrival_s) * 1000, bool(r.prefill_worker_id))
+                    for r in recent
+                ],
+                gaps,
+                stalled,
                 sum(w.engine.load().waiting_prefill_tokens for w in prefill),
                 len(prefill),
                 len(decode),
-                p95_or_none(remote),
-                p95_or_none(local),
-                stalled / max(1, gaps.total()),
             )
         )
         if decision.move is not None:

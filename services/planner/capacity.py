@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from schemas.latency import LatencyHistogram
+
 Move = Literal["to_prefill", "to_decode"]
 
 
@@ -77,6 +79,29 @@ class Observation:
     local_ttft_p95_ms: float | None = None
     # Share of the token gaps whose step also computed prompt tokens (prefill interference).
     stalled_gap_share: float = 0.0
+
+
+def observe_interval(
+    first_tokens: Sequence[tuple[float, bool]],
+    gaps: LatencyHistogram,
+    stalled_gaps: int,
+    prefill_queue_tokens: int,
+    prefill_workers: int,
+    decode_workers: int,
+) -> Observation:
+    """An interval's observation from its requests' (TTFT ms, prefilled remotely) and their
+    token gaps, of which ``stalled_gaps`` waited on a prefill."""
+    ttft = [t for t, _ in first_tokens]
+    return Observation(
+        p95_or_none(ttft),
+        gaps.percentile(95),
+        prefill_queue_tokens,
+        prefill_workers,
+        decode_workers,
+        p95_or_none([t for t, remote in first_tokens if remote]),
+        p95_or_none([t for t, remote in first_tokens if not remote]),
+        stalled_gaps / max(1, gaps.total()),
+    )
 
 
 @dataclass(frozen=True, slots=True)

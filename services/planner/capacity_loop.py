@@ -10,28 +10,18 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from bus.registry import LeasedKey
 from bus.topology import Subjects
 from schemas.events import RequestFinished, Role, RoleMove, RolesRebalanced
 from schemas.latency import LatencyHistogram
-from services.planner.capacity import CapacityPlanner, Observation, p95_or_none
+from services.planner.capacity import CapacityPlanner, Observation, observe_interval
 from services.planner.cluster import ClusterView
 
 log = logging.getLogger(__name__)
 
 AssignRoles = Callable[[dict[str, Role]], Awaitable[None]]
 Publish = Callable[[str, RolesRebalanced], Awaitable[None]]
-
-
-@dataclass(frozen=True, slots=True)
-class _Finished:
-    at: float  # monotonic seconds
-    ttft_ms: float
-    token_gaps: LatencyHistogram
-    stalled_gaps: int
-    remote: bool  # prefilled on a prefill worker
 
 
 class CapacityLoop:
@@ -50,19 +40,11 @@ class CapacityLoop:
         self._assign_roles = assign_roles
         self._publish = publish
         self._source = source
-        # Recent requests, oldest first.
-        self._finished: deque[_Finished] = deque()
+        # Recent requests with when they finished (monotonic seconds), oldest first.
+        self._finished: deque[tuple[float, RequestFinished]] = deque()
 
     def on_finished(self, event: RequestFinished) -> None:
-        self._finished.append(
-            _Finished(
-                time.monotonic(),
-                event.ttft_ms,
-                event.token_gaps,
-                event.stalled_gaps,
-                event.prefill_worker_id is not None,
-            )
-        )
+        self._finished.append((time.monotonic(), event))
 
     async def run(self) -> None:
         interval = self._planner.settings.interval_s
@@ -79,25 +61,24 @@ class CapacityLoop:
                 log.warning("capacity step failed", exc_info=True)
 
     def _forget_before(self, since: float) -> None:
-        while self._finished and self._finished[0].at < since:
+        while self._finished and self._finished[0][0] < since:
             self._finished.popleft()
 
     def observe(self) -> Observation:
         """The last interval's latencies and the pools as they stand."""
         self._forget_before(time.monotonic() - self._planner.settings.interval_s)
+        done = [event for _, event in self._finished]
         gaps = LatencyHistogram()
-        for done in self._finished:
-            gaps.merge(done.token_gaps)
+        for event in done:
+            gaps.merge(event.token_gaps)
         prefill = self._cluster.prefill_candidates()
-        return Observation(
-            p95_or_none([f.ttft_ms for f in self._finished]),
-            gaps.percentile(95),
+        return observe_interval(
+            [(e.ttft_ms, e.prefill_worker_id is not None) for e in done],
+            gaps,
+            sum(e.stalled_gaps for e in done),
             sum(w.waiting_prefill_tokens for w in prefill),
             len(prefill),
             len(self._movable("decode")),
-            p95_or_none([f.ttft_ms for f in self._finished if f.remote]),
-            p95_or_none([f.ttft_ms for f in self._finished if not f.remote]),
-            sum(f.stalled_gaps for f in self._finished) / max(1, gaps.total()),
         )
 
     def _movable(self, role: Role) -> list[str]:
