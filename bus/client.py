@@ -111,6 +111,10 @@ class Bus:
             inactive_threshold=consumer.inactive_threshold_s,
             deliver_policy=DeliverPolicy.ALL,
             max_ack_pending=4096,
+            # Replicas starting together may each create the durable; with an inbox of their
+            # own as its deliver subject, the last create would take every message. A subject
+            # named after the durable makes the creates identical.
+            deliver_subject=f"_lw.deliver.{consumer.durable}" if consumer.queue else None,
         )
 
         async def on_msg(msg: Msg) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from bus.client import Bus
+from bus.client import Bus, EventHandler
 from bus.topology import KV, Consumer, Subjects
+from infra.embedded import EmbeddedServer
 from schemas.events import Event, KvBlocksStored, KvCleared, TokensGenerated
 from schemas.messages import OverlapQuery, OverlapReply
 
@@ -96,3 +97,33 @@ async def test_request_reply(bus: Bus) -> None:
         "lw.query.test", OverlapQuery(block_hashes=(1, 2)), OverlapReply, timeout=2
     )
     assert reply.overlaps == {"w": 2}
+
+
+async def test_replicas_starting_together_share_a_queue_consumer(
+    bus: Bus, nats_server: EmbeddedServer
+) -> None:
+    """Two replicas create the same durable queue consumer at once (as planners starting
+    together do): both must get messages, not whichever created it last."""
+    subject = Subjects.kv("busqueue")
+    consumer = Consumer("t-queue", KV, subject, queue="t-queue")
+    replicas = [await Bus.connect(nats_server.url, f"replica-{i}") for i in range(2)]
+    got: dict[int, int] = {0: 0, 1: 0}
+
+    def handler_of(i: int) -> EventHandler:
+        async def handler(event: Event) -> None:
+            got[i] += 1
+
+        return handler
+
+    try:
+        await asyncio.gather(*(r.consume(consumer, handler_of(i)) for i, r in enumerate(replicas)))
+        for seq in range(1, 41):
+            await bus.publish(subject, kv_event(seq))
+        deadline = asyncio.get_running_loop().time() + 5
+        while sum(got.values()) < 40 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        for replica in replicas:
+            await replica.close()
+    assert sum(got.values()) == 40
+    assert got[0] > 0 and got[1] > 0, got
