@@ -12,7 +12,7 @@ from pathlib import Path
 from infra.bench import engine_bench
 from infra.bench import run as bench
 from infra.cluster import ClusterConfig, LocalCluster
-from services.planner.registry import POLICY_NAMES
+from services.planner.policies import POLICY_NAMES
 
 
 def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

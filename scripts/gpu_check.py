@@ -22,10 +22,10 @@ import torch
 
 from schemas.block_hash import chain_block_hashes
 from schemas.events import SamplingParams
+from services.common.hf_tokenizer import HfTokenizer
 from services.engine.protocol import BlocksStored, Engine, EngineRequest
 from services.engine.torch_engine import TorchEngine, TorchEngineConfig
 from services.engine.torch_engine.tiny import make_tiny_model
-from services.engine.torch_engine.tokenizer import HfTokenizer
 
 PROMPTS = (
     "Where does the ferry go?",

@@ -1,4 +1,4 @@
-"""Services meet only through events: no service imports another (the engine package is shared)."""
+"""Services meet only through events: no service imports another (engine and common are libraries)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 SERVICES = Path(__file__).resolve().parent.parent / "services"
-SHARED = {"engine"}
+SHARED = {"engine", "common"}
 
 
 def _imported_services(path: Path) -> set[str]:

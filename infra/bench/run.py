@@ -18,12 +18,12 @@ from infra.bench.report import format_table, write_json
 from infra.bench.traces import TraceRequest, load_trace
 from infra.cluster import ClusterConfig, LocalCluster
 from infra.embedded import free_port
-from services.engine.kv_transfer import KvTransferModel
+from services.common.kv_transfer import KvTransferModel
 from services.engine.sim import SimConfig
 from services.planner.capacity import CapacitySettings
 from services.planner.disagg import DisaggSettings
 from services.planner.kv_policy import KvSettings
-from services.planner.registry import POLICY_NAMES, make_policy
+from services.planner.policies import POLICY_NAMES, make_policy
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[3] / "shared/traces/mooncake_conversation_trace.jsonl"

@@ -24,7 +24,7 @@ from schemas.events import (
     PrefillPlacement,
     RequestSpec,
 )
-from services.engine.kv_transfer import KvTransferModel
+from services.common.kv_transfer import KvTransferModel
 from services.engine.protocol import EngineRequest, RequestOutput
 
 

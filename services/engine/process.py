@@ -15,11 +15,11 @@ from bus.runtime import run_service
 from bus.settings import ServiceSettings
 from observability.tracing import setup_tracing
 from schemas.events import Role, new_id
-from services.engine.kv_transfer import KvTransferModel
+from services.common.kv_transfer import KvTransferModel
+from services.common.tokenizer import ByteTokenizer, Tokenizer
 from services.engine.protocol import Engine
 from services.engine.serving import Worker, WorkerOptions
 from services.engine.sim import SimConfig, SimEngine, timing_preset
-from services.engine.tokenizer import ByteTokenizer, Tokenizer
 
 _LINK = KvTransferModel()
 
@@ -70,7 +70,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
         raise ValueError(f"the {settings.engine} engine needs LANEWAY_MODEL_DIR (a model folder)")
     if settings.engine == "trtllm":
         assert settings.model_dir is not None
-        from services.engine.torch_engine.tokenizer import HfTokenizer
+        from services.common.hf_tokenizer import HfTokenizer
         from services.engine.trtllm_engine import TrtllmEngine, TrtllmEngineConfig
 
         trtllm = TrtllmEngine(
@@ -84,9 +84,9 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
     if settings.engine == "torch":
         assert settings.model_dir is not None
         # Imported only here: sim workers start without loading torch.
+        from services.common.hf_tokenizer import HfTokenizer
         from services.engine.torch_engine.config import TorchEngineConfig
         from services.engine.torch_engine.engine import TorchEngine
-        from services.engine.torch_engine.tokenizer import HfTokenizer
 
         engine = TorchEngine(
             settings.model_dir,

@@ -40,9 +40,10 @@ from schemas.events import (
 )
 from schemas.latency import LatencyHistogram
 from schemas.messages import WorkerRegistration
+from services.common.kv_transfer import KvTransferModel
+from services.common.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.engine.handoff import KvReceiver, KvSender, PrefillJob, continuation
 from services.engine.kv_events import kv_event
-from services.engine.kv_transfer import KvTransferModel
 from services.engine.protocol import (
     Engine,
     EngineRequest,
@@ -51,7 +52,6 @@ from services.engine.protocol import (
     RequestOutput,
     StepResult,
 )
-from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

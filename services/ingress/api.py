@@ -31,7 +31,7 @@ from schemas.events import (
     TokensGenerated,
     new_id,
 )
-from services.engine.tokenizer import Tokenizer
+from services.common.tokenizer import Tokenizer
 from services.ingress.errors import (
     ApiError,
     InvalidRequest,

@@ -15,7 +15,7 @@ from bus.runtime import run_service
 from bus.settings import ServiceSettings
 from observability.tracing import setup_tracing
 from schemas.events import new_id
-from services.engine.tokenizer import ByteTokenizer, Tokenizer
+from services.common.tokenizer import ByteTokenizer, Tokenizer
 from services.ingress.api import IngressApiSettings, create_app
 from services.ingress.nats_gateway import NatsGateway
 
@@ -43,7 +43,7 @@ class _Server(uvicorn.Server):
 def _tokenizer(model_dir: Path | None) -> Tokenizer:
     if model_dir is None:
         return ByteTokenizer()
-    from services.engine.torch_engine.tokenizer import HfTokenizer
+    from services.common.hf_tokenizer import HfTokenizer
 
     return HfTokenizer(model_dir)
 

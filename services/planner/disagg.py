@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.engine.kv_transfer import KvTransferModel
+from services.common.kv_transfer import KvTransferModel
 from services.planner.kv_policy import KvAware
 from services.planner.policy import RouteRequest, WorkerView
 

@@ -16,7 +16,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.engine.sim.timing import TimingModel, timing_preset
+from services.common.perf_model import TimingModel, timing_preset
 from services.planner.policy import Choice, RouteRequest, WorkerView
 
 

@@ -14,13 +14,13 @@ from bus.settings import ServiceSettings
 from bus.topology import PLANNER_INTAKE, Subjects
 from observability.tracing import setup_tracing
 from schemas.events import Event, RequestFinished, new_id
-from services.engine.kv_transfer import KvTransferModel
+from services.common.kv_transfer import KvTransferModel
 from services.planner.capacity import CapacityPlanner, CapacitySettings
 from services.planner.capacity_loop import CapacityLoop
 from services.planner.disagg import DisaggMode, DisaggSettings
 from services.planner.handlers import Planner
 from services.planner.kv_policy import KvSettings
-from services.planner.registry import make_policy
+from services.planner.policies import make_policy
 
 _KV = KvSettings()
 _DISAGG = DisaggSettings()

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.common.perf_model import TimingModel, timing_preset
 from services.engine.protocol import EngineRequest, StepResult
-from services.engine.sim.block_pool import BlockPool
-from services.engine.sim.config import SimConfig
-from services.engine.sim.kv_manager import KvCacheManager
-from services.engine.sim.scheduled import ScheduledEngine
-from services.engine.sim.timing import TimingModel, timing_preset
+from services.engine.scheduling.block_pool import BlockPool
+from services.engine.scheduling.config import SimConfig
+from services.engine.scheduling.kv_manager import KvCacheManager
+from services.engine.scheduling.scheduled import ScheduledEngine
 
 
 class SimEngine(ScheduledEngine):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.engine.sim.block_pool import BlockPool
-from services.engine.sim.kv_manager import KvCacheManager
-from services.engine.sim.request import SimRequest
+from services.engine.scheduling.block_pool import BlockPool
+from services.engine.scheduling.kv_manager import KvCacheManager
+from services.engine.scheduling.request import SimRequest
 
 
 class PagedBlockPool(BlockPool):

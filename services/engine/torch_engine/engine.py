@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from services.engine.protocol import EngineRequest, StepResult
-from services.engine.sim.config import SimConfig
-from services.engine.sim.request import SimRequest
-from services.engine.sim.scheduled import ScheduledEngine
+from services.engine.scheduling.config import SimConfig
+from services.engine.scheduling.request import SimRequest
+from services.engine.scheduling.scheduled import ScheduledEngine
 from services.engine.torch_engine.blocks import PagedBlockPool, PagedKvManager
 from services.engine.torch_engine.config import TorchEngineConfig
 from services.engine.torch_engine.export import (

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from services.engine.torch_engine.tokenizer import CHATML_TEMPLATE
+from services.common.hf_tokenizer import CHATML_TEMPLATE
 
 HIDDEN_SIZE = 256
 INTERMEDIATE_SIZE = 688

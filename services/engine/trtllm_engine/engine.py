@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from schemas.events import SamplingParams
+from services.common.hf_tokenizer import HfTokenizer
 from services.engine.protocol import (
     EngineLoad,
     EngineRequest,
@@ -32,7 +33,6 @@ from services.engine.protocol import (
     RequestOutput,
     StepResult,
 )
-from services.engine.torch_engine.tokenizer import HfTokenizer
 from services.engine.trtllm_engine.kv_events import KvEventTranslator
 
 log = logging.getLogger(__name__)

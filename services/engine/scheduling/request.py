@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from schemas.block_hash import ROOT_HASH, chain_block_hashes, hash_block
 from services.engine.protocol import EngineRequest
-from services.engine.sim.block_pool import BlockRef
-from services.engine.sim.text import WordStream
+from services.engine.scheduling.block_pool import BlockRef
+from services.engine.scheduling.text import WordStream
 
 
 @dataclass(slots=True, eq=False)

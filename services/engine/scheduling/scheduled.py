@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from services.engine.protocol import EngineLoad, EngineRequest, RequestOutput
-from services.engine.sim.block_pool import BlockPool
-from services.engine.sim.config import SimConfig
-from services.engine.sim.kv_manager import KvCacheManager
-from services.engine.sim.request import SimRequest
-from services.engine.sim.scheduler import Batch, Scheduler
+from services.engine.scheduling.block_pool import BlockPool
+from services.engine.scheduling.config import SimConfig
+from services.engine.scheduling.kv_manager import KvCacheManager
+from services.engine.scheduling.request import SimRequest
+from services.engine.scheduling.scheduler import Batch, Scheduler
 
 
 class ScheduledEngine:

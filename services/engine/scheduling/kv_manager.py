@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.engine.sim.block_pool import BlockPool
-from services.engine.sim.request import SimRequest
+from services.engine.scheduling.block_pool import BlockPool
+from services.engine.scheduling.request import SimRequest
 
 
 class KvCacheManager:

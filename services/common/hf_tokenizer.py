@@ -18,7 +18,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _RustTokenizer
 
-from services.engine.tokenizer import ChatMessage, StreamDecoder
+from services.common.tokenizer import ChatMessage, StreamDecoder
 
 # The layout ``ByteTokenizer`` writes by hand, used for models that ship no template.
 CHATML_TEMPLATE = (

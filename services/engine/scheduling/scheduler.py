@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.engine.sim.config import SimConfig
-from services.engine.sim.kv_manager import KvCacheManager
-from services.engine.sim.request import SimRequest
+from services.engine.scheduling.config import SimConfig
+from services.engine.scheduling.kv_manager import KvCacheManager
+from services.engine.scheduling.request import SimRequest
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ class SimConfig:
     num_gpu_blocks: int = 16384
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    # Name of a preset in :func:`services.engine.sim.timing.timing_preset`.
+    # Name of a preset in :func:`services.common.perf_model.timing_preset`.
     timing: str = "dynamo-mocker"
 
     def __post_init__(self) -> None:
