@@ -11,7 +11,7 @@ import httpx
 import orjson
 from starlette.applications import Starlette
 
-from services.engine.tokenizer import ByteTokenizer
+from services.common.tokenizer import ByteTokenizer
 from services.ingress.api import IngressApiSettings, create_app
 from tests.ingress.fakes import FakeGateway, Step
 

@@ -9,7 +9,7 @@ import pytest
 
 from schemas.block_hash import chain_block_hashes
 from schemas.events import FailureCode
-from services.engine.tokenizer import ByteTokenizer
+from services.common.tokenizer import ByteTokenizer
 from services.ingress.api import IngressApiSettings
 from services.ingress.openai_models import Message
 from tests.ingress.fakes import Fail, Finish, Hang, Raise, Step, Tokens

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 from starlette.types import Message
 
-from services.engine.tokenizer import ByteTokenizer
+from services.common.tokenizer import ByteTokenizer
 from services.ingress.api import IngressApiSettings, create_app
 from tests.ingress.fakes import FakeGateway, Finish, Hang, Step, Tokens
 from tests.ingress.helpers import chat_body, completion_body
