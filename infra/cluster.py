@@ -115,13 +115,13 @@ class LocalCluster:
             for i in range(cfg.planners)
         ]
         # Beside a prefill pool the others decode; alone they serve requests end to end.
-        role = {"LANEWAY_ROLE": "decode"} if cfg.prefill_workers else {}
+        role = {"LANEWAY_ROLE": "decode" if cfg.prefill_workers else "both"}
         self.services += [
-            Service(f"decode-worker-{i}", "services.decode_worker", {**role, **common})
+            Service(f"decode-worker-{i}", "services.worker.decode_worker", {**role, **common})
             for i in range(cfg.workers)
         ]
         self.services += [
-            Service(f"prefill-worker-{i}", "services.prefill_worker", common)
+            Service(f"prefill-worker-{i}", "services.worker.prefill_worker", common)
             for i in range(cfg.prefill_workers)
         ]
         self.services.append(

@@ -26,7 +26,7 @@ def _imported_services(path: Path) -> set[str]:
 
 def test_no_service_imports_another() -> None:
     services = [p for p in SERVICES.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
-    assert {"ingress", "planner", "kv_indexer", "prefill_worker", "decode_worker"} <= {
+    assert {"ingress", "planner", "kv_indexer", "worker"} <= {
         p.name for p in services
     }
     offences = []

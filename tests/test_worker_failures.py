@@ -17,10 +17,10 @@ from schemas.events import (
     RouteDecided,
     SamplingParams,
 )
-from services.engine.serving import Worker, WorkerOptions
+from services.common.perf_model import FixedTiming
+from services.common.tokenizer import ByteTokenizer
 from services.engine.sim import SimConfig, SimEngine
-from services.engine.sim.timing import FixedTiming
-from services.engine.tokenizer import ByteTokenizer
+from services.worker.runtime import Worker, WorkerOptions
 
 
 class FlakyEngine(SimEngine):

@@ -15,8 +15,8 @@ from schemas.events import (
     SamplingParams,
     utc_now,
 )
-from services.engine.handoff import KvReceiver, continuation
-from services.engine.kv_transfer import KvTransferModel
+from services.common.kv_transfer import KvTransferModel
+from services.worker.handoff import KvReceiver, continuation
 
 SPEC = RequestSpec(
     model="m",

@@ -18,8 +18,8 @@ from schemas.events import Role, new_id
 from services.common.kv_transfer import KvTransferModel
 from services.common.tokenizer import ByteTokenizer, Tokenizer
 from services.engine.protocol import Engine
-from services.engine.serving import Worker, WorkerOptions
 from services.engine.sim import SimConfig, SimEngine, timing_preset
+from services.worker.runtime import Worker, WorkerOptions
 
 _LINK = KvTransferModel()
 

@@ -42,7 +42,6 @@ from schemas.latency import LatencyHistogram
 from schemas.messages import WorkerRegistration
 from services.common.kv_transfer import KvTransferModel
 from services.common.tokenizer import IncrementalDetokenizer, Tokenizer
-from services.engine.handoff import KvReceiver, KvSender, PrefillJob, continuation
 from services.engine.kv_events import kv_event
 from services.engine.protocol import (
     Engine,
@@ -52,6 +51,7 @@ from services.engine.protocol import (
     RequestOutput,
     StepResult,
 )
+from services.worker.handoff import KvReceiver, KvSender, PrefillJob, continuation
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

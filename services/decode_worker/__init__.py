@@ -1,1 +1,0 @@
-"""The decode-worker service."""

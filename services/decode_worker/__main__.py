@@ -1,3 +1,0 @@
-from services.decode_worker.main import main
-
-main()

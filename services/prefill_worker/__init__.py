@@ -1,1 +1,0 @@
-"""The prefill-worker service."""

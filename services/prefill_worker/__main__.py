@@ -1,3 +1,0 @@
-from services.prefill_worker.main import main
-
-main()

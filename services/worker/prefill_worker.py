@@ -1,0 +1,12 @@
+"""The prefill worker: ``python -m services.worker.prefill_worker`` starts a worker in role
+``prefill``."""
+
+from services.worker.settings import worker_main
+
+
+def main() -> None:
+    worker_main("prefill")
+
+
+if __name__ == "__main__":
+    main()
