@@ -1,10 +1,16 @@
 """Real parts: every test session starts its own nats-server (JetStream) and etcd on free ports,
-with temporary data dirs; cluster tests run every service as its own OS process."""
+with temporary data dirs; cluster tests run every service as its own OS process.
+
+A test that uses those servers is marked ``live`` here, whatever fixture chain brings them in,
+so ``pytest -m "not live"`` runs the pure tests alone. ``slow`` and ``gpu`` tests run only when
+the ``-m`` expression names them (``-m gpu``, ``-m "slow and not live"``): a ``-m`` given on the
+command line replaces the one in ``addopts``, so their opt-in cannot live there."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +21,28 @@ from bus.registry import WORKERS_PREFIX, connect_etcd
 from infra.cluster import ClusterConfig, LocalCluster
 from infra.embedded import EmbeddedServer, free_port, start_etcd, start_nats
 from schemas.messages import WorkerRegistration
+
+# The fixtures that start real servers; a test using any of them, directly or through another
+# fixture, is live.
+SERVER_FIXTURES = frozenset({"nats_server", "etcd_server", "cluster_factory"})
+OPT_IN_MARKERS = ("slow", "gpu")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection sees the markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.live)
+    expression = config.getoption("markexpr") or ""
+    excluded = [m for m in OPT_IN_MARKERS if not re.search(rf"\b{m}\b", expression)]
+    kept, dropped = [], []
+    for item in items:
+        opted_out = any(item.get_closest_marker(m) for m in excluded)
+        (dropped if opted_out else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
 
 # Fast, deterministic workers for the end-to-end tests: 1 ms per decode step.
 FAST_WORKERS = {

@@ -11,8 +11,11 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from infra.embedded import free_port
+
+pytestmark = pytest.mark.live  # starts `laneway up` and its services
 
 
 def _alive(pid: int) -> bool:

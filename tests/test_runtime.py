@@ -8,7 +8,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from infra.embedded import free_port
+
+pytestmark = pytest.mark.live  # starts a service process
 
 
 def test_a_service_waiting_for_nats_still_stops_on_sigterm() -> None:

@@ -7,9 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from infra.bench.live import replay_live
 from infra.bench.traces import load_trace
 from tests.conftest import ClusterFactory
+
+pytestmark = pytest.mark.live  # every test here starts services or `laneway` itself
 
 
 async def test_live_replay_completes_every_request(
