@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 
 import uvicorn
@@ -15,22 +16,31 @@ from bus.runtime import run_service
 from bus.settings import ServiceSettings
 from observability.tracing import setup_tracing
 from schemas.events import new_id
+from services.common.hf_tokenizer import HfTokenizer
 from services.common.tokenizer import ByteTokenizer, Tokenizer
-from services.ingress.api import IngressApiSettings, create_app
+from services.ingress.api import create_app
 from services.ingress.nats_gateway import NatsGateway
+from services.ingress.settings import IngressApiSettings
+
+# The API settings' defaults, written once there.
+_API = IngressApiSettings(instance_id="")
 
 
 class IngressSettings(ServiceSettings):
     instance_id: str = Field(default_factory=new_id)
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_names: tuple[str, ...] = ("laneway-sim",)
+    served_model_names: tuple[str, ...] = _API.served_model_names
     # The served model's folder, for its tokenizer and chat template; unset: the sim's bytes.
     model_dir: Path | None = None
-    block_size: int = 16
-    max_model_len: int = 32768
-    default_max_tokens: int = 256
-    request_timeout_s: float = 300.0
+    block_size: int = _API.block_size
+    max_model_len: int = _API.max_model_len
+    default_max_tokens: int = _API.default_max_tokens
+    request_timeout_s: float = _API.request_timeout_s
+
+    def api(self) -> IngressApiSettings:
+        names = {field.name for field in fields(IngressApiSettings)}
+        return IngressApiSettings(**self.model_dump(include=names))
 
 
 class _Server(uvicorn.Server):
@@ -43,8 +53,6 @@ class _Server(uvicorn.Server):
 def _tokenizer(model_dir: Path | None) -> Tokenizer:
     if model_dir is None:
         return ByteTokenizer()
-    from services.common.hf_tokenizer import HfTokenizer
-
     return HfTokenizer(model_dir)
 
 
@@ -57,18 +65,7 @@ def main() -> None:
         await bus.ensure_streams()
         gateway = NatsGateway(bus, settings.instance_id)
         await gateway.start()
-        app = create_app(
-            gateway,
-            _tokenizer(settings.model_dir),
-            IngressApiSettings(
-                instance_id=settings.instance_id,
-                served_model_names=settings.served_model_names,
-                block_size=settings.block_size,
-                max_model_len=settings.max_model_len,
-                default_max_tokens=settings.default_max_tokens,
-                request_timeout_s=settings.request_timeout_s,
-            ),
-        )
+        app = create_app(gateway, _tokenizer(settings.model_dir), settings.api())
         server = _Server(
             uvicorn.Config(
                 app,

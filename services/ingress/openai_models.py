@@ -9,7 +9,7 @@ Fields we do not know are ignored, as OpenAI does; fields we know but cannot hon
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -45,14 +45,20 @@ class Params:
 
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
+    # The field OpenAI blames for an over-long prompt.
+    prompt_param: ClassVar[str] = "messages"
     messages: tuple[Message, ...]
     params: Params
 
 
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
+    prompt_param: ClassVar[str] = "prompt"
     prompt: str | tuple[int, ...]
     params: Params
+
+
+ParsedRequest = ChatRequest | CompletionRequest
 
 
 def parse_chat_request(body: bytes) -> ChatRequest:

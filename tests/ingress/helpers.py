@@ -12,7 +12,8 @@ import orjson
 from starlette.applications import Starlette
 
 from services.common.tokenizer import ByteTokenizer
-from services.ingress.api import IngressApiSettings, create_app
+from services.ingress.api import create_app
+from services.ingress.settings import IngressApiSettings
 from tests.ingress.fakes import FakeGateway, Step
 
 MODEL = "laneway-sim"

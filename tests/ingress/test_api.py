@@ -10,8 +10,8 @@ import pytest
 from schemas.block_hash import chain_block_hashes
 from schemas.events import FailureCode
 from services.common.tokenizer import ByteTokenizer
-from services.ingress.api import IngressApiSettings
 from services.ingress.openai_models import Message
+from services.ingress.settings import IngressApiSettings
 from tests.ingress.fakes import Fail, Finish, Hang, Raise, Step, Tokens
 from tests.ingress.helpers import MODEL, chat_body, completion_body, harness, sse_data
 

@@ -11,7 +11,8 @@ import orjson
 from starlette.types import Message
 
 from services.common.tokenizer import ByteTokenizer
-from services.ingress.api import IngressApiSettings, create_app
+from services.ingress.api import create_app
+from services.ingress.settings import IngressApiSettings
 from tests.ingress.fakes import FakeGateway, Finish, Hang, Step, Tokens
 from tests.ingress.helpers import chat_body, completion_body
 

@@ -1,0 +1,225 @@
+"""One request's conversation with the gateway, written to the client as it goes: its deadline,
+the client leaving, cancelling what the cluster no longer needs to finish, and the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.types import Message, Receive, Send
+
+from schemas.events import RequestFinished, RequestSpec, TokensGenerated, new_id
+from services.ingress.errors import ApiError, from_terminal, internal_error, request_timeout
+from services.ingress.gateway import CancelReason, Gateway, GatewayEvent
+from services.ingress.metrics import CLIENT_CLOSED_STATUS, IngressMetrics
+from services.ingress.openai_models import Params
+from services.ingress.responses import (
+    JSON_HEADERS,
+    SSE_HEADERS,
+    Format,
+    Headers,
+    send_json,
+    sse_error,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """The completion endpoint that took a request, as its exchange needs it."""
+
+    name: str
+    """The endpoint's label in the metrics."""
+    gateway: Gateway
+    metrics: IngressMetrics
+    response_format: type[Format]
+    timeout_s: float
+    """Seconds from receipt until the request is cancelled and answered with 504."""
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _DisconnectWatch:
+    """Cancels the request's task when the client goes away, so that a request waiting on the
+    cluster (where no ``send`` would fail) notices at once. ``stop`` must run, synchronously,
+    before the task leaves the code that is prepared for that cancellation."""
+
+    __slots__ = ("_task", "_watcher", "fired")
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self.fired = False
+        self._watcher = asyncio.create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        # The body has been read, so the next message can only be the disconnect.
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.fired = True
+        self._task.cancel()
+
+    def stop(self) -> None:
+        self._watcher.cancel()
+
+    def forgive(self) -> None:
+        """Undo our own cancellation once it has been handled."""
+        self._task.uncancel()
+
+
+class Exchange:
+    """Streaming responses are committed (status 200) only at the first event, so that a request
+    that fails before producing anything still gets a proper HTTP error status. A failure after
+    that is sent as a final ``data: {"error": {...}}`` event and the stream is closed *without*
+    ``data: [DONE]``: a client that only watches for [DONE] then sees a broken stream rather than
+    a successful, truncated answer.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        params: Params,
+        spec: RequestSpec,
+        session_id: str | None,
+        received: float,
+    ) -> None:
+        self._endpoint = endpoint
+        self._gateway = endpoint.gateway
+        self._metrics = endpoint.metrics
+        self._params = params
+        self._spec = spec
+        self._session_id = session_id
+        self._received = received
+        self._request_id = new_id()
+        self._format = endpoint.response_format(self._request_id, params.model)
+        self._started = False
+        self._first_token = False
+        self._ended = False  # the gateway delivered the terminal event
+
+    async def run(self, receive: Receive, send: Send) -> int:
+        """Serve the request; returns the status for the metrics (499: client went away)."""
+
+        async def send_to_client(message: Message) -> None:
+            try:
+                await send(message)
+            except OSError as error:
+                # Servers that implement ASGI 2.4 raise OSError when writing to a gone client.
+                raise _ClientGone from error
+
+        watch = _DisconnectWatch(receive)
+        events = self._gateway.submit(self._request_id, self._session_id, self._spec)
+        self._metrics.in_flight.inc()
+        deadline_scope = asyncio.timeout(self._endpoint.timeout_s)
+        try:
+            try:
+                async with deadline_scope:
+                    return await self._relay(events, send_to_client)
+            finally:
+                watch.stop()
+        except TimeoutError:
+            if not deadline_scope.expired():
+                return await self._crash(send)
+            await self._cancel("timeout")
+            return await self._fail(send, request_timeout())
+        except asyncio.CancelledError:
+            if not watch.fired:
+                # Cancelled from outside (server shutdown): the answer will not be read either.
+                await self._cancel("client_disconnected")
+                raise
+            watch.forgive()
+            await self._cancel("client_disconnected")
+            return CLIENT_CLOSED_STATUS
+        except _ClientGone:
+            await self._cancel("client_disconnected")
+            return CLIENT_CLOSED_STATUS
+        except Exception:
+            return await self._crash(send)
+        finally:
+            self._metrics.in_flight.dec()
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _relay(self, events: AsyncIterator[GatewayEvent], send: Send) -> int:
+        stream = self._params.stream
+        texts: list[str] = []
+        async for event in events:
+            if isinstance(event, TokensGenerated):
+                if not self._first_token:
+                    self._first_token = True
+                    self._metrics.first_token(self._endpoint.name, self._elapsed())
+                if not event.text:
+                    continue
+                if stream:
+                    await self._stream(send, self._format.delta(event.text), more=True)
+                else:
+                    texts.append(event.text)
+                continue
+            self._ended = True
+            if not isinstance(event, RequestFinished):
+                return await self._fail(send, from_terminal(event))
+            if stream:
+                body = self._format.closing(event, self._params.include_usage)
+                await self._stream(send, body, more=False)
+            else:
+                body = self._format.full("".join(texts), event)
+                await send_json(send, 200, body, self._headers(JSON_HEADERS))
+            usage = event.usage
+            self._metrics.completed(
+                self._endpoint.name,
+                self._elapsed(),
+                usage.prompt_tokens,
+                usage.cached_tokens,
+                usage.completion_tokens,
+            )
+            return 200
+        raise RuntimeError("the gateway's events ended without a terminal event")
+
+    async def _stream(self, send: Send, body: bytes, *, more: bool) -> None:
+        """Write stream events, committing to a 200 stream first if this is its first write (the
+        opening events go out with this body: one write fewer per request)."""
+        if not self._started:
+            self._started = True
+            headers = self._headers(SSE_HEADERS)
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            body = self._format.opening() + body
+        await send({"type": "http.response.body", "body": body, "more_body": more})
+
+    def _elapsed(self) -> float:
+        return time.perf_counter() - self._received
+
+    def _headers(self, base: Headers) -> Headers:
+        return [*base, (b"x-request-id", self._request_id.encode())]
+
+    async def _fail(self, send: Send, error: ApiError) -> int:
+        try:
+            if self._started:
+                await self._stream(send, sse_error(error), more=False)
+            else:
+                await send_json(send, error.status, error.body(), self._headers(JSON_HEADERS))
+        except (OSError, _ClientGone):
+            return CLIENT_CLOSED_STATUS
+        return error.status
+
+    async def _crash(self, send: Send) -> int:
+        """Answer an unexpected exception (being handled) with a 500."""
+        log.exception("request %s failed", self._request_id)
+        # Nobody will read the answer; don't leave a worker generating it.
+        await self._cancel("client_disconnected")
+        return await self._fail(send, internal_error())
+
+    async def _cancel(self, reason: CancelReason) -> None:
+        if self._ended:
+            return
+        try:
+            await self._gateway.cancel(self._request_id, reason)
+        except Exception:
+            # The request still ends at its deadline; the client must get its answer regardless.
+            log.warning("cancelling request %s failed", self._request_id, exc_info=True)

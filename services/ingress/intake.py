@@ -1,0 +1,77 @@
+"""A parsed OpenAI request made into the RequestSpec the cluster serves: the served-model check,
+the prompt's tokens (a chat's messages through the model's chat template), the token budget and
+the prompt's chained block hashes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+
+from schemas.block_hash import chain_block_hashes
+from schemas.events import RequestSpec, SamplingParams
+from services.common.tokenizer import Tokenizer
+from services.ingress.errors import InvalidRequest, model_not_found
+from services.ingress.openai_models import ChatRequest, ParsedRequest
+from services.ingress.settings import IngressApiSettings
+
+
+class Intake:
+    def __init__(self, tokenizer: Tokenizer, settings: IngressApiSettings) -> None:
+        self._tokenizer = tokenizer
+        self._settings = settings
+        self._models = frozenset(settings.served_model_names)
+
+    def spec(self, request: ParsedRequest) -> RequestSpec:
+        params = request.params
+        if params.model not in self._models:
+            raise model_not_found(params.model)
+        prompt_ids = tuple(self._prompt_ids(request))
+        prompt_len = len(prompt_ids)
+        if not prompt_len:
+            raise InvalidRequest("The prompt must contain at least one token.", "prompt")
+        settings = self._settings
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            room = settings.max_model_len - prompt_len
+            max_tokens = max(1, min(settings.default_max_tokens, room))
+        if prompt_len + max_tokens > settings.max_model_len:
+            where = request.prompt_param
+            raise InvalidRequest(
+                f"This model's maximum context length is {settings.max_model_len} tokens. "
+                f"However, you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+                f"{where}, {max_tokens} in the completion). Please reduce the length of the "
+                f"{where} or completion.",
+                where,
+                code="context_length_exceeded",
+            )
+        # Every field was checked above, so pydantic's validation would only cost time here.
+        sampling = SamplingParams.model_construct(
+            max_tokens=max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+            stop=params.stop,
+            stop_token_ids=params.stop_token_ids,
+            ignore_eos=params.ignore_eos,
+        )
+        return RequestSpec.model_construct(
+            model=params.model,
+            prompt_token_ids=prompt_ids,
+            block_size=settings.block_size,
+            block_hashes=chain_block_hashes(prompt_ids, settings.block_size),
+            sampling=sampling,
+            reply_to=settings.instance_id,
+            deadline=datetime.now(UTC) + timedelta(seconds=settings.request_timeout_s),
+        )
+
+    def _prompt_ids(self, request: ParsedRequest) -> Sequence[int]:
+        tokenizer = self._tokenizer
+        if isinstance(request, ChatRequest):
+            return tokenizer.encode(tokenizer.apply_chat_template(request.messages))
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        vocab_size = tokenizer.vocab_size
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise InvalidRequest(f"Token ids must be in [0, {vocab_size}).", "prompt")
+        return prompt

@@ -1,0 +1,28 @@
+"""What the HTTP API is told about the model it serves and the requests it takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IngressApiSettings:
+    instance_id: str
+    """Ingress instance that the cluster streams answers to (``RequestSpec.reply_to``)."""
+    served_model_names: tuple[str, ...] = ("laneway-sim",)
+    block_size: int = 16
+    """Tokens per block of the prompt's chained block hashes."""
+    max_model_len: int = 32768
+    """Limit on prompt tokens + max_tokens."""
+    default_max_tokens: int = 256
+    """max_tokens when the client gives none (less if the context has less room)."""
+    request_timeout_s: float = 300.0
+    """Seconds from receipt until the request is cancelled and answered with 504."""
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("served_model_names must not be empty")
+        if min(self.block_size, self.max_model_len, self.default_max_tokens) < 1:
+            raise ValueError("block_size, max_model_len and default_max_tokens must be positive")
+        if self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be positive")
