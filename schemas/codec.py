@@ -13,8 +13,24 @@ from schemas.events import Envelope, Event
 M = TypeVar("M", bound=BaseModel)
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 
+
+def _candidate_cost(raw: dict[str, Any]) -> dict[str, Any]:
+    """RouteDecided 1 → 2: each candidate's ``score`` became ``cost``."""
+
+    def renamed(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{("cost" if k == "score" else k): v for k, v in c.items()} for c in candidates]
+
+    raw = {**raw, "candidates": renamed(raw.get("candidates", []))}
+    if raw.get("prefill"):
+        raw["prefill"] = {
+            **raw["prefill"],
+            "candidates": renamed(raw["prefill"].get("candidates", [])),
+        }
+    return raw
+
+
 # (type, version) -> function that turns that version's payload into version + 1.
-UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+UPCASTERS: dict[tuple[str, int], Upcaster] = {("RouteDecided", 1): _candidate_cost}
 
 _EVENT: TypeAdapter[Event] = TypeAdapter(Event)
 _CURRENT_VERSION: dict[str, int] = {}

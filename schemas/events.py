@@ -84,14 +84,14 @@ class RequestAccepted(Envelope):
 
 
 class RouteCandidate(Frozen):
-    """One worker the planner weighed, with the inputs of its score."""
+    """One worker the planner weighed, with the inputs of its cost."""
 
     worker_id: str
     cached_blocks: int = Field(ge=0, description="leading prompt blocks already in its cache")
     running: int = Field(ge=0, description="requests it is running (reported + in flight)")
     waiting: int = Field(ge=0, description="requests queued on it")
     kv_usage: float = Field(ge=0.0, le=1.0, description="fraction of its KV blocks in use")
-    score: float = Field(description="policy cost; the lowest wins")
+    cost: float = Field(description="policy cost; the lowest wins")
     predicted_queue_ms: float | None = Field(
         default=None, description="predicted wait behind work queued there, milliseconds"
     )
@@ -112,7 +112,7 @@ class PrefillPlacement(Frozen):
     )
     reason: str
     candidates: tuple[RouteCandidate, ...] = Field(
-        default=(), description="prefill workers weighed; score: their predicted cost, ms"
+        default=(), description="prefill workers weighed; cost: their predicted cost, ms"
     )
 
 
@@ -121,6 +121,8 @@ class RouteDecided(Envelope):
     to the prefill worker, which computes the prompt and hands its KV to ``worker_id``."""
 
     type: Literal["RouteDecided"] = "RouteDecided"
+    # 2: a candidate's `score` is called `cost`, as the policies call it.
+    schema_version: int = 2
     worker_id: str = Field(description="worker that generates the answer (decodes)")
     policy: str = Field(description="routing policy that decided")
     reason: str = Field(description="why this worker, in words")

@@ -42,7 +42,7 @@ def test_hot_spot_guard_moves_off_a_saturated_owner() -> None:
     owner = view("a", cached_blocks=255, waiting_prefill_tokens=200_000, running=40)
     choice = KvAware().choose(request(), [owner, view("b"), view("c")])
     assert choice.worker_id in {"b", "c"}
-    assert choice.scores["a"] > choice.scores[choice.worker_id]
+    assert choice.costs["a"] > choice.costs[choice.worker_id]
 
 
 def test_a_session_stays_with_its_owner_within_the_slack() -> None:
@@ -87,7 +87,7 @@ def test_a_burst_on_one_prefix_spreads_once_its_owner_saturates(tmp_path: Path) 
     ]
     path = tmp_path / "burst.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    from services.planner.registry import make_policy
+    from services.planner.policies import make_policy
 
     replay = OfflineReplay(load_trace(path), make_policy("kv"), 4, SimConfig(num_gpu_blocks=4096))
     result = replay.run()
@@ -126,7 +126,7 @@ def test_a_decode_step_past_the_itl_target_costs_every_token_there() -> None:
 def test_the_planner_holds_predictions_to_targets_in_model_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Workers run 4× faster than their timing model: the capacity loop sees wall-clock
+    """Workers run 4× faster than their perf model: the capacity loop sees wall-clock
     latencies against the targets as given, the cost model's predictions against 4× them."""
     monkeypatch.setenv("LANEWAY_SPEEDUP", "4")
     monkeypatch.setenv("LANEWAY_TTFT_TARGET_MS", "250")

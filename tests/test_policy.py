@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
+from services.planner.policies import make_policy
 from services.planner.policy import RouteRequest, WorkerView
-from services.planner.registry import make_policy
 
 REQ = RouteRequest("r", 100, ())
 
@@ -31,7 +31,7 @@ def test_least_loaded_counts_its_own_in_flight_requests() -> None:
     stale = [WorkerView("a", 0, 0, 0.0, in_flight=4), WorkerView("b", 1, 0, 0.0, in_flight=1)]
     choice = make_policy("least_loaded").choose(REQ, stale)
     assert choice.worker_id == "b"
-    assert choice.scores == {"a": 4.0, "b": 1.0}
+    assert choice.costs == {"a": 4.0, "b": 1.0}
 
 
 def test_random_is_reproducible_for_a_seed() -> None:

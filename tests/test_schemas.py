@@ -15,6 +15,7 @@ from schemas.events import (
     KvCleared,
     KvTransferred,
     PrefillCompleted,
+    PrefillPlacement,
     RequestAccepted,
     RequestCancelled,
     RequestFailed,
@@ -50,7 +51,7 @@ EXAMPLES = [
         reason="why",
         candidates=(
             RouteCandidate(
-                worker_id="w", cached_blocks=1, running=0, waiting=0, kv_usage=0.5, score=1.0
+                worker_id="w", cached_blocks=1, running=0, waiting=0, kv_usage=0.5, cost=1.0
             ),
         ),
         spec=SPEC,
@@ -123,6 +124,20 @@ def test_old_versions_are_upcast(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setitem(codec.UPCASTERS, ("KvCleared", 0), v0_to_v1)
     assert codec.decode_event(orjson.dumps(raw)) == EXAMPLES[11]
+
+
+def test_a_version_1_route_decision_reads_score_as_cost() -> None:
+    route = EXAMPLES[1]
+    assert isinstance(route, RouteDecided)
+    placement = PrefillPlacement(
+        prefill_worker_id="p", local_ms=2.0, reason="r", candidates=route.candidates
+    )
+    current = route.model_copy(update={"prefill": placement})
+    raw = orjson.loads(codec.encode(current))
+    raw["schema_version"] = 1
+    for candidate in [*raw["candidates"], *raw["prefill"]["candidates"]]:
+        candidate["score"] = candidate.pop("cost")
+    assert codec.decode_event(orjson.dumps(raw)) == current
 
 
 def test_block_hashes_chain_the_prefix() -> None:

@@ -28,16 +28,18 @@ from schemas.events import Role, SamplingParams
 from schemas.latency import LatencyHistogram
 from services.engine.kv_events import kv_event
 from services.engine.protocol import EngineRequest, KvChange, StepResult
-from services.engine.sim import SimConfig, SimEngine, timing_preset
+from services.engine.sim import SimConfig, SimEngine, perf_model
 from services.kv_indexer.index import PrefixIndex
 from services.planner.capacity import (
     CapacityPlanner,
     CapacitySettings,
     observe_interval,
+    workers_to_move,
 )
-from services.planner.disagg import DisaggSettings, pick_decoder, plan_prefill
+from services.planner.decision import Decision, DecisionInputs, decide
+from services.planner.disagg import DisaggSettings
 from services.planner.kv_policy import KvAware
-from services.planner.policy import Choice, Policy, RouteRequest, WorkerView
+from services.planner.policy import Policy, RouteRequest, WorkerView
 
 _ARRIVAL, _STEP_END, _KV_ARRIVED, _PLAN = 0, 1, 2, 3
 # Suffix of the id a request has on the prefill worker that computes its prompt.
@@ -52,7 +54,11 @@ class _Worker:
     role: Role = "both"
     # The role it moves to once its in-flight work is done (the capacity loop moved it).
     next_role: Role | None = None
+    # Requests its engine holds (a prefill worker's included): it switches roles at none.
     in_flight: int = 0
+    # Requests routed to it to decode that have not ended, its KV wait included: what the live
+    # planner counts in flight there.
+    routed: int = 0
     stepping: bool = False
     kv_seq: int = 0
     # Since when it has served in `role`, and its busy seconds since.
@@ -60,24 +66,15 @@ class _Worker:
     busy_in_role: float = 0.0
 
 
-def decision_record(request_id: str, choice: Choice, views: Sequence[WorkerView]) -> dict[str, Any]:
+def decision_record(request_id: str, decision: Decision) -> dict[str, Any]:
+    """A decision as ``laneway bench --decisions`` writes it: the fields live ``RouteDecided``
+    events carry, named alike."""
+    fields = decision.route_fields()
     return {
         "request_id": request_id,
-        "worker_id": choice.worker_id,
-        "reason": choice.reason,
-        "candidates": [
-            {
-                "worker_id": v.worker_id,
-                "cached_blocks": v.cached_blocks,
-                "running": v.running,
-                "waiting_prefill_tokens": v.waiting_prefill_tokens,
-                "kv_usage": round(v.kv_usage, 4),
-                "predicted_queue_ms": choice.predictions.get(v.worker_id, (None, None))[0],
-                "predicted_prefill_ms": choice.predictions.get(v.worker_id, (None, None))[1],
-                "cost": choice.scores[v.worker_id],
-            }
-            for v in views
-        ],
+        **fields,
+        "candidates": [c.model_dump(mode="json") for c in decision.candidates],
+        "prefill": decision.prefill.model_dump(mode="json") if decision.prefill else None,
     }
 
 
@@ -98,15 +95,15 @@ class OfflineReplay:
         self._policy = policy
         self._config = config
         self._prompts = PromptFactory(config.block_size)
-        timing = timing_preset(config.timing)
+        perf = perf_model(config.perf_model)
         self._workers = [
-            _Worker(f"p{i:03d}", SimEngine(config, timing), WorkerRecord(), "prefill")
+            _Worker(f"p{i:03d}", SimEngine(config, perf), WorkerRecord(), "prefill")
             for i in range(prefill_workers)
         ]
         self._workers += [
             _Worker(
                 f"w{i:03d}",
-                SimEngine(config, timing),
+                SimEngine(config, perf),
                 WorkerRecord(),
                 "decode" if prefill_workers else "both",
             )
@@ -127,7 +124,9 @@ class OfflineReplay:
         self._owner: dict[str, int] = {}
         self._events: list[tuple[float, int, int, int, Any]] = []
         # Every routing decision with its inputs, when asked for (`laneway bench --decisions`).
-        self.decisions: list[dict[str, Any]] | None = None
+        self.decisions: list[tuple[DecisionInputs, Decision]] | None = None
+        # Every sim engine can hand a prompt's KV over.
+        self._handoff = frozenset(w.worker_id for w in self._workers)
         self._seq = 0
         self._remote_prefills = 0
         # Decode-side state of requests whose prompt a prefill worker is computing.
@@ -164,7 +163,8 @@ class OfflineReplay:
         report["remote_prefills"] = self._remote_prefills
         if self._capacity is not None:
             report["roles_timeline"] = self._roles_timeline
-        return ReplayResult(report, self._records, self.decisions or ())
+        decisions = [decision_record(i.request.request_id, d) for i, d in self.decisions or ()]
+        return ReplayResult(report, self._records, decisions)
 
     def _arrive(self, now: float, i: int) -> None:
         request = self._trace[i]
@@ -173,58 +173,44 @@ class OfflineReplay:
         route = RouteRequest(
             request_id, request.input_length, hashes, max_tokens=request.output_length
         )
-        overlaps = self._index.overlaps(hashes) if self._policy.wants_overlap(route) else {}
-        views = {
-            worker.worker_id: self._view(worker, overlaps)
-            for worker in self._workers
-            if worker.role != "prefill" and worker.next_role is None
-        }
-        choice = self._policy.choose(route, list(views.values()))
+        overlaps = {}
+        if hashes and self._policy.wants_overlap(route):
+            overlaps = self._index.overlaps(hashes)
+        inputs = DecisionInputs(
+            route,
+            [self._view(w, overlaps) for w in self._pool("decode")],
+            [self._view(w, overlaps) for w in self._pool("prefill")],
+            self._handoff,
+        )
+        decision = decide(self._policy, self._disagg, inputs)
         if self.decisions is not None:
-            self.decisions.append(decision_record(request_id, choice, list(views.values())))
-        prefill = [
-            self._view(p, overlaps)
-            for p in self._workers
-            if p.role == "prefill" and p.next_role is None
+            self.decisions.append((inputs, decision))
+        w = self._accept(i, decision.worker_id)
+        remote = decision.prefill_worker_id
+        if remote is None:
+            sampling = SamplingParams(max_tokens=request.output_length, ignore_eos=True)
+            self._submit(now, w, i, request_id, self._prompts.prompt(request), sampling, hashes)
+            return
+        self._remote_prefills += 1
+        self._records[i].prefill_worker_id = remote
+        self._handoffs[i] = (w, hashes)
+        one = SamplingParams(max_tokens=1, ignore_eos=True)
+        prompt = self._prompts.prompt(request)
+        self._submit(now, self._index_of(remote), i, request_id + _PREFILL, prompt, one, hashes)
+
+    def _pool(self, role: Role) -> list[_Worker]:
+        """The workers the planner may send new work of ``role``: not the draining ones."""
+        prefill = role == "prefill"
+        return [
+            w for w in self._workers if (w.role == "prefill") == prefill and w.next_role is None
         ]
-        decode_id = choice.worker_id
-        if prefill and self._disagg.mode != "never" and isinstance(self._policy, KvAware):
-            plan = plan_prefill(self._policy, route, views[decode_id], prefill, self._disagg)
-            if self.decisions is not None:
-                self.decisions[-1]["prefill"] = {
-                    "worker_id": plan.prefill_worker,
-                    "reason": plan.reason,
-                }
-            if plan.prefill_worker is not None and request.output_length > 1:
-                # The KV comes from elsewhere: the decode worker is chosen for decoding.
-                decode = pick_decoder(self._policy, route, list(views.values()), self._disagg)
-                decode_id = decode.worker_id
-                if self.decisions is not None:
-                    self.decisions[-1]["decode_worker_id"] = decode_id
-                w = self._accept(i, decode_id)
-                self._remote_prefills += 1
-                self._records[i].prefill_worker_id = plan.prefill_worker
-                self._handoffs[i] = (w, hashes)
-                one = SamplingParams(max_tokens=1, ignore_eos=True)
-                self._submit(
-                    now,
-                    self._index_of(plan.prefill_worker),
-                    i,
-                    request_id + _PREFILL,
-                    self._prompts.prompt(request),
-                    one,
-                    hashes,
-                )
-                return
-        w = self._accept(i, decode_id)
-        sampling = SamplingParams(max_tokens=request.output_length, ignore_eos=True)
-        self._submit(now, w, i, request_id, self._prompts.prompt(request), sampling, hashes)
 
     def _accept(self, i: int, worker_id: str) -> int:
         """Record that request ``i`` decodes on ``worker_id``; that worker's index."""
         self._records[i].worker_id = worker_id
         w = self._index_of(worker_id)
         self._workers[w].record.requests += 1
+        self._workers[w].routed += 1
         return w
 
     def _view(self, worker: _Worker, overlaps: dict[str, int]) -> WorkerView:
@@ -234,7 +220,7 @@ class OfflineReplay:
             running=load.running,
             waiting=load.waiting,
             kv_usage=load.kv_blocks_used / load.kv_blocks_total,
-            in_flight=worker.in_flight,
+            in_flight=worker.routed,
             cached_blocks=overlaps.get(worker.worker_id, 0),
             waiting_prefill_tokens=load.waiting_prefill_tokens,
             block_size=worker.engine.block_size,
@@ -265,6 +251,8 @@ class OfflineReplay:
                 worker.engine.add_request(request)
         except ValueError:  # larger than the worker's whole KV cache
             self._records[i].failed = True
+            self._handoffs.pop(i, None)
+            self._workers[self._index_of(self._records[i].worker_id or "")].routed -= 1
             return
         self._owner[request_id] = i
         worker.in_flight += 1
@@ -314,6 +302,8 @@ class OfflineReplay:
                 worker.in_flight -= 1
                 if output.request_id.endswith(_PREFILL):
                     self._hand_off(now, worker, i, output.new_token_ids[-1])
+                else:
+                    worker.routed -= 1
         worker.stepping = False
         if worker.engine.has_work():
             self._start_step(now, worker, w)
@@ -329,8 +319,7 @@ class OfflineReplay:
         ]
         gaps, self._interval_gaps = self._interval_gaps, LatencyHistogram()
         stalled, self._interval_stalled = self._interval_stalled, 0
-        prefill = [w for w in self._workers if w.role == "prefill" and w.next_role is None]
-        decode = [w for w in self._workers if w.role != "prefill" and w.next_role is None]
+        prefill, decode = self._pool("prefill"), self._pool("decode")
         decision = self._capacity.decide(
             observe_interval(
                 [
@@ -345,12 +334,10 @@ class OfflineReplay:
             )
         )
         if decision.move is not None:
-            # Move the least busy: they finish their in-flight work soonest.
             pool = decode if decision.move == "to_prefill" else prefill
             target: Role = "prefill" if decision.move == "to_prefill" else "decode"
-            for worker in sorted(pool, key=lambda w: (w.in_flight, w.worker_id))[
-                : decision.workers
-            ]:
+            moved = workers_to_move([self._view(w, {}) for w in pool], decision.workers)
+            for worker in (self._workers[self._index_of(w)] for w in moved):
                 worker.next_role = target
                 if worker.in_flight == 0:
                     self._switch(now, worker)

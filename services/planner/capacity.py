@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from schemas.latency import LatencyHistogram
+from services.planner.policy import WorkerView
 
 Move = Literal["to_prefill", "to_decode"]
 
@@ -45,6 +46,12 @@ class CapacitySettings:
     probation_max_ratio: float = 2.0
     futile_intervals: int = 10
     max_futile_intervals: int = 80
+
+
+def workers_to_move(pool: Sequence[WorkerView], count: int) -> list[str]:
+    """The ``count`` workers a move takes from ``pool``: the least loaded, since they finish
+    their in-flight work soonest."""
+    return [w.worker_id for w in sorted(pool, key=lambda w: (w.load, w.worker_id))[:count]]
 
 
 def percentile(values: Sequence[float], q: float) -> float:

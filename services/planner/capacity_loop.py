@@ -15,8 +15,14 @@ from bus.registry import LeasedKey
 from bus.topology import Subjects
 from schemas.events import RequestFinished, Role, RoleMove, RolesRebalanced
 from schemas.latency import LatencyHistogram
-from services.planner.capacity import CapacityPlanner, Observation, observe_interval
+from services.planner.capacity import (
+    CapacityPlanner,
+    Observation,
+    observe_interval,
+    workers_to_move,
+)
 from services.planner.cluster import ClusterView
+from services.planner.policy import WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -78,17 +84,14 @@ class CapacityLoop:
             sum(e.stalled_gaps for e in done),
             sum(w.waiting_prefill_tokens for w in prefill),
             len(prefill),
-            len(self._movable("decode")),
+            len(self._pool("decode")),
         )
 
-    def _movable(self, role: Role) -> list[str]:
-        """Workers of a pool, least busy first: they finish their in-flight work soonest."""
-        views = self._cluster.prefill_candidates() if role == "prefill" else []
-        if role == "decode":
-            # Aggregated workers decode too: the loop may split them into a prefill pool.
-            decode = {w for w, reg in self._cluster.workers.items() if reg.role != "prefill"}
-            views = [v for v in self._cluster.candidates() if v.worker_id in decode]
-        return [v.worker_id for v in sorted(views, key=lambda v: (v.load, v.worker_id))]
+    def _pool(self, role: Role) -> list[WorkerView]:
+        if role == "prefill":
+            return self._cluster.prefill_candidates()
+        # Aggregated workers decode too: the loop may split them into a prefill pool.
+        return self._cluster.candidates()
 
     async def step(self) -> RolesRebalanced | None:
         decision = self._planner.decide(self.observe())
@@ -96,7 +99,7 @@ class CapacityLoop:
             return None
         source: Role = "decode" if decision.move == "to_prefill" else "prefill"
         target: Role = "prefill" if source == "decode" else "decode"
-        moved = self._movable(source)[: decision.workers]
+        moved = workers_to_move(self._pool(source), decision.workers)
         if not moved:
             return None
         await self._assign_roles(dict.fromkeys(moved, target))

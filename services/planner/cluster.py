@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from schemas.events import WorkerLoadReported
 from schemas.messages import WorkerRegistration
-from services.planner.policy import WorkerView
+from services.planner.decision import DecisionInputs
+from services.planner.policy import RouteRequest, WorkerView
 
 # Roles that decode, and so can serve a request end to end in aggregated mode.
 SERVING_ROLES = frozenset({"both", "decode"})
@@ -78,6 +79,17 @@ class ClusterView:
         if route is not None and route.worker_id in self._in_flight:
             self._in_flight[route.worker_id] -= 1
 
+    def decision_inputs(
+        self, request: RouteRequest, cached_blocks: dict[str, int] | None, session_owner: str | None
+    ) -> DecisionInputs:
+        """What a routing decision for ``request`` needs to know about the workers now."""
+        return DecisionInputs(
+            request,
+            self.candidates(cached_blocks, session_owner),
+            self.prefill_candidates(cached_blocks),
+            frozenset(w for w, reg in self.workers.items() if reg.kv_handoff),
+        )
+
     def candidates(
         self, cached_blocks: dict[str, int] | None = None, session_owner: str | None = None
     ) -> list[WorkerView]:
@@ -99,7 +111,8 @@ class ClusterView:
         session_owner: str | None,
     ) -> list[WorkerView]:
         views = []
-        for worker_id, reg in self.workers.items():
+        # In id order, as the offline replay lists them: a decision record reads the same.
+        for worker_id, reg in sorted(self.workers.items()):
             if reg.role not in roles or reg.draining:
                 continue
             load = self._load.get(worker_id)

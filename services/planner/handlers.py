@@ -16,21 +16,19 @@ from observability.tracing import context_of, trace_context
 from schemas.events import (
     Event,
     FailureCode,
-    PrefillPlacement,
     RequestAccepted,
     RequestCancelled,
     RequestFailed,
     RequestFinished,
-    RouteCandidate,
     RouteDecided,
     WorkerLoadReported,
     utc_now,
 )
 from schemas.messages import OverlapQuery, OverlapReply, WorkerRegistration
 from services.planner.cluster import ClusterView, Routed
-from services.planner.disagg import DisaggSettings, pick_decoder, plan_prefill
-from services.planner.kv_policy import KvAware
-from services.planner.policy import Policy, RouteRequest, WorkerView
+from services.planner.decision import Decision, DecisionInputs, decide, rebind
+from services.planner.disagg import DisaggSettings
+from services.planner.policy import Policy, RouteRequest
 
 log = logging.getLogger(__name__)
 
@@ -85,35 +83,19 @@ class Planner:
         owner = None
         if self._sessions is not None and event.session_id is not None:
             owner = await self._sessions.owner(event.session_id)
-        candidates = self.cluster.candidates(overlaps, owner)
-        if not candidates:
+        inputs = self.cluster.decision_inputs(route, overlaps, owner)
+        if not inputs.decoders:
             # Workers come and go (a start, a restart): give one a moment before giving up.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._workers_changed.wait(), self._no_worker_grace_s)
-            candidates = self.cluster.candidates(overlaps, owner)
-        if not candidates:
+            inputs = self.cluster.decision_inputs(route, overlaps, owner)
+        if not inputs.decoders:
             await self._fail(event, "no_worker", "no worker is registered to serve this model")
             return
-        choice = self._policy.choose(route, candidates)
-        worker_id, reason = choice.worker_id, choice.reason
-        placement = self._place_prefill(route, self._view(candidates, worker_id), overlaps)
-        remote = placement.prefill_worker_id if placement is not None else None
-        if remote is not None and isinstance(self._policy, KvAware):
-            # The prompt is computed elsewhere: decode where the tokens will come soonest.
-            able = [c for c in candidates if self.cluster.workers[c.worker_id].kv_handoff]
-            worker_id = pick_decoder(self._policy, route, able, self._disagg).worker_id
-            reason = f"decodes here after a remote prefill (first pick: {reason})"
+        decision = decide(self._policy, self._disagg, inputs)
         if self._sessions is not None and event.session_id is not None:
-            worker_id, reason = await self._bind_session(
-                event.session_id, owner, worker_id, reason, candidates
-            )
-        picked = self._view(candidates, worker_id)
-        # The prompt queues where it is prefilled, less what that worker caches.
-        cached = picked.cached_blocks * picked.block_size
-        if placement is not None and remote is not None:
-            prefiller = next(c for c in placement.candidates if c.worker_id == remote)
-            cached = prefiller.cached_blocks * picked.block_size
-        uncached = len(spec.prompt_token_ids) - cached
+            decision = await self._bind_session(event.session_id, owner, decision, inputs)
+        worker_id, remote = decision.worker_id, decision.prefill_worker_id
         span = trace.get_current_span()
         span.set_attribute("laneway.worker_id", worker_id)
         if remote is not None:
@@ -121,87 +103,43 @@ class Planner:
         self.cluster.routed(
             event.request_id,
             Routed(worker_id, spec.reply_to, event.session_id),
-            max(0, uncached),
+            decision.queued_tokens,
             time.time(),
             remote,
         )
-        decision = RouteDecided(
+        route_decided = RouteDecided(
             # One decision per request: a re-routing after a crash is dropped as a duplicate.
             event_id=f"route-{event.request_id}",
             source=self._source,
             request_id=event.request_id,
             session_id=event.session_id,
             trace=trace_context(),
-            worker_id=worker_id,
-            policy=self._policy.name,
-            reason=reason,
-            candidates=tuple(
-                _candidate(
-                    c,
-                    choice.scores[c.worker_id],
-                    *choice.predictions.get(c.worker_id, (None, None)),
-                )
-                for c in candidates
-            ),
             spec=spec,
-            prefill=placement,
+            **decision.route_fields(),
         )
-        await self._bus.publish(Subjects.route(worker_id), decision)
+        await self._bus.publish(Subjects.route(worker_id), route_decided)
         if remote is not None:
             # The same decision, to the worker that computes the prompt.
-            prefill_copy = decision.model_copy(
+            prefill_copy = route_decided.model_copy(
                 update={"event_id": f"route-{event.request_id}-prefill"}
             )
             await self._bus.publish(Subjects.route(remote), prefill_copy)
 
-    def _place_prefill(
-        self, route: RouteRequest, decode: WorkerView, overlaps: dict[str, int] | None
-    ) -> PrefillPlacement | None:
-        """Whether the prompt is prefilled on a prefill worker (None: no prefill pool to weigh)."""
-        policy = self._policy
-        if self._disagg.mode == "never" or not isinstance(policy, KvAware):
-            return None
-        prefill = self.cluster.prefill_candidates(overlaps)
-        if not prefill:
-            return None
-        if route.max_tokens <= 1 or not self.cluster.workers[decode.worker_id].kv_handoff:
-            local = policy.predict(route, decode).cost
-            return PrefillPlacement(prefill_worker_id=None, local_ms=local, reason="no hand-off")
-        plan = plan_prefill(policy, route, decode, prefill, self._disagg)
-        predictions = {w.worker_id: policy.predict(route, w) for w in prefill}
-        return PrefillPlacement(
-            prefill_worker_id=plan.prefill_worker,
-            local_ms=plan.local_ms,
-            remote_ms=plan.remote_ms,
-            reason=plan.reason,
-            candidates=tuple(
-                _candidate(w, p.cost, p.queue_ms, p.prefill_ms)
-                for w in prefill
-                for p in [predictions[w.worker_id]]
-            ),
-        )
-
-    @staticmethod
-    def _view(candidates: list[WorkerView], worker_id: str) -> WorkerView:
-        return next(c for c in candidates if c.worker_id == worker_id)
-
     async def _bind_session(
-        self,
-        session_id: str,
-        owner: str | None,
-        chosen: str,
-        reason: str,
-        candidates: list[WorkerView],
-    ) -> tuple[str, str]:
+        self, session_id: str, owner: str | None, decision: Decision, inputs: DecisionInputs
+    ) -> Decision:
         """Record who owns the session now; another replica's earlier claim wins a race."""
         assert self._sessions is not None
+        chosen = decision.worker_id
         if owner is None:
             winner = await self._sessions.claim(session_id, chosen)
-            if winner != chosen and any(c.worker_id == winner for c in candidates):
-                return winner, "session claimed by another planner replica first"
+            if winner != chosen and any(c.worker_id == winner for c in inputs.decoders):
+                return rebind(
+                    decision, inputs, winner, "session claimed by another planner replica first"
+                )
         elif owner != chosen:
             await self._sessions.move(session_id, chosen)
-        return chosen, reason
+        return decision
 
     async def _fail(self, event: RequestAccepted, code: FailureCode, message: str) -> None:
         await self._bus.publish(
@@ -261,18 +199,3 @@ class Planner:
                     worker_id=route.worker_id,
                 ),
             )
-
-
-def _candidate(
-    view: WorkerView, score: float, queue_ms: float | None, prefill_ms: float | None
-) -> RouteCandidate:
-    return RouteCandidate(
-        worker_id=view.worker_id,
-        cached_blocks=view.cached_blocks,
-        running=max(view.running, view.in_flight),
-        waiting=view.waiting,
-        kv_usage=min(1.0, view.kv_usage),
-        score=score,
-        predicted_queue_ms=queue_ms,
-        predicted_prefill_ms=prefill_ms,
-    )

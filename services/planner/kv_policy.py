@@ -2,7 +2,7 @@
 
 For every candidate it predicts the time to first token from what the planner knows: the prompt
 tokens already queued there, the part of this prompt that worker does not cache, and the step
-times of the worker's timing model (chunked prefill sharing each step with the running decodes).
+times of the worker's perf model (chunked prefill sharing each step with the running decodes).
 A decode-load penalty keeps long generations off crowded workers, and the KV a worker already
 holds (which slows every decode step there) counts against it. Hot spots need no special
 rule: a worker that owns a popular prefix stops winning as soon as its queue costs more than
@@ -16,13 +16,13 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.perf_model import TimingModel, timing_preset
+from services.common.perf_model import PerfModel, perf_model
 from services.planner.policy import Choice, RouteRequest, WorkerView
 
 
 @dataclass(frozen=True, slots=True)
 class KvSettings:
-    # Timing model of the workers (homogeneous pool) and their prefill budget per step.
+    # Perf model of the workers (homogeneous pool) and their prefill budget per step.
     perf_model: str = "dynamo-mocker"
     max_num_batched_tokens: int = 8192
     # Weight of the decode-load penalty: predicted ms added per running request there, per
@@ -67,7 +67,7 @@ class KvAware:
 
     def __init__(self, settings: KvSettings | None = None, seed: int = 0) -> None:
         self.settings = settings or KvSettings()
-        self._timing: TimingModel = timing_preset(self.settings.perf_model)
+        self._perf: PerfModel = perf_model(self.settings.perf_model)
         self._rng = random.Random(seed)
         self._turn = 0
 
@@ -82,36 +82,36 @@ class KvAware:
         if request.session_id is None and self._short(request):
             return self._two_choices(workers)
         predictions = {w.worker_id: self.predict(request, w) for w in workers}
-        scores = {w.worker_id: predictions[w.worker_id].cost + self._held_kv_ms(w) for w in workers}
-        best = self._cheapest(scores, workers)
+        costs = {w.worker_id: predictions[w.worker_id].cost + self._held_kv_ms(w) for w in workers}
+        best = self._cheapest(costs, workers)
         reason = "lowest predicted TTFT"
         owner = next((w for w in workers if w.owns_session), None)
         if owner is not None and owner.worker_id != best:
-            if scores[owner.worker_id] - scores[best] <= self.settings.session_slack_ms:
+            if costs[owner.worker_id] - costs[best] <= self.settings.session_slack_ms:
                 best, reason = owner.worker_id, "session owner, within the slack"
             else:
                 reason = "session owner too busy; moved"
         elif owner is not None:
             reason = "session owner and lowest predicted TTFT"
         elif self.settings.temperature > 0:
-            best = self._softmax(scores)
+            best = self._softmax(costs)
             reason = "softmax over predicted TTFT"
         top = predictions[best]
         cached = next(w.cached_blocks for w in workers if w.worker_id == best)
         return Choice(
             best,
-            scores,
+            costs,
             f"{reason}: {cached} cached blocks, queue {top.queue_ms:.0f} ms, "
             f"prefill {top.prefill_ms:.0f} ms",
             {w: (p.queue_ms, p.prefill_ms) for w, p in predictions.items()},
         )
 
-    def _cheapest(self, scores: dict[str, float], workers: Sequence[WorkerView]) -> str:
+    def _cheapest(self, costs: dict[str, float], workers: Sequence[WorkerView]) -> str:
         # Costs within a tie margin are equal for any purpose: spread such ties by load, then in
         # turn, or idle clusters fill from one end and utilisation drifts apart.
-        low = min(scores.values()) + self.settings.tie_ms
+        low = min(costs.values()) + self.settings.tie_ms
         tied = sorted(
-            (w.load, w.kv_usage, w.worker_id) for w in workers if scores[w.worker_id] <= low
+            (w.load, w.kv_usage, w.worker_id) for w in workers if costs[w.worker_id] <= low
         )
         least = [name for load, usage, name in tied if (load, usage) == tied[0][:2]]
         self._turn += 1
@@ -123,7 +123,7 @@ class KvAware:
         queued = worker.waiting_prefill_tokens
         queue_ms = self._prefill_ms(queued, worker)
         prefill_ms = self._prefill_ms(queued + uncached, worker) - queue_ms
-        # Decode steps slow down as the worker's KV fills (the timing model's decode term), and
+        # Decode steps slow down as the worker's KV fills (the perf model's decode term), and
         # this request's tokens will be generated at that pace: long answers weigh more.
         step_ms = self.decode_step_ms(worker, uncached + request.max_tokens)
         penalty = self.settings.decode_weight * max(1, request.max_tokens) * step_ms
@@ -146,7 +146,7 @@ class KvAware:
         usage = worker.kv_usage
         if worker.kv_capacity_tokens:
             usage += extra_tokens / worker.kv_capacity_tokens
-        return self._timing.step_ms(0, 1, min(1.0, usage))
+        return self._perf.step_ms(0, 1, min(1.0, usage))
 
     def _prefill_ms(self, tokens: int, worker: WorkerView) -> float:
         """Time to prefill ``tokens`` in budget-sized chunks, each step also decoding."""
@@ -155,20 +155,20 @@ class KvAware:
         budget = self.settings.max_num_batched_tokens
         full, rest = divmod(tokens, budget)
         decoding = worker.running
-        ms = full * self._timing.step_ms(budget, decoding, worker.kv_usage)
+        ms = full * self._perf.step_ms(budget, decoding, worker.kv_usage)
         if rest:
-            ms += self._timing.step_ms(rest, decoding, worker.kv_usage)
+            ms += self._perf.step_ms(rest, decoding, worker.kv_usage)
         return ms
 
     def _two_choices(self, workers: Sequence[WorkerView]) -> Choice:
         ordered = sorted(workers, key=lambda w: w.worker_id)
         pair = self._rng.sample(ordered, min(2, len(ordered)))
         pick = min(pair, key=lambda w: (w.load, w.worker_id))
-        scores = {w.worker_id: float(w.load) for w in ordered}
-        return Choice(pick.worker_id, scores, "short prompt: less loaded of two random workers")
+        costs = {w.worker_id: float(w.load) for w in ordered}
+        return Choice(pick.worker_id, costs, "short prompt: less loaded of two random workers")
 
-    def _softmax(self, scores: dict[str, float]) -> str:
-        low = min(scores.values())
-        names = sorted(scores)
-        weights = [math.exp(-(scores[w] - low) / self.settings.temperature) for w in names]
+    def _softmax(self, costs: dict[str, float]) -> str:
+        low = min(costs.values())
+        names = sorted(costs)
+        weights = [math.exp(-(costs[w] - low) / self.settings.temperature) for w in names]
         return self._rng.choices(names, weights)[0]

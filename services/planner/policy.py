@@ -51,7 +51,7 @@ class RouteRequest:
 class Choice:
     worker_id: str
     # Cost per candidate worker; lower is better.
-    scores: dict[str, float]
+    costs: dict[str, float]
     reason: str
     # Per candidate, when the policy predicts them: (queueing ms, own prefill ms).
     predictions: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -80,8 +80,8 @@ class RoundRobin:
         ordered = sorted(workers, key=lambda w: w.worker_id)
         pick = ordered[self._next % len(ordered)]
         self._next += 1
-        scores = {w.worker_id: 0.0 if w is pick else 1.0 for w in ordered}
-        return Choice(pick.worker_id, scores, "next in rotation")
+        costs = {w.worker_id: 0.0 if w is pick else 1.0 for w in ordered}
+        return Choice(pick.worker_id, costs, "next in rotation")
 
 
 class RandomChoice:
@@ -96,8 +96,8 @@ class RandomChoice:
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Choice:
         ordered = sorted(workers, key=lambda w: w.worker_id)
         pick = self._rng.choice(ordered)
-        scores = {w.worker_id: 0.0 if w is pick else 1.0 for w in ordered}
-        return Choice(pick.worker_id, scores, "uniformly random")
+        costs = {w.worker_id: 0.0 if w is pick else 1.0 for w in ordered}
+        return Choice(pick.worker_id, costs, "uniformly random")
 
 
 class LeastLoaded:
@@ -110,10 +110,10 @@ class LeastLoaded:
         self._turn = 0
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Choice:
-        scores = {w.worker_id: w.load + w.kv_usage for w in workers}
-        best = min(scores.values())
-        tied = sorted(w for w, s in scores.items() if s == best)
+        costs = {w.worker_id: w.load + w.kv_usage for w in workers}
+        best = min(costs.values())
+        tied = sorted(w for w, s in costs.items() if s == best)
         # Rotate among equals so that an idle cluster is not filled from one end.
         pick = tied[self._turn % len(tied)]
         self._turn += 1
-        return Choice(pick, scores, f"least loaded ({best:g} requests + KV usage)")
+        return Choice(pick, costs, f"least loaded ({best:g} requests + KV usage)")

@@ -1,0 +1,151 @@
+"""The routing decision: one pure function from what the planner knows to where a request goes.
+
+The live planner only does I/O around it (the overlap query, the session claim in etcd, the
+publish); the offline replay and the replayer call it unchanged, so that the simulator predicts
+the live system instead of a copy of it that drifts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from schemas.events import PrefillPlacement, RouteCandidate
+from services.planner.disagg import DisaggSettings, pick_decoder, plan_prefill
+from services.planner.kv_policy import KvAware
+from services.planner.policy import Choice, Policy, RouteRequest, WorkerView
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionInputs:
+    """Everything one decision depends on, as the planner sees it at that moment."""
+
+    request: RouteRequest
+    # Workers that can decode it (role both or decode, not draining), with the blocks of its
+    # prompt they cache and whether they own its session.
+    decoders: Sequence[WorkerView]
+    # Prefill-only workers that can hand their KV over, likewise.
+    prefillers: Sequence[WorkerView] = ()
+    # Decode workers whose engine can take a prompt's KV from a prefill worker.
+    handoff: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    worker_id: str
+    policy: str
+    reason: str
+    # Every decode worker weighed, with the inputs of its cost.
+    candidates: tuple[RouteCandidate, ...]
+    # The disaggregation decision; None when there was no prefill pool to weigh.
+    prefill: PrefillPlacement | None
+    # Uncached prompt tokens that now queue where the prompt is prefilled: the planner counts
+    # them there until a load report includes them.
+    queued_tokens: int
+
+    @property
+    def prefill_worker_id(self) -> str | None:
+        return self.prefill.prefill_worker_id if self.prefill is not None else None
+
+    def route_fields(self) -> dict[str, Any]:
+        """The fields of ``RouteDecided`` this decision fills (the offline dump has the same)."""
+        return {
+            "worker_id": self.worker_id,
+            "policy": self.policy,
+            "reason": self.reason,
+            "candidates": self.candidates,
+            "prefill": self.prefill,
+        }
+
+
+def decide(policy: Policy, disagg: DisaggSettings, inputs: DecisionInputs) -> Decision:
+    """Pick the decode worker, then whether the prompt is prefilled there or on a prefill
+    worker; a remotely prefilled request decodes where its tokens will come soonest."""
+    request, decoders = inputs.request, inputs.decoders
+    choice = policy.choose(request, decoders)
+    worker_id, reason = choice.worker_id, choice.reason
+    placement = _place_prefill(policy, disagg, inputs, _view(decoders, worker_id))
+    if placement is not None and placement.prefill_worker_id is not None:
+        assert isinstance(policy, KvAware)  # only its cost model places prefills
+        able = [c for c in decoders if c.worker_id in inputs.handoff]
+        worker_id = pick_decoder(policy, request, able, disagg).worker_id
+        reason = f"decodes here after a remote prefill (first pick: {reason})"
+    return Decision(
+        worker_id=worker_id,
+        policy=policy.name,
+        reason=reason,
+        candidates=tuple(_candidate(c, choice) for c in decoders),
+        prefill=placement,
+        queued_tokens=_queued_tokens(inputs, worker_id, placement),
+    )
+
+
+def rebind(decision: Decision, inputs: DecisionInputs, worker_id: str, reason: str) -> Decision:
+    """The same decision, decoded on ``worker_id`` instead (a session another planner replica
+    bound first)."""
+    return replace(
+        decision,
+        worker_id=worker_id,
+        reason=reason,
+        queued_tokens=_queued_tokens(inputs, worker_id, decision.prefill),
+    )
+
+
+def _place_prefill(
+    policy: Policy, disagg: DisaggSettings, inputs: DecisionInputs, decode: WorkerView
+) -> PrefillPlacement | None:
+    if disagg.mode == "never" or not isinstance(policy, KvAware) or not inputs.prefillers:
+        return None
+    request = inputs.request
+    # A one-token answer has nothing to decode after a hand-off.
+    if request.max_tokens <= 1 or decode.worker_id not in inputs.handoff:
+        local = policy.predict(request, decode).cost
+        return PrefillPlacement(prefill_worker_id=None, local_ms=local, reason="no hand-off")
+    plan = plan_prefill(policy, request, decode, inputs.prefillers, disagg)
+    candidates = []
+    for worker in inputs.prefillers:
+        p = policy.predict(request, worker)
+        candidates.append(_route_candidate(worker, p.cost, p.queue_ms, p.prefill_ms))
+    return PrefillPlacement(
+        prefill_worker_id=plan.prefill_worker,
+        local_ms=plan.local_ms,
+        remote_ms=plan.remote_ms,
+        reason=plan.reason,
+        candidates=tuple(candidates),
+    )
+
+
+def _queued_tokens(inputs: DecisionInputs, worker_id: str, prefill: PrefillPlacement | None) -> int:
+    """The prompt queues where it is prefilled, less what that worker caches."""
+    view = _view(inputs.decoders, worker_id)
+    cached = view.cached_blocks
+    if prefill is not None and prefill.prefill_worker_id is not None:
+        cached = next(
+            c.cached_blocks for c in prefill.candidates if c.worker_id == prefill.prefill_worker_id
+        )
+    return max(0, inputs.request.prompt_tokens - cached * view.block_size)
+
+
+def _view(workers: Sequence[WorkerView], worker_id: str) -> WorkerView:
+    return next(w for w in workers if w.worker_id == worker_id)
+
+
+def _candidate(view: WorkerView, choice: Choice) -> RouteCandidate:
+    queue_ms, prefill_ms = choice.predictions.get(view.worker_id, (None, None))
+    return _route_candidate(view, choice.costs[view.worker_id], queue_ms, prefill_ms)
+
+
+def _route_candidate(
+    view: WorkerView, cost: float, queue_ms: float | None, prefill_ms: float | None
+) -> RouteCandidate:
+    return RouteCandidate(
+        worker_id=view.worker_id,
+        cached_blocks=view.cached_blocks,
+        running=max(view.running, view.in_flight),
+        waiting=view.waiting,
+        kv_usage=min(1.0, view.kv_usage),
+        cost=cost,
+        predicted_queue_ms=queue_ms,
+        predicted_prefill_ms=prefill_ms,
+    )
