@@ -75,7 +75,9 @@ class _DisconnectWatch:
 
 
 class Exchange:
-    """Streaming responses are committed (status 200) only at the first event, so that a request
+    """One request, from its submission to the gateway to the end of its answer.
+
+    Streaming responses are committed (status 200) only at the first event, so that a request
     that fails before producing anything still gets a proper HTTP error status. A failure after
     that is sent as a final ``data: {"error": {...}}`` event and the stream is closed *without*
     ``data: [DONE]``: a client that only watches for [DONE] then sees a broken stream rather than

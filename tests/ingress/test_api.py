@@ -10,6 +10,7 @@ import pytest
 from schemas.block_hash import chain_block_hashes
 from schemas.events import FailureCode
 from services.common.tokenizer import ByteTokenizer
+from services.ingress.main import IngressSettings
 from services.ingress.openai_models import Message
 from services.ingress.settings import IngressApiSettings
 from tests.ingress.fakes import Fail, Finish, Hang, Raise, Step, Tokens
@@ -470,3 +471,13 @@ def test_settings_are_checked() -> None:
         IngressApiSettings(instance_id="i", block_size=0)
     with pytest.raises(ValueError):
         IngressApiSettings(instance_id="i", served_model_names=())
+
+
+def test_process_settings_reach_the_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LANEWAY_SERVED_MODEL_NAMES", '["a", "b"]')
+    monkeypatch.setenv("LANEWAY_BLOCK_SIZE", "64")
+    monkeypatch.setenv("LANEWAY_REQUEST_TIMEOUT_S", "7")
+    api = IngressSettings(instance_id="i").api()
+    assert api == IngressApiSettings(
+        instance_id="i", served_model_names=("a", "b"), block_size=64, request_timeout_s=7
+    )
