@@ -44,7 +44,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--engine", choices=["sim", "torch", "trtllm"], default="sim", help="worker engine"
     )
     up.add_argument("--model", type=Path, help="torch engine: a Hugging Face layout model folder")
-    up.add_argument("--timing", default="dynamo-mocker", help="sim engine timing preset")
+    up.add_argument("--perf-model", default="dynamo-mocker", help="sim engine perf model")
     up.add_argument("--speedup", type=float, default=1.0, help="sim engine speed-up factor")
     up.add_argument("--state-dir", type=Path, default=Path(".state"), help="data and logs")
     up.add_argument("--trace-exporter", default="none", help="none | console | otlp | file:PATH")
@@ -91,7 +91,7 @@ def _up(args: argparse.Namespace) -> int:
             prefill_workers=args.prefill_workers,
             policy=args.policy,
             env={
-                "LANEWAY_TIMING": args.timing,
+                "LANEWAY_PERF_MODEL": args.perf_model,
                 "LANEWAY_SPEEDUP": str(args.speedup),
                 "LANEWAY_TRACE_EXPORTER": args.trace_exporter,
                 "LANEWAY_DISAGG": args.disagg,

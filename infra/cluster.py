@@ -43,7 +43,7 @@ class ClusterConfig:
     planners: int = 1
     indexers: int = 1
     policy: str = "kv"
-    # Extra LANEWAY_* settings for every service (timing, speed-up, lease TTL, tracing, …).
+    # Extra LANEWAY_* settings for every service (perf model, speed-up, lease TTL, tracing, …).
     env: dict[str, str] = field(default_factory=dict)
 
     @property

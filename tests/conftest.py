@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # Fast, deterministic workers for the end-to-end tests: 1 ms per decode step.
 FAST_WORKERS = {
-    "LANEWAY_TIMING": "fixed",
+    "LANEWAY_PERF_MODEL": "fixed",
     "LANEWAY_LEASE_TTL_S": "2",
     "LANEWAY_LOAD_REPORT_INTERVAL_S": "0.2",
     "LANEWAY_DRAIN_TIMEOUT_S": "1",

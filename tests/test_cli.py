@@ -40,7 +40,7 @@ def test_up_serves_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
             str(port),
             "--state-dir",
             str(tmp_path),
-            "--timing",
+            "--perf-model",
             "fixed",
         ],
         stdout=subprocess.PIPE,

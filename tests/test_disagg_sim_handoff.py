@@ -7,7 +7,7 @@ import pytest
 from schemas.block_hash import chain_block_hashes
 from schemas.events import SamplingParams
 from services.engine.protocol import EngineRequest
-from services.engine.sim import FixedTiming, SimConfig, SimEngine
+from services.engine.sim import FixedPerf, SimConfig, SimEngine
 
 CONFIG = SimConfig(block_size=16, num_gpu_blocks=64)
 
@@ -21,7 +21,7 @@ def handed_off(prompt_tokens: int = 40, max_tokens: int = 3) -> EngineRequest:
 
 
 def test_a_whole_hand_off_decodes_from_its_first_step() -> None:
-    engine = SimEngine(CONFIG, FixedTiming())
+    engine = SimEngine(CONFIG, FixedPerf())
     request = handed_off()
     engine.import_blocks(request.block_hashes)
     engine.add_handed_off(request, 40)
@@ -31,12 +31,12 @@ def test_a_whole_hand_off_decodes_from_its_first_step() -> None:
         steps.append(engine.step())
     assert all(step.prefill_tokens == 0 for step in steps)
     assert [len(o.new_token_ids) for step in steps for o in step.outputs] == [1, 1, 1]
-    assert steps[0].duration_s == pytest.approx(FixedTiming().decode_ms_per_step / 1000)
+    assert steps[0].duration_s == pytest.approx(FixedPerf().decode_ms_per_step / 1000)
     assert engine.load().kv_blocks_used == 0
 
 
 def test_a_hand_off_whose_blocks_are_gone_prefills_what_is_missing() -> None:
-    engine = SimEngine(CONFIG, FixedTiming())
+    engine = SimEngine(CONFIG, FixedPerf())
     engine.add_handed_off(handed_off(), 40)  # nothing imported: the blocks were evicted
     first = engine.step()
     assert first.prefill_tokens == 41  # the prompt and the first token, all recomputed
@@ -48,6 +48,6 @@ def test_a_hand_off_whose_blocks_are_gone_prefills_what_is_missing() -> None:
 
 
 def test_a_hand_off_needs_part_of_the_prompt_to_be_new() -> None:
-    engine = SimEngine(CONFIG, FixedTiming())
+    engine = SimEngine(CONFIG, FixedPerf())
     with pytest.raises(ValueError):
         engine.add_handed_off(handed_off(), 41)

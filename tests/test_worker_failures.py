@@ -17,7 +17,7 @@ from schemas.events import (
     RouteDecided,
     SamplingParams,
 )
-from services.common.perf_model import FixedTiming
+from services.common.perf_model import FixedPerf
 from services.common.tokenizer import ByteTokenizer
 from services.engine.sim import SimConfig, SimEngine
 from services.worker.runtime import Worker, WorkerOptions
@@ -59,7 +59,7 @@ def route(request_id: str, worker_id: str) -> RouteDecided:
 async def test_a_failed_step_fails_its_requests_and_the_worker_serves_on(
     bus: Bus, etcd_server: EmbeddedServer
 ) -> None:
-    engine = FlakyEngine(SimConfig(block_size=16, num_gpu_blocks=64), FixedTiming(0.0, 0.0))
+    engine = FlakyEngine(SimConfig(block_size=16, num_gpu_blocks=64), FixedPerf(0.0, 0.0))
     options = WorkerOptions("flaky", "both", "sim", "m", 1.0, 5, 1.0, 1.0)
     worker = Worker(bus, engine, ByteTokenizer(), options)
     etcd = connect_etcd(etcd_server.url)

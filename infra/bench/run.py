@@ -96,7 +96,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bench.add_argument("--link-latency-ms", type=float, default=_LINK_DEFAULTS.latency_ms)
     bench.add_argument("--speedup", type=float, default=1.0, help="divides inter-arrival gaps")
     bench.add_argument("--mode", choices=["offline", "live"], default="offline")
-    bench.add_argument("--engine-preset", default="dynamo-mocker", help="sim timing preset")
+    bench.add_argument("--perf-model", default="dynamo-mocker", help="sim engine perf model")
     bench.add_argument("--block-size", type=int, default=_ENGINE_DEFAULTS.block_size)
     bench.add_argument("--num-gpu-blocks", type=int, default=_ENGINE_DEFAULTS.num_gpu_blocks)
     bench.add_argument("--max-num-seqs", type=int, default=_ENGINE_DEFAULTS.max_num_seqs)
@@ -127,7 +127,7 @@ def _offline(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -
         num_gpu_blocks=args.num_gpu_blocks,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        timing=args.engine_preset,
+        perf_model=args.perf_model,
     )
     prefill = args.prefill_workers
     decode = args.decode_workers if args.decode_workers is not None else args.workers - prefill
@@ -198,7 +198,7 @@ def _live(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -> R
                 policy=policy,
                 env={
                     **_disagg_env(args),
-                    "LANEWAY_TIMING": args.engine_preset,
+                    "LANEWAY_PERF_MODEL": args.perf_model,
                     "LANEWAY_SPEEDUP": str(args.time_scale),
                     "LANEWAY_SEED": str(args.seed),
                     "LANEWAY_BLOCK_SIZE": str(args.block_size),
@@ -252,7 +252,7 @@ def main(args: argparse.Namespace) -> int:
 
         title = (
             f"{args.trace.name}: {len(trace)} requests, {args.workers} workers, "
-            f"speed-up {args.speedup:g}, {args.mode}, {args.engine_preset}"
+            f"speed-up {args.speedup:g}, {args.mode}, {args.perf_model}"
         )
         plot_reports(args.plot, reports, {p: r.ttft_ms() for p, r in results.items()}, title)
     return 0

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
-class TimingModel(Protocol):
+class PerfModel(Protocol):
     def step_ms(self, prefill_tokens: int, decode_seqs: int, kv_usage: float) -> float:
         """Milliseconds for a step that computes ``prefill_tokens`` uncached prompt tokens and one
         token for each of ``decode_seqs`` decoding requests, with ``kv_usage`` (0 to 1) of the KV
@@ -16,7 +16,7 @@ class TimingModel(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class DynamoMockerTiming:
+class DynamoMockerPerf:
     """The polynomial perf model of Dynamo's mocker (``PerfModel::Polynomial``).
 
     Dynamo's vLLM mocker runs a pass as a prefill phase followed by a decode phase and ends the
@@ -37,7 +37,7 @@ class DynamoMockerTiming:
 
 
 @dataclass(frozen=True, slots=True)
-class FixedTiming:
+class FixedPerf:
     """Linear and cheap, so live tests can run many steps quickly."""
 
     prefill_ms_per_token: float = 0.02
@@ -48,16 +48,16 @@ class FixedTiming:
         return prefill_tokens * self.prefill_ms_per_token + decode_ms
 
 
-_PRESETS: dict[str, Callable[[], TimingModel]] = {
-    "dynamo-mocker": DynamoMockerTiming,
-    "fixed": FixedTiming,
+_PRESETS: dict[str, Callable[[], PerfModel]] = {
+    "dynamo-mocker": DynamoMockerPerf,
+    "fixed": FixedPerf,
 }
 
 
-def timing_preset(name: str) -> TimingModel:
+def perf_model(name: str) -> PerfModel:
     try:
         factory = _PRESETS[name]
     except KeyError:
         known = ", ".join(sorted(_PRESETS))
-        raise ValueError(f"unknown timing preset {name!r}; known: {known}") from None
+        raise ValueError(f"unknown perf model {name!r}; known: {known}") from None
     return factory()

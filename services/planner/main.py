@@ -36,7 +36,7 @@ class PlannerSettings(ServiceSettings):
     # Seconds a session stays bound to its worker after the binding was last set (kv policy).
     session_ttl_s: int = 600
     # The kv policy's knobs; see services.planner.kv_policy._KV.
-    kv_perf_model: str = _KV.perf_model
+    perf_model: str = _KV.perf_model
     kv_max_num_batched_tokens: int = _KV.max_num_batched_tokens
     kv_decode_weight: float = _KV.decode_weight
     kv_stall_weight: float = _KV.stall_weight
@@ -55,7 +55,7 @@ class PlannerSettings(ServiceSettings):
     # The capacity loop (one replica at a time leads it): moves workers between the prefill
     # and decode pools against these targets.
     autoscale: bool = False
-    # Sim workers run this many times faster than their timing model (`laneway bench
+    # Sim workers run this many times faster than their perf model (`laneway bench
     # --time-scale`); the cost model predicts model time, so targets it is held to scale back.
     speedup: float = Field(default=1.0, gt=0)
     ttft_target_ms: float = _CAPACITY.ttft_target_ms
@@ -64,7 +64,7 @@ class PlannerSettings(ServiceSettings):
 
     def kv(self) -> KvSettings:
         return KvSettings(
-            perf_model=self.kv_perf_model,
+            perf_model=self.perf_model,
             max_num_batched_tokens=self.kv_max_num_batched_tokens,
             decode_weight=self.kv_decode_weight,
             stall_weight=self.kv_stall_weight,

@@ -18,7 +18,7 @@ from schemas.events import Role, new_id
 from services.common.kv_transfer import KvTransferModel
 from services.common.tokenizer import ByteTokenizer, Tokenizer
 from services.engine.protocol import Engine
-from services.engine.sim import SimConfig, SimEngine, timing_preset
+from services.engine.sim import SimConfig, SimEngine, perf_model
 from services.worker.runtime import Worker, WorkerOptions
 
 _LINK = KvTransferModel()
@@ -38,8 +38,8 @@ class WorkerSettings(ServiceSettings):
     num_gpu_blocks: int = 16384
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    # Timing model of the sim engine: dynamo-mocker, or fixed (fast, for tests and demos).
-    timing: str = "dynamo-mocker"
+    # Perf model of the sim engine: dynamo-mocker, or fixed (fast, for tests and demos).
+    perf_model: str = "dynamo-mocker"
     # Modelled time is divided by this: 10 runs the simulated GPU ten times faster.
     speedup: float = Field(default=1.0, gt=0)
     # False: behave like an engine that publishes no KV events (the indexer then predicts).
@@ -93,7 +93,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
             TorchEngineConfig(**scheduling, device=settings.device, dtype=settings.dtype),
         )
         return engine, HfTokenizer(settings.model_dir)
-    return SimEngine(SimConfig(**scheduling), timing_preset(settings.timing)), ByteTokenizer()
+    return SimEngine(SimConfig(**scheduling), perf_model(settings.perf_model)), ByteTokenizer()
 
 
 def worker_main(default_role: Role) -> None:

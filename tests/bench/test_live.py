@@ -39,7 +39,7 @@ async def test_live_replay_completes_every_request(
     )
     assert report["ttft_ms"]["p50"] > 0
     # Gaps at the client include the trip from the worker; at the worker they do not, and the
-    # fixed-timing workers decode a step in 1 ms (paced on a busy machine, so give it room).
+    # fixed-perf-model workers decode a step in 1 ms (paced on a busy machine, so give it room).
     assert 0 < report["worker_itl_ms"]["p50"] <= report["itl_ms"]["p95"]
     assert report["worker_itl_ms"]["p50"] < 50
 

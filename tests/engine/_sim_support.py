@@ -13,7 +13,7 @@ from services.engine.protocol import (
     KvChange,
     StepResult,
 )
-from services.engine.sim import FixedTiming, SimConfig, SimEngine
+from services.engine.sim import FixedPerf, SimConfig, SimEngine
 
 
 def make_engine(
@@ -27,9 +27,9 @@ def make_engine(
         num_gpu_blocks=num_gpu_blocks,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        timing="fixed",
+        perf_model="fixed",
     )
-    return SimEngine(config, FixedTiming())
+    return SimEngine(config, FixedPerf())
 
 
 def make_request(

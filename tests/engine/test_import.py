@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from schemas.block_hash import chain_block_hashes
 from schemas.events import SamplingParams
+from services.common.perf_model import FixedPerf
 from services.engine.protocol import BlocksRemoved, BlocksStored, EngineRequest
 from services.engine.sim import SimConfig, SimEngine
-from services.engine.sim.timing import FixedTiming
 
 
 def engine(blocks: int) -> SimEngine:
-    return SimEngine(SimConfig(block_size=4, num_gpu_blocks=blocks), FixedTiming(0.0, 0.0))
+    return SimEngine(SimConfig(block_size=4, num_gpu_blocks=blocks), FixedPerf(0.0, 0.0))
 
 
 def folded(changes: list[object]) -> set[int]:

@@ -11,8 +11,8 @@ class SimConfig:
     num_gpu_blocks: int = 16384
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    # Name of a preset in :func:`services.common.perf_model.timing_preset`.
-    timing: str = "dynamo-mocker"
+    # Name of a model in :func:`services.common.perf_model.perf_model`.
+    perf_model: str = "dynamo-mocker"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):

@@ -1,15 +1,15 @@
 """The simulated engine: vLLM-like scheduling and KV accounting in pure Python, with step times
-from a timing model instead of a GPU."""
+from a perf model instead of a GPU."""
 
-from services.common.perf_model import DynamoMockerTiming, FixedTiming, TimingModel, timing_preset
+from services.common.perf_model import DynamoMockerPerf, FixedPerf, PerfModel, perf_model
 from services.engine.scheduling.config import SimConfig
 from services.engine.sim.engine import SimEngine
 
 __all__ = [
-    "DynamoMockerTiming",
-    "FixedTiming",
+    "DynamoMockerPerf",
+    "FixedPerf",
+    "PerfModel",
     "SimConfig",
     "SimEngine",
-    "TimingModel",
-    "timing_preset",
+    "perf_model",
 ]

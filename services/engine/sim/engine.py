@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.common.perf_model import TimingModel, timing_preset
+from services.common.perf_model import PerfModel, perf_model
 from services.engine.protocol import EngineRequest, StepResult
 from services.engine.scheduling.block_pool import BlockPool
 from services.engine.scheduling.config import SimConfig
@@ -14,12 +14,12 @@ from services.engine.scheduling.scheduled import ScheduledEngine
 
 class SimEngine(ScheduledEngine):
     """Schedules like vLLM v1 over a paged, prefix-cached KV pool and reports how long each step
-    would take. ``timing`` overrides the preset named in ``config``."""
+    would take. ``perf`` overrides the perf model named in ``config``."""
 
-    def __init__(self, config: SimConfig, timing: TimingModel | None = None) -> None:
+    def __init__(self, config: SimConfig, perf: PerfModel | None = None) -> None:
         pool = BlockPool(config.num_gpu_blocks)
         super().__init__(config, pool, KvCacheManager(pool, config.block_size))
-        self._timing = timing if timing is not None else timing_preset(config.timing)
+        self._perf = perf if perf is not None else perf_model(config.perf_model)
 
     def add_request(self, request: EngineRequest) -> None:
         self._admit(self._new_request(request))
@@ -58,7 +58,7 @@ class SimEngine(ScheduledEngine):
         # The KV the step's attention reads: every running request's blocks, this step's included.
         kv_usage = self._pool.num_used / self.kv_blocks_total
         outputs = self._advance(batch, lambda req: req.words.next_token())
-        step_ms = self._timing.step_ms(batch.prefill_tokens, batch.decode_seqs, kv_usage)
+        step_ms = self._perf.step_ms(batch.prefill_tokens, batch.decode_seqs, kv_usage)
         return StepResult(
             outputs=outputs,
             kv_changes=self._pool.drain_changes(),
