@@ -13,6 +13,7 @@ import random
 import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,7 +36,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.live)
     expression = config.getoption("markexpr") or ""
     excluded = [m for m in OPT_IN_MARKERS if not re.search(rf"\b{m}\b", expression)]
-    kept, dropped = [], []
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
     for item in items:
         opted_out = any(item.get_closest_marker(m) for m in excluded)
         (dropped if opted_out else kept).append(item)
@@ -124,7 +126,7 @@ SHARED_TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 def small_trace(tmp_path: Path) -> Path:
     """A Mooncake-format trace of three conversations, each turn extending the last."""
     rng = random.Random(1)
-    rows = []
+    rows: list[dict[str, Any]] = []
     next_id = 0
     for conv in range(3):
         ids: list[int] = []

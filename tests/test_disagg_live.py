@@ -4,12 +4,9 @@ never the request."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import time
 from collections import defaultdict
-from collections.abc import Callable
 
 import openai
 
@@ -24,6 +21,7 @@ from schemas.events import (
     TokensGenerated,
 )
 from tests.conftest import ClusterFactory, registrations
+from tests.helpers import eventually
 
 MODEL = "laneway-sim"
 # Every prompt prefilled remotely, with the sim's modelled link.
@@ -39,14 +37,6 @@ class Observed:
 
     def of(self, kind: type[Event], request_id: str) -> list[Event]:
         return [e for e in self.events[kind.__name__] if e.request_id == request_id]
-
-
-async def until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """The observer hears of events a moment after the client does."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "the expected events never came"
-        await asyncio.sleep(0.05)
 
 
 async def observe(nats_url: str) -> tuple[Bus, Observed]:
@@ -78,7 +68,8 @@ async def test_a_remote_prefill_hands_its_kv_to_the_decode_worker(
             else:
                 answer = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12)
                 assert answer.usage is not None and answer.usage.completion_tokens == 12
-        await until(lambda: len(seen.events["RequestFinished"]) == 2)
+        # The observer hears of events a moment after the client does.
+        await eventually(lambda: len(seen.events["RequestFinished"]) == 2)
         finished = [e for e in seen.events["RequestFinished"] if isinstance(e, RequestFinished)]
         for done in finished:
             rid = done.request_id or ""

@@ -3,7 +3,6 @@ in flight there ends with an error, never a hang."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -14,6 +13,7 @@ from bus.client import Bus
 from bus.topology import Subjects
 from schemas.events import Event, RequestFailed, RouteDecided
 from tests.conftest import ClusterFactory, registrations
+from tests.helpers import eventually
 
 MODEL = "laneway-sim"
 
@@ -52,10 +52,8 @@ async def test_killed_worker_fails_its_requests_and_gets_no_more(
         assert "worker" in str(err.message)
     waited = time.monotonic() - killed_at
     assert waited < 10, f"the client waited {waited:.1f}s for the failure"
-    for _ in range(40):  # our own subscription may hear of it a moment after the client did
-        if failures:
-            break
-        await asyncio.sleep(0.05)
+    # Our own subscription may hear of it a moment after the client did.
+    await eventually(lambda: failures, timeout=2)
     assert [f.code for f in failures] == ["worker_lost"]
 
     routes.clear()

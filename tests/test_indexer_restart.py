@@ -13,6 +13,7 @@ from infra.bench.live import replay_live
 from infra.bench.traces import load_trace
 from schemas.messages import IndexState, IndexStateQuery
 from tests.conftest import ClusterFactory
+from tests.helpers import eventually
 
 
 async def _state(bus: Bus, instance: str) -> IndexState:
@@ -34,6 +35,14 @@ async def test_restarted_indexer_equals_the_one_that_never_stopped(
         },
     )
     bus = await Bus.connect(cluster.nats_url, "test-restart")
+
+    async def indexed() -> int:
+        return (await _state(bus, "indexer-0")).indexed_blocks
+
+    async def caught_up() -> tuple[IndexState, IndexState] | None:
+        restarted, steady = await _state(bus, "indexer-0"), await _state(bus, "indexer-1")
+        return (restarted, steady) if restarted.position == steady.position else None
+
     replay = asyncio.create_task(
         replay_live(
             load_trace(small_trace, speedup=4),
@@ -43,8 +52,7 @@ async def test_restarted_indexer_equals_the_one_that_never_stopped(
             block_size=64,
         )
     )
-    while (await _state(bus, "indexer-0")).indexed_blocks == 0:
-        await asyncio.sleep(0.2)
+    await eventually(indexed, timeout=30, interval=0.2)
     await asyncio.sleep(1.5)  # a snapshot with something in it
     victim = cluster.service("kv-indexer-0")
     assert victim.proc is not None
@@ -55,11 +63,9 @@ async def test_restarted_indexer_equals_the_one_that_never_stopped(
 
     result = await replay
     assert result.report["completed"] == 12
-    await asyncio.sleep(1.0)
-    restarted, steady = await _state(bus, "indexer-0"), await _state(bus, "indexer-1")
+    restarted, steady = await eventually(caught_up, message="the restarted indexer never caught up")
     await bus.close()
     assert restarted.restored_from > 0  # it resumed from a snapshot, not from scratch
-    assert restarted.position == steady.position
     assert restarted.indexed_blocks == steady.indexed_blocks > 0
     assert restarted.digest == steady.digest
     assert restarted.blocks_per_worker == steady.blocks_per_worker

@@ -9,7 +9,8 @@ import openai
 
 from schemas.events import RequestFinished
 from tests.conftest import ClusterFactory
-from tests.test_disagg_live import observe, until
+from tests.helpers import eventually
+from tests.test_disagg_live import observe
 
 MODEL = "laneway-sim"
 
@@ -31,7 +32,7 @@ async def test_a_prefill_during_a_decode_stalls_its_gaps(cluster_factory: Cluste
         async for _ in chunks:
             pass
         await late
-        await until(lambda: len(seen.events["RequestFinished"]) == 2)
+        await eventually(lambda: len(seen.events["RequestFinished"]) == 2)
     finally:
         await bus.close()
     first, second = (e for e in seen.events["RequestFinished"] if isinstance(e, RequestFinished))

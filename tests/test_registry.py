@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 from bus.registry import LeasedKey, connect_etcd, watch_workers
 from infra.embedded import EmbeddedServer
 from schemas.messages import WorkerRegistration
+from tests.helpers import eventually
 
 
 def registration(worker_id: str) -> WorkerRegistration:
@@ -34,18 +34,12 @@ async def test_watch_sees_registration_and_lease_expiry(etcd_server: EmbeddedSer
     watcher = asyncio.create_task(watch_workers(watcher_client, on_change))
     lease = LeasedKey.worker(worker_client, registration("leased"), ttl_s=1)
     await lease.start()
-    deadline = time.monotonic() + 5
-    while "leased" not in (views[-1] if views else set()) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert "leased" in views[-1]
+    await eventually(lambda: views and "leased" in views[-1])
 
     # The worker dies: its keep-alive stops, and the key goes with the lease.
     assert lease._task is not None
     lease._task.cancel()
-    deadline = time.monotonic() + 5
-    while "leased" in views[-1] and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert "leased" not in views[-1]
+    await eventually(lambda: "leased" not in views[-1])
     watcher.cancel()
     await watcher_client.close()
     await worker_client.close()
@@ -83,10 +77,7 @@ async def test_an_expired_lease_is_taken_out_again(etcd_server: EmbeddedServer) 
         assert lease._lease is not None
         await lease._lease.revoke()  # what expiry does while the process cannot refresh
         assert await client.get(lease.key) is None
-        deadline = time.monotonic() + 5
-        while await client.get(lease.key) is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert await client.get(lease.key) is not None
+        await eventually(lambda: client.get(lease.key), interval=0.1)
     finally:
         await lease.stop()
         await client.close()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 from bus.registry import LeasedKey, assign_roles, connect_etcd, watch_role
 from infra.embedded import EmbeddedServer
 from schemas.events import Role
+from tests.helpers import eventually
 
 
 async def test_one_leader_at_a_time_and_a_successor_when_it_goes(
@@ -39,17 +39,12 @@ async def test_a_worker_sees_its_roles_in_order(etcd_server: EmbeddedServer) -> 
     await assign_roles(client, {"w1": "decode"})
     watcher = asyncio.create_task(watch_role(client, "w1", on_role))
 
-    async def seen_count(n: int) -> None:
-        deadline = time.monotonic() + 5
-        while len(seen) < n and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-
     try:
-        await seen_count(1)
+        await eventually(lambda: seen)
         await assign_roles(client, {"w1": "prefill", "w2": "prefill"})
         await assign_roles(client, {"w2": "decode"})
         await assign_roles(client, {"w1": "decode"})
-        await seen_count(3)
+        await eventually(lambda: len(seen) >= 3)
         assert seen == ["decode", "prefill", "decode"]
     finally:
         watcher.cancel()

@@ -3,8 +3,6 @@ its pool, finishes what it holds, joins the other; no request is lost and no tok
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections import Counter, defaultdict
 
 from bus.client import Bus
@@ -15,6 +13,7 @@ from infra.bench.traces import TraceRequest
 from schemas.events import Event, RolesRebalanced, TokensGenerated
 from schemas.messages import WorkerRegistration
 from tests.conftest import ClusterFactory
+from tests.helpers import eventually
 
 OUTPUT_TOKENS = 60
 # Every prompt prefilled remotely; a TTFT target nothing can meet, so the loop moves a decode
@@ -59,9 +58,7 @@ async def test_a_role_switch_mid_replay_loses_no_request_and_repeats_no_token(
         result = await replay_live(
             trace, cluster.config.base_url, cluster.nats_url, "laneway-sim", 16, timeout_s=60
         )
-        deadline = time.monotonic() + 5
-        while sum(terminals.values()) < len(trace) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await eventually(lambda: sum(terminals.values()) >= len(trace))
     finally:
         await bus.close()
     assert all(not r.failed and r.output_tokens == OUTPUT_TOKENS for r in result.records)

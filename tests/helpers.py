@@ -1,0 +1,48 @@
+"""Helpers shared by tests of every component."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, overload
+
+T = TypeVar("T")
+
+
+@overload
+async def eventually(
+    predicate: Callable[[], Awaitable[T | None]],
+    *,
+    timeout: float = ...,
+    interval: float = ...,
+    message: str = ...,
+) -> T: ...
+@overload
+async def eventually(
+    predicate: Callable[[], T | None],
+    *,
+    timeout: float = ...,
+    interval: float = ...,
+    message: str = ...,
+) -> T: ...
+async def eventually(
+    predicate: Callable[[], Any],
+    *,
+    timeout: float = 5.0,
+    interval: float = 0.05,
+    message: str = "the condition never held",
+) -> Any:
+    """Poll ``predicate`` (sync or async) until it returns something truthy, and return that.
+
+    For what other processes or tasks do in their own time (events in flight, leases expiring).
+    On timeout the AssertionError carries the last value, so a failure says what was seen."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        result = predicate()
+        value = await result if inspect.isawaitable(result) else result
+        if value:
+            return value
+        if asyncio.get_running_loop().time() >= deadline:
+            raise AssertionError(f"{message} within {timeout}s; last value: {value!r}")
+        await asyncio.sleep(interval)
