@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import tomllib
 from collections import deque
 from functools import cache
 from pathlib import Path
@@ -146,6 +147,26 @@ def _core_modules() -> list[str]:
 def test_the_pure_cores_reach_no_broker_code_even_indirectly() -> None:
     chains = [chain for module in _core_modules() for chain in _broker_chains(module)]
     assert chains == []
+
+
+def _strictly_typed(module: str, patterns: list[str]) -> bool:
+    """As mypy reads an override's modules: ``a.*`` is ``a`` and everything under it."""
+    return any(
+        module == pattern.removesuffix(".*")
+        or (pattern.endswith(".*") and module.startswith(pattern[:-1]))
+        for pattern in patterns
+    )
+
+
+def test_mypy_is_strict_on_every_pure_core() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    patterns = [
+        module
+        for override in config.get("overrides", [])
+        if override.get("strict")
+        for module in override["module"]
+    ]
+    assert [m for m in _core_modules() if not _strictly_typed(m, patterns)] == []
 
 
 def test_the_tokenizers_and_the_services_but_the_worker_import_without_torch() -> None:
