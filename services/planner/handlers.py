@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from opentelemetry import trace
 
 from bus.client import Bus
 from bus.registry import SessionStore
-from bus.topology import Subjects
+from bus.topology import PLANNER_INTAKE, Subjects
 from observability.tracing import context_of, trace_context
 from schemas.events import (
     Event,
@@ -54,6 +55,19 @@ class Planner:
         self._overlap_timeout_s = overlap_timeout_s
         self.cluster = ClusterView()
         self._tracer = trace.get_tracer("laneway.planner")
+
+    async def attach(self, on_finished: Callable[[RequestFinished], None] | None = None) -> None:
+        """Take requests, terminal events and load reports from the bus; ``on_finished`` also
+        hears every finished request (the capacity loop)."""
+
+        async def on_terminal(event: Event) -> None:
+            await self.on_terminal(event)
+            if on_finished is not None and isinstance(event, RequestFinished):
+                on_finished(event)
+
+        await self._bus.subscribe(Subjects.all_request_terminals, on_terminal)
+        await self._bus.subscribe(Subjects.all_load, self.on_load)
+        await self._bus.consume(PLANNER_INTAKE, self.on_request)
 
     async def on_request(self, event: Event) -> None:
         if not isinstance(event, RequestAccepted) or event.request_id is None:

@@ -11,9 +11,8 @@ from bus.client import Bus
 from bus.registry import LeasedKey, SessionStore, assign_roles, connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
-from bus.topology import PLANNER_INTAKE, Subjects
 from observability.tracing import setup_tracing
-from schemas.events import Event, RequestFinished, new_id
+from schemas.events import new_id
 from services.common.kv_transfer import KvTransferModel
 from services.planner.capacity import CapacityPlanner, CapacitySettings
 from services.planner.capacity_loop import CapacityLoop
@@ -125,14 +124,7 @@ def main() -> None:
             )
             tasks.append(asyncio.create_task(capacity.run()))
 
-        async def on_terminal(event: Event) -> None:
-            await planner.on_terminal(event)
-            if capacity is not None and isinstance(event, RequestFinished):
-                capacity.on_finished(event)
-
-        await bus.subscribe(Subjects.all_request_terminals, on_terminal)
-        await bus.subscribe(Subjects.all_load, planner.on_load)
-        await bus.consume(PLANNER_INTAKE, planner.on_request)
+        await planner.attach(capacity.on_finished if capacity is not None else None)
         presence = LeasedKey.planner(etcd, settings.instance_id, ttl_s=5)
         await presence.start()
         await stop.wait()
