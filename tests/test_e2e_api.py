@@ -16,8 +16,9 @@ from infra.cluster import LocalCluster
 from schemas.block_hash import chain_block_hashes
 from schemas.events import Event, RequestCancelled
 from schemas.messages import OverlapQuery, OverlapReply
-from services.engine.tokenizer import ByteTokenizer
+from services.common.tokenizer import ByteTokenizer
 from tests.conftest import ClusterFactory
+from tests.helpers import eventually
 
 MODEL = "laneway-sim"
 
@@ -183,10 +184,7 @@ async def test_client_disconnect_cancels_the_request(
     async for _chunk in stream:
         break
     await stream.close()
-    for _ in range(50):
-        if any(isinstance(e, RequestCancelled) for e in ended):
-            break
-        await asyncio.sleep(0.1)
+    await eventually(lambda: any(isinstance(e, RequestCancelled) for e in ended))
     await bus.close()
     cancelled = [e for e in ended if isinstance(e, RequestCancelled)]
     assert len(cancelled) == 1
@@ -203,16 +201,17 @@ async def test_one_request_is_one_trace_across_processes(
 ) -> None:
     reply = await client.completions.create(model=MODEL, prompt="trace me", max_tokens=3)
     request_id = reply.id.removeprefix("cmpl-")
-    traces: dict[str, set[str]] = defaultdict(set)
-    for _ in range(50):
-        traces.clear()
+
+    def request_traces() -> dict[str, set[str]]:
+        """The services of each trace of the request (the worker's spans are written last)."""
+        found: dict[str, set[str]] = defaultdict(set)
         for line in spans_file.read_text().splitlines():
             span = json.loads(line)
             if span["attributes"].get("laneway.request_id") == request_id:
-                traces[span["trace_id"]].add(span["service"])
-        if traces and next(iter(traces.values())) >= {"laneway-worker"}:
-            break
-        await asyncio.sleep(0.1)
+                found[span["trace_id"]].add(span["service"])
+        return found if any("laneway-worker" in s for s in found.values()) else {}
+
+    traces = await eventually(request_traces)
     assert len(traces) == 1
     assert next(iter(traces.values())) == {
         "laneway-ingress",
@@ -255,14 +254,11 @@ async def test_kv_indexer_knows_where_a_prompt_is_cached(
     assert reply.usage is not None
     hashes = chain_block_hashes(ByteTokenizer().encode(prompt), 16)
     bus = await Bus.connect(cluster.nats_url, "test-indexer-query")
-    overlaps: dict[str, int] = {}
-    for _ in range(50):  # KV events reach the indexer asynchronously
-        answer = await bus.request(
-            Subjects.overlap_query, OverlapQuery(block_hashes=hashes), OverlapReply, timeout=2
-        )
-        overlaps = answer.overlaps
-        if overlaps:
-            break
-        await asyncio.sleep(0.1)
+
+    async def overlaps() -> dict[str, int]:
+        query = OverlapQuery(block_hashes=hashes)
+        return (await bus.request(Subjects.overlap_query, query, OverlapReply, timeout=2)).overlaps
+
+    found = await eventually(overlaps, message="KV events never reached the indexer")
     await bus.close()
-    assert list(overlaps.values()) == [len(hashes)]
+    assert list(found.values()) == [len(hashes)]
