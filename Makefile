@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help run test lint typecheck check gpu-check clean
+.PHONY: help run test test-pure lint typecheck check gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -25,6 +25,9 @@ run: $(STAMP) ## install and start the whole local cluster on http://127.0.0.1:8
 
 test: $(STAMP) ## install and run the test suite (starts its own NATS and etcd)
 	$(BIN)/pytest -q
+
+test-pure: $(STAMP) ## only the tests that start no servers or processes
+	$(BIN)/pytest -q -m "not live"
 
 lint: $(STAMP) ## ruff
 	$(BIN)/ruff check .
