@@ -266,7 +266,7 @@ def test_generates_folds_outputs_and_reports_kv_events(tmp_path: Path) -> None:
     engine, close = _engine(tmp_path, llm)
     try:
         assert (engine.block_size, engine.kv_blocks_total) == (BLOCK, 64)
-        assert engine.publishes_kv_events
+        assert engine.capabilities.kv_events
         prompt_a, prompt_b = list(range(10, 20)), list(range(40, 46))
         engine.add_request(_request("a", prompt_a))
         engine.add_request(_request("b", prompt_b, max_tokens=8, stop_token_ids=(49,)))
@@ -362,7 +362,7 @@ def test_requests_are_checked_before_they_are_submitted(tmp_path: Path) -> None:
     llm = _FakeLlm()
     engine, close = _engine(tmp_path, llm, kv_events=False)
     try:
-        assert not engine.publishes_kv_events
+        assert not engine.capabilities.kv_events
         with pytest.raises(ValueError, match="positions"):
             engine.add_request(_request("huge", list(range(60)), max_tokens=10))
         with pytest.raises(ValueError, match="empty"):
@@ -389,7 +389,7 @@ def test_trtllm_generates_end_to_end() -> None:
     model = os.environ.get("LANEWAY_TRTLLM_MODEL")
     if not model:
         pytest.skip("set LANEWAY_TRTLLM_MODEL to a Hugging Face model directory")
-    from services.engine.torch_engine.tokenizer import HfTokenizer
+    from services.common.hf_tokenizer import HfTokenizer
 
     tokenizer = HfTokenizer(Path(model))
     prompt = tokenizer.encode("The ferry crossed the river at dawn, and the ferryman said " * 4)
@@ -403,7 +403,7 @@ def test_trtllm_generates_end_to_end() -> None:
             assert tokenizer.decode(tokens)
         # The second request found the first one's prompt blocks in the cache.
         assert (outputs[0].cached_tokens or 0) >= engine.block_size
-        if engine.publishes_kv_events:
+        if engine.capabilities.kv_events:
             stored: set[int] = set()
             deadline = time.monotonic() + 30
             want = set(chain_block_hashes(prompt, engine.block_size))

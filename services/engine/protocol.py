@@ -1,15 +1,16 @@
 """The step-driven engine protocol that the live workers and the offline simulator both drive.
 
-An engine never sleeps or does I/O: ``step`` runs one scheduler iteration and says how long it took
-(measured for a real engine, modelled for ``sim``). The caller decides what to do with that time:
-the live worker waits it out (divided by a speed-up), the offline simulator advances its clock.
+An engine does no I/O of Laneway's: ``step`` runs one scheduler iteration and says how long it took
+(measured for a real engine, modelled for ``sim``). The caller decides what to do with modelled
+time: the live worker waits it out (divided by a speed-up), the offline simulator advances its
+clock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 from schemas.events import SamplingParams
 
@@ -74,35 +75,95 @@ class StepResult:
     prefill_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class EngineCapabilities:
+    """What an engine does beyond the calls every engine answers. The worker reads it once, to
+    register what it offers and to pick how it drives the engine, instead of probing methods."""
+
+    # ``export_prefix``/``import_prefix`` work (:class:`KvPortable`): the engine can be either side
+    # of a disaggregated hand-off. Workers register ``kv_handoff`` with it, and the planner sends
+    # remote prefills only between workers that have it.
+    kv_handoff: bool
+    # ``step`` reports every change to its prefix cache in ``kv_changes``. Without it the worker
+    # registers ``kv_events=False`` and the kv-indexer predicts this engine's cache from routing.
+    kv_events: bool
+    # ``step`` returns at once and its ``duration_s`` is modelled time that the caller waits out
+    # (the sim engine). Without it a step computes on real hardware and holds the caller for its
+    # duration, so the worker runs steps on a thread of their own to keep its event loop free.
+    modelled_time: bool
+
+
 class Engine(Protocol):
+    """One model replica's batch scheduler and executor, driven one step at a time by a single
+    caller (the live worker or the offline replay); never called from two threads at once."""
+
+    # Tokens per KV block: requests' ``block_hashes`` and ``KvChange`` hashes are at this size.
     block_size: int
+    # The KV pool's size in blocks, as registered for the planner's cost model.
     kv_blocks_total: int
+    # Most requests one step decodes together, as registered for the planner.
     max_num_seqs: int
 
-    def add_request(self, request: EngineRequest) -> None: ...
-
-    def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks; False if the engine does not hold it."""
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """What this engine offers beyond this protocol; fixed for the engine's lifetime."""
         ...
 
-    def step(self) -> StepResult: ...
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; later steps prefill and decode it. Called when the worker accepts a
+        routed request (or a hand-off's continuation). Raises ValueError, before queueing
+        anything, for a request the engine can never serve (an id it already holds, an empty
+        prompt, more tokens than its context or KV pool can hold), so that the caller fails that
+        request alone instead of the engine stalling on it."""
+        ...
 
-    def has_work(self) -> bool: ...
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; no later step reports output for it. Called when
+        the client cancels, a stop string matched, or the worker gives the request up. False if
+        the engine does not hold the request (never added, finished or already aborted)."""
+        ...
 
-    def load(self) -> EngineLoad: ...
+    def step(self) -> StepResult:
+        """Run one scheduler iteration and report it: for each request, the tokens it produced in
+        order (a request's last output has ``finished`` set and none follows it; its first output
+        carries ``cached_tokens``), the prefix cache's changes in order, and the step's duration.
+        Called in a loop while :meth:`has_work` says so; the caller, not the engine, does any
+        waiting. A step with nothing scheduled returns at once with no outputs."""
+        ...
+
+    def has_work(self) -> bool:
+        """Whether another step would make progress: requests are held, or (for an engine that
+        computes asynchronously) output or KV changes are still to come. The worker steps while
+        it is true and sleeps until new work arrives otherwise."""
+        ...
+
+    def load(self) -> EngineLoad:
+        """The engine's queue and KV occupancy now; cheap. Read after steps for the load reports
+        the planner's cost model uses."""
+        ...
 
 
 class KvPortable(Protocol):
     """An engine whose cached prompt blocks can move to another engine of the same model: a
-    prefill worker exports, a decode worker imports (disaggregation)."""
+    prefill worker exports, a decode worker imports (disaggregation). Only an engine whose
+    ``capabilities.kv_handoff`` is set has these; :func:`kv_portable` gives that view of it."""
 
     def export_prefix(self, block_hashes: Sequence[int]) -> tuple[int, bytes]:
         """The leading blocks of ``block_hashes`` cached here: how many, and their KV serialized
-        (empty for an engine that only models its KV)."""
+        (empty for an engine that only models its KV). Called by a prefill worker once a request's
+        prompt is computed, to ship its KV to the decode worker."""
         ...
 
     def import_prefix(self, block_hashes: Sequence[int], payload: bytes) -> int:
         """Cache the blocks another engine exported (``payload`` from its ``export_prefix``); how
-        many leading ``block_hashes`` are cached afterwards. Their ``BlocksStored`` changes come
-        with the next step's result."""
+        many leading ``block_hashes`` are cached afterwards. Called by a decode worker before it
+        adds the hand-off's continuation, so that the request finds its prompt cached. Their
+        ``BlocksStored`` changes come with the next step's result."""
         ...
+
+
+def kv_portable(engine: Engine) -> KvPortable | None:
+    """The engine's KV hand-off interface, or None if its capabilities say it has none."""
+    if not engine.capabilities.kv_handoff:
+        return None
+    return cast(KvPortable, engine)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.common.perf_model import PerfModel, perf_model
-from services.engine.protocol import EngineRequest, StepResult
+from services.engine.protocol import EngineCapabilities, EngineRequest, StepResult
 from services.engine.scheduling.block_pool import BlockPool
 from services.engine.scheduling.config import SimConfig
 from services.engine.scheduling.kv_manager import KvCacheManager
@@ -15,6 +15,8 @@ from services.engine.scheduling.scheduled import ScheduledEngine
 class SimEngine(ScheduledEngine):
     """Schedules like vLLM v1 over a paged, prefix-cached KV pool and reports how long each step
     would take. ``perf`` overrides the perf model named in ``config``."""
+
+    capabilities = EngineCapabilities(kv_handoff=True, kv_events=True, modelled_time=True)
 
     def __init__(self, config: SimConfig, perf: PerfModel | None = None) -> None:
         pool = BlockPool(config.num_gpu_blocks)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.protocol import EngineRequest, StepResult
+from services.engine.protocol import EngineCapabilities, EngineRequest, StepResult
 from services.engine.scheduling.config import SimConfig
 from services.engine.scheduling.request import SimRequest
 from services.engine.scheduling.scheduled import ScheduledEngine
@@ -44,6 +44,8 @@ class _Sampling:
 
 
 class TorchEngine(ScheduledEngine):
+    capabilities = EngineCapabilities(kv_handoff=True, kv_events=True, modelled_time=False)
+
     def __init__(self, model_dir: Path, config: TorchEngineConfig | None = None) -> None:
         config = config or TorchEngineConfig()
         device = torch.device(config.device)
