@@ -13,6 +13,7 @@ from services.common.tokenizer import ByteTokenizer
 from services.ingress.main import IngressSettings
 from services.ingress.openai_models import Message
 from services.ingress.settings import IngressApiSettings
+from tests.helpers import eventually
 from tests.ingress.fakes import Fail, Finish, Hang, Raise, Step, Tokens
 from tests.ingress.helpers import MODEL, chat_body, completion_body, harness, sse_data
 
@@ -416,8 +417,7 @@ async def test_events_ending_without_terminal_is_a_500() -> None:
 async def test_cancellation_decided_elsewhere() -> None:
     async with harness([Hang()]) as h:
         task = asyncio.ensure_future(h.client.post("/v1/completions", json=completion_body()))
-        while not h.gateway.submitted:
-            await asyncio.sleep(0.001)
+        await eventually(lambda: h.gateway.submitted, interval=0.001)
         await h.gateway.cancel(h.gateway.submitted[0].request_id, "timeout")
         response = await task
     assert response.status_code == 500

@@ -13,6 +13,7 @@ from starlette.types import Message
 from services.common.tokenizer import ByteTokenizer
 from services.ingress.api import create_app
 from services.ingress.settings import IngressApiSettings
+from tests.helpers import eventually
 from tests.ingress.fakes import FakeGateway, Finish, Hang, Step, Tokens
 from tests.ingress.helpers import chat_body, completion_body
 
@@ -80,16 +81,10 @@ class Client:
         return str(sent[-1]["body"].decode())
 
 
-async def wait_for(condition: Callable[[], bool]) -> None:
-    async with asyncio.timeout(5):
-        while not condition():
-            await asyncio.sleep(0.001)
-
-
 async def test_disconnect_while_waiting_cancels_the_request() -> None:
     client = Client([Hang()])
     call = asyncio.create_task(client.call("/v1/chat/completions", chat_body()))
-    await wait_for(lambda: bool(client.gateway.submitted))
+    await eventually(lambda: client.gateway.submitted, interval=0.001)
     client.leave.set()
     await call
     request_id = client.gateway.submitted[0].request_id
@@ -143,7 +138,7 @@ async def test_disconnect_after_the_answer_changes_nothing() -> None:
 async def test_server_shutdown_cancels_the_request() -> None:
     client = Client([Hang()])
     call = asyncio.create_task(client.call("/v1/completions", completion_body(stream=True)))
-    await wait_for(lambda: bool(client.gateway.submitted))
+    await eventually(lambda: client.gateway.submitted, interval=0.001)
     call.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await call
