@@ -1,7 +1,7 @@
 """The decode worker: ``python -m services.worker.decode_worker`` starts a worker in role
 ``decode`` (``LANEWAY_ROLE=both`` serves requests end to end, aggregated)."""
 
-from services.worker.settings import worker_main
+from services.worker.runtime import worker_main
 
 
 def main() -> None:

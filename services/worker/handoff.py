@@ -1,31 +1,35 @@
-"""A worker's two ends of a KV hand-off (disaggregation). As a prefill worker it sends a finished
-prompt's KV (chunks on core NATS, then ``PrefillCompleted``); as a decode worker it takes that KV
-whole and intact, or reports why not, and continues the request from the first token.
-
-The worker decides when; these say how.
-"""
+"""A worker's two ends of a KV hand-off (disaggregation). As a prefill worker it computes a
+prompt for another worker and sends its KV (chunks on core NATS, then ``PrefillCompleted``); as a
+decode worker it takes that KV whole and intact, or reports why not (``decode_side`` continues the
+request from the first token)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
+from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from bus.blobs import BlobAssembler, send_blob
 from bus.client import Bus
 from bus.topology import Subjects
-from observability.tracing import trace_context
+from observability.tracing import context_of, trace_context
 from schemas.events import (
     FinishReason,
     KvTransferred,
     PrefillCompleted,
     PrefillPlacement,
-    RequestSpec,
+    RouteDecided,
 )
 from services.common.kv_transfer import KvTransferModel
 from services.engine.protocol import EngineRequest, RequestOutput
+from services.worker.driver import EngineDriver
+from services.worker.outputs import Background
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -135,27 +139,44 @@ class KvReceiver:
         )
 
 
-def continuation(
-    request_id: str, spec: RequestSpec, event: PrefillCompleted
-) -> tuple[RequestOutput, EngineRequest | None]:
-    """The first token as the decode worker's own output, and the rest of the request for its
-    engine (None when the first token was also the last)."""
-    assert event.first_token_id is not None
-    first = event.first_token_id
-    last = event.finish_reason is not None or spec.sampling.max_tokens <= 1
-    output = RequestOutput(
-        request_id,
-        (first,),
-        finished=last,
-        finish_reason=event.finish_reason or ("length" if last else None),
-        cached_tokens=event.cached_tokens,
-    )
-    if last:
-        return output, None
-    # The decode continues from the first token, whose KV it computes itself.
-    rest = EngineRequest(
-        request_id,
-        (*spec.prompt_token_ids, first),
-        spec.sampling.model_copy(update={"max_tokens": spec.sampling.max_tokens - 1}),
-    )
-    return output, rest
+class PrefillSide:
+    """Prefills prompts for other workers: the first token is sampled here exactly as the
+    aggregated path would sample it, then the prompt's KV goes to the decode worker."""
+
+    def __init__(self, sender: KvSender, driver: EngineDriver, background: Background) -> None:
+        self._sender = sender
+        self._driver = driver
+        self._background = background
+        self._tracer = trace.get_tracer("laneway.worker")
+
+    def start(
+        self, event: RouteDecided, hashes: tuple[int, ...]
+    ) -> tuple[PrefillJob, EngineRequest]:
+        """The job and the engine request of ``event``'s prompt (``hashes`` at the engine's block
+        size)."""
+        assert event.request_id is not None
+        span = self._tracer.start_span("worker.prefill", context=context_of(event))
+        span.set_attribute("laneway.request_id", event.request_id)
+        span.set_attribute("laneway.decode_worker_id", event.worker_id)
+        job = PrefillJob(event.worker_id, hashes, span, event.session_id)
+        one = event.spec.sampling.model_copy(update={"max_tokens": 1})
+        return job, EngineRequest(event.request_id, event.spec.prompt_token_ids, one, hashes)
+
+    async def done(self, request_id: str, job: PrefillJob, output: RequestOutput) -> None:
+        """Runs between steps, so the prompt's blocks are still cached when they are exported."""
+        portable = self._driver.portable
+        assert portable is not None
+        try:
+            _, data = await self._driver.call(lambda: portable.export_prefix(job.block_hashes))
+        except Exception as err:  # export is best effort: the decode worker then prefills
+            log.exception("KV export of %s failed", request_id)
+            self.failed(request_id, job, f"KV export failed: {err}")
+            return
+        job.span.end()
+        self._background.spawn(self._sender.hand_off(request_id, job, output, data))
+
+    def failed(self, request_id: str, job: PrefillJob, message: str) -> None:
+        self._driver.abort(request_id)
+        job.span.set_attribute("laneway.failed", message)
+        job.span.end()
+        self._background.spawn(self._sender.failed(request_id, job, message))

@@ -1,7 +1,7 @@
 """The prefill worker: ``python -m services.worker.prefill_worker`` starts a worker in role
 ``prefill``."""
 
-from services.worker.settings import worker_main
+from services.worker.runtime import worker_main
 
 
 def main() -> None:

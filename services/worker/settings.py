@@ -1,27 +1,49 @@
-"""Entry point shared by the worker services: settings, engine construction, wiring."""
+"""A worker's settings (``LANEWAY_*``), the engine they describe, and the runtime options taken
+from both."""
 
 from __future__ import annotations
 
-import asyncio
-import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
-from bus.client import Bus
-from bus.registry import LeasedKey, connect_etcd, watch_role
-from bus.runtime import run_service
 from bus.settings import ServiceSettings
-from observability.tracing import setup_tracing
 from schemas.events import Role, new_id
 from services.common.kv_transfer import KvTransferModel
 from services.common.tokenizer import ByteTokenizer, Tokenizer
 from services.engine.protocol import Engine
 from services.engine.sim import SimConfig, SimEngine, perf_model
-from services.worker.runtime import Worker, WorkerOptions
 
 _LINK = KvTransferModel()
+
+
+@dataclass
+class WorkerOptions:
+    worker_id: str
+    role: Role
+    engine_kind: str
+    model: str
+    speedup: float
+    lease_ttl_s: int
+    load_report_interval_s: float
+    drain_timeout_s: float
+    kv_events: bool = True
+    # Run engine steps on a thread of their own (engines that compute for real).
+    step_thread: bool = False
+    # Seconds a request's tokens may be held back to go out together (0: every step).
+    stream_interval_s: float = 0.02
+    # While busy, a report at most this often (seconds): the planner's queue estimates are only
+    # as fresh as the last report.
+    busy_report_interval_s: float = 0.05
+    # What a sim decode worker waits out for a hand-off's KV (a real engine's bytes take what
+    # they take).
+    kv_transfer: KvTransferModel = field(default_factory=KvTransferModel)
+    # A decode worker waits for a remote prefill's KV this long, at least, or this many times
+    # the planner's prediction, before it prefills locally instead.
+    handoff_timeout_s: float = 5.0
+    handoff_timeout_factor: float = 3.0
 
 
 class WorkerSettings(ServiceSettings):
@@ -96,49 +118,23 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
     return SimEngine(SimConfig(**scheduling), perf_model(settings.perf_model)), ByteTokenizer()
 
 
-def worker_main(default_role: Role) -> None:
-    # The service decides the role unless the operator set LANEWAY_ROLE explicitly.
-    settings = (
-        WorkerSettings() if "LANEWAY_ROLE" in os.environ else WorkerSettings(role=default_role)
+def worker_options(settings: WorkerSettings, engine: Engine) -> WorkerOptions:
+    return WorkerOptions(
+        worker_id=settings.worker_id,
+        role=settings.role,
+        engine_kind=settings.engine,
+        model=settings.model,
+        speedup=settings.speedup,
+        lease_ttl_s=settings.lease_ttl_s,
+        load_report_interval_s=settings.load_report_interval_s,
+        busy_report_interval_s=settings.busy_report_interval_s,
+        drain_timeout_s=settings.drain_timeout_s,
+        kv_events=settings.kv_events and getattr(engine, "publishes_kv_events", True),
+        step_thread=settings.engine != "sim",
+        stream_interval_s=settings.stream_interval_s,
+        kv_transfer=KvTransferModel(
+            settings.kv_bytes_per_token, settings.link_gb_s, settings.link_latency_ms
+        ),
+        handoff_timeout_s=settings.handoff_timeout_s,
+        handoff_timeout_factor=settings.handoff_timeout_factor,
     )
-
-    async def main(stop: asyncio.Event) -> None:
-        setup_tracing("laneway-worker", settings.worker_id, settings.trace_exporter)
-        bus = await Bus.connect(settings.nats_url, f"worker-{settings.worker_id}")
-        await bus.ensure_streams()
-        etcd = connect_etcd(settings.etcd_endpoints)
-        engine, tokenizer = build_engine(settings)
-        worker = Worker(
-            bus,
-            engine,
-            tokenizer,
-            WorkerOptions(
-                worker_id=settings.worker_id,
-                role=settings.role,
-                engine_kind=settings.engine,
-                model=settings.model,
-                speedup=settings.speedup,
-                lease_ttl_s=settings.lease_ttl_s,
-                load_report_interval_s=settings.load_report_interval_s,
-                busy_report_interval_s=settings.busy_report_interval_s,
-                drain_timeout_s=settings.drain_timeout_s,
-                kv_events=settings.kv_events and getattr(engine, "publishes_kv_events", True),
-                step_thread=settings.engine != "sim",
-                stream_interval_s=settings.stream_interval_s,
-                kv_transfer=KvTransferModel(
-                    settings.kv_bytes_per_token, settings.link_gb_s, settings.link_latency_ms
-                ),
-                handoff_timeout_s=settings.handoff_timeout_s,
-                handoff_timeout_factor=settings.handoff_timeout_factor,
-            ),
-        )
-        lease = LeasedKey.worker(etcd, worker.registration(), settings.lease_ttl_s)
-        try:
-            await worker.run(
-                lease, stop, lambda changed: watch_role(etcd, settings.worker_id, changed)
-            )
-        finally:
-            await bus.close()
-            await etcd.close()
-
-    run_service(main, settings.log_level)

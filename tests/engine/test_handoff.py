@@ -1,5 +1,4 @@
-"""The decode side of a hand-off: how long it waits, and how a request continues from the first
-token that the prefill worker sampled."""
+"""The decode side of a hand-off: how long it waits for the KV, and what must arrive."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from schemas.events import (
     utc_now,
 )
 from services.common.kv_transfer import KvTransferModel
-from services.worker.handoff import KvReceiver, continuation
+from services.worker.handoff import KvReceiver
 
 SPEC = RequestSpec(
     model="m",
@@ -40,32 +39,6 @@ def completed(**fields: object) -> PrefillCompleted:
         "block_hashes": (7,),
     }
     return PrefillCompleted(**{**defaults, **fields})  # type: ignore[arg-type]
-
-
-def test_the_decode_continues_after_the_first_token() -> None:
-    first, rest = continuation("r", SPEC, completed(cached_tokens=4))
-    assert first.new_token_ids == (9,) and not first.finished and first.cached_tokens == 4
-    assert rest is not None
-    assert tuple(rest.prompt_token_ids) == (1, 2, 3, 4, 5, 9)
-    assert rest.sampling.max_tokens == 5 and rest.sampling.temperature == 0
-
-
-@pytest.mark.parametrize(
-    ("spec", "event", "reason"),
-    [
-        (SPEC, completed(finish_reason="stop"), "stop"),
-        (
-            SPEC.model_copy(update={"sampling": SamplingParams(max_tokens=1)}),
-            completed(),
-            "length",
-        ),
-    ],
-)
-def test_a_first_token_that_ends_the_answer_ends_it_there(
-    spec: RequestSpec, event: PrefillCompleted, reason: str
-) -> None:
-    first, rest = continuation("r", spec, event)
-    assert rest is None and first.finished and first.finish_reason == reason
 
 
 def test_the_wait_scales_with_the_prediction_and_never_goes_below_the_floor() -> None:

@@ -1,0 +1,119 @@
+"""The decode worker's side of a hand-off: it waits for the prefill worker's first token and KV
+(not forever), then continues the request from the first token; whatever goes wrong costs a local
+prefill, never the request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from schemas.events import PrefillCompleted, RouteDecided
+from services.engine.continuation import continuation
+from services.worker.driver import EngineDriver
+from services.worker.handoff import KvReceiver
+from services.worker.outputs import Background, Outputs
+from services.worker.requests import Active, Awaiting, Requests
+
+log = logging.getLogger(__name__)
+
+
+class DecodeSide:
+    def __init__(
+        self,
+        requests: Requests,
+        receiver: KvReceiver,
+        driver: EngineDriver,
+        outputs: Outputs,
+        background: Background,
+    ) -> None:
+        self._requests = requests
+        self._receiver = receiver
+        self._driver = driver
+        self._outputs = outputs
+        self._background = background
+
+    def await_prefill(self, request_id: str, state: Active, event: RouteDecided) -> None:
+        placement = event.prefill
+        assert placement is not None and placement.prefill_worker_id is not None
+        me = self._outputs.worker_id
+        cached = next((c.cached_blocks for c in event.candidates if c.worker_id == me), 0)
+        state.awaiting = Awaiting(placement.prefill_worker_id, cached)
+        timeout = self._receiver.deadline_s(placement)
+        state.awaiting.timer = self._background.spawn(self._deadline(request_id, timeout))
+
+    def on_prefilled(self, event: PrefillCompleted) -> None:
+        request_id = event.request_id or ""
+        state = self._requests.active.get(request_id)
+        awaiting = state.awaiting if state is not None else None
+        if state is None or awaiting is None or awaiting.receiving:
+            self._receiver.blobs.drop(request_id)  # fell back, cancelled, or a redelivery
+            return
+        if event.error is not None or event.first_token_id is None:
+            self._fall_back(request_id, state, f"remote prefill failed: {event.error}")
+            return
+        awaiting.receiving = True
+        if awaiting.timer is not None:
+            awaiting.timer.cancel()
+        self._background.spawn(self._receive(request_id, state, event))
+
+    async def _receive(self, request_id: str, state: Active, event: PrefillCompleted) -> None:
+        started = time.monotonic()
+        cached = state.awaiting.cached_blocks if state.awaiting is not None else 0
+        try:
+            data = await self._receiver.receive(event, cached)
+        except ValueError as err:
+            if self._requests.active.get(request_id) is state:
+                self._fall_back(request_id, state, f"KV hand-off failed: {err}")
+            return
+        if self._requests.active.get(request_id) is not state:  # cancelled meanwhile
+            return
+        state.awaiting = None
+        state.prefilled_by = event.worker_id
+        self._outputs.kv_transferred(
+            self._receiver.transferred(
+                event, self._outputs.worker_id, self._outputs.source, state.span, started
+            )
+        )
+        assert event.first_token_id is not None
+        resumed = continuation(
+            self._requests.engine_request(request_id, state.spec),
+            event.first_token_id,
+            self._driver.engine.block_size,
+            event.finish_reason,
+            event.cached_tokens,
+        )
+        await self._requests.output(resumed.first)
+        if resumed.rest is None or request_id not in self._requests.active:
+            return  # the first token was the last
+        portable = self._driver.portable
+        hashes = event.block_hashes
+
+        def adopt() -> None:
+            try:
+                if portable is not None:
+                    portable.import_prefix(hashes, data)
+            except Exception:  # unusable KV costs a local prefill, never the request
+                log.exception("KV import of %s failed; prefilling locally", request_id)
+
+        # The prompt's full blocks come from the hand-off; the partial last block and the first
+        # token are computed here (an exported prefix holds full blocks only).
+        await self._requests.admit(resumed.rest, before=adopt)
+
+    async def _deadline(self, request_id: str, timeout_s: float) -> None:
+        await asyncio.sleep(timeout_s)
+        state = self._requests.active.get(request_id)
+        if state is not None and state.awaiting is not None and not state.awaiting.receiving:
+            state.awaiting.timer = None
+            self._fall_back(request_id, state, f"no KV hand-off within {timeout_s:.1f} s")
+
+    def _fall_back(self, request_id: str, state: Active, why: str) -> None:
+        log.warning("request %s: %s; prefilling locally", request_id, why)
+        state.span.set_attribute("laneway.handoff_fallback", why)
+        if state.awaiting is not None and state.awaiting.timer is not None:
+            state.awaiting.timer.cancel()
+        state.awaiting = None
+        self._receiver.blobs.drop(request_id)
+        self._background.spawn(
+            self._requests.admit(self._requests.engine_request(request_id, state.spec))
+        )

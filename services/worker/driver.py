@@ -1,0 +1,102 @@
+"""Drives an engine's steps in real time: each step's modelled or measured duration is waited
+out (divided by the speed-up), and an engine that computes for real steps on a thread of its own
+so that the bus keeps flowing meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from services.engine.protocol import Engine, EngineRequest, KvPortable, StepResult
+
+_T = TypeVar("_T")
+
+
+class EngineDriver:
+    def __init__(self, engine: Engine, speedup: float, step_thread: bool) -> None:
+        self.engine = engine
+        self._speedup = speedup
+        # Seconds spent stepping, for the load reports.
+        self.busy_s = 0.0
+        self._ops: list[Callable[[], object]] = []
+        # Requests the engine would not take, to fail from the event loop.
+        self._refused: list[tuple[str, str]] = []
+        self._wake = asyncio.Event()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine") if step_thread else None
+
+    def op(self, op: Callable[[], object]) -> None:
+        """Change the engine's request set. An engine whose steps run on the step thread is only
+        ever touched from that thread: the change waits there for the next step."""
+        if self._thread is None:
+            op()
+        else:
+            self._ops.append(op)
+
+    async def call(self, call: Callable[[], _T]) -> _T:
+        """Call into the engine between steps, on the thread its steps run on."""
+        if self._thread is None:
+            return call()
+        return await asyncio.get_running_loop().run_in_executor(self._thread, call)
+
+    @property
+    def portable(self) -> KvPortable | None:
+        """The engine, if its KV can move to another engine (disaggregation)."""
+        engine = self.engine
+        ok = hasattr(engine, "export_prefix") and hasattr(engine, "import_prefix")
+        return engine if ok else None  # type: ignore[return-value]
+
+    def add(self, request: EngineRequest) -> None:
+        """Give the engine a request; a refusal is kept for :meth:`take_refused`. Runs where
+        engine ops run."""
+        try:
+            self.engine.add_request(request)
+        except ValueError as err:  # e.g. larger than the whole KV cache: it can never run here
+            self._refused.append((request.request_id, str(err)))
+
+    def take_refused(self) -> list[tuple[str, str]]:
+        """The (request id, why) of the requests the engine refused since the last call."""
+        refused, self._refused = self._refused, []
+        return refused
+
+    def abort(self, request_id: str) -> None:
+        self.op(lambda: self.engine.abort(request_id))
+
+    def wake(self) -> None:
+        """There is work: step."""
+        self._wake.set()
+
+    def _step(self) -> StepResult:
+        ops, self._ops = self._ops, []
+        for op in ops:
+            op()
+        return self.engine.step()
+
+    async def run(
+        self,
+        on_step: Callable[[StepResult], Coroutine[object, object, None]],
+        on_error: Callable[[Exception], Coroutine[object, object, None]],
+    ) -> None:
+        """Step while there is work, waiting out each step's duration, then hand its result to
+        ``on_step``; a failed step goes to ``on_error`` and stepping goes on."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not (self._ops or self.engine.has_work()):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = loop.time()
+            try:
+                if self._thread is None:
+                    result = self._step()
+                else:
+                    result = await loop.run_in_executor(self._thread, self._step)
+            except Exception as err:  # the engine failed: end what it held, keep serving
+                await on_error(err)
+                continue
+            remaining = result.duration_s / self._speedup - (loop.time() - started)
+            # Sleeping (even zero) also lets the bus deliver new routes between steps.
+            await asyncio.sleep(max(0.0, remaining))
+            self.busy_s += loop.time() - started
+            await on_step(result)

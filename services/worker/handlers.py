@@ -1,0 +1,97 @@
+"""A worker's inputs: routed requests (to serve, to prefill for another worker, or to decode after
+a remote prefill), the prefill workers' hand-offs, and cancellations."""
+
+from __future__ import annotations
+
+import time
+
+from opentelemetry import trace
+
+from observability.tracing import context_of
+from schemas.events import CancellationRequested, Event, PrefillCompleted, RouteDecided
+from services.common.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.worker.decode_side import DecodeSide
+from services.worker.handoff import PrefillSide
+from services.worker.requests import Active, Requests
+from services.worker.stream import RequestStream
+
+# How long a cancellation for a request this worker has not (yet) seen is remembered: the
+# cancel may overtake the route decision on its way here.
+EARLY_CANCEL_MEMORY_S = 60.0
+
+
+class Handlers:
+    def __init__(
+        self,
+        worker_id: str,
+        requests: Requests,
+        prefill: PrefillSide,
+        decode: DecodeSide,
+        tokenizer: Tokenizer,
+        stream_interval_s: float,
+    ) -> None:
+        self._worker_id = worker_id
+        self._requests = requests
+        self._prefill = prefill
+        self._decode = decode
+        self._tokenizer = tokenizer
+        self._stream_interval_s = stream_interval_s
+        self._early_cancels: dict[str, float] = {}
+        self._tracer = trace.get_tracer("laneway.worker")
+
+    async def on_route(self, event: Event) -> None:
+        if isinstance(event, PrefillCompleted):
+            self._decode.on_prefilled(event)
+            return
+        if not isinstance(event, RouteDecided) or event.request_id is None:
+            return
+        request_id = event.request_id
+        if self._requests.holds(request_id):  # a redelivery
+            return
+        remote = event.prefill.prefill_worker_id if event.prefill is not None else None
+        if remote == self._worker_id and event.worker_id != self._worker_id:
+            await self._start_prefill(event)
+            return
+        span = self._tracer.start_span("worker.generate", context=context_of(event))
+        span.set_attribute("laneway.request_id", request_id)
+        span.set_attribute("laneway.worker_id", self._worker_id)
+        spec = event.spec
+        stream = RequestStream(
+            len(spec.prompt_token_ids),
+            time.monotonic(),
+            self._stream_interval_s,
+            IncrementalDetokenizer(self._tokenizer, spec.sampling.stop),
+        )
+        state = Active(spec, event.session_id, span, stream)
+        self._requests.active[request_id] = state
+        if self._early_cancels.pop(request_id, None) is not None:
+            await self._requests.cancelled(request_id, "client_disconnected")
+            return
+        if remote is not None and event.prefill is not None:
+            self._decode.await_prefill(request_id, state, event)
+            return
+        await self._requests.admit(self._requests.engine_request(request_id, spec))
+
+    async def _start_prefill(self, event: RouteDecided) -> None:
+        assert event.request_id is not None
+        request_id = event.request_id
+        if self._early_cancels.pop(request_id, None) is not None:
+            return
+        job, request = self._prefill.start(event, self._requests.block_hashes(event.spec))
+        self._requests.prefills[request_id] = job
+        await self._requests.admit(request)
+
+    async def on_cancel(self, event: Event) -> None:
+        if not isinstance(event, CancellationRequested) or event.request_id is None:
+            return
+        if self._requests.prefill_cancelled(event.request_id):
+            return  # the decode worker holds the request and ends it
+        if event.request_id in self._requests.active:
+            self._requests.abort(event.request_id)
+            await self._requests.cancelled(event.request_id, event.reason)
+            return
+        now = time.monotonic()
+        self._early_cancels[event.request_id] = now
+        for request_id, at in list(self._early_cancels.items()):
+            if now - at > EARLY_CANCEL_MEMORY_S:
+                del self._early_cancels[request_id]

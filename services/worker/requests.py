@@ -1,0 +1,208 @@
+"""The requests a worker holds, and how each one ends: the outputs of one it serves become token
+chunks and a terminal event, or it is cancelled or fails; one it prefills for another worker
+ends with the hand-off."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from opentelemetry.trace import Span
+
+from bus.blobs import BlobAssembler
+from observability.tracing import trace_context
+from schemas.events import Envelope, FailureCode, RequestCancelled, RequestFailed, RequestSpec
+from services.engine.protocol import EngineRequest, RequestOutput
+from services.worker.driver import EngineDriver
+from services.worker.handoff import PrefillJob, PrefillSide
+from services.worker.outputs import Outputs
+from services.worker.stream import RequestStream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Awaiting:
+    """A decode-side request whose prompt a prefill worker is computing."""
+
+    prefill_worker_id: str
+    # Leading prompt blocks this worker cached when the planner decided.
+    cached_blocks: int
+    timer: asyncio.Task[None] | None = None
+    # The KV is on its way in: the deadline no longer applies.
+    receiving: bool = False
+
+
+@dataclass
+class Active:
+    """A request this worker streams the answer of."""
+
+    spec: RequestSpec
+    session_id: str | None
+    span: Span
+    stream: RequestStream
+    awaiting: Awaiting | None = None
+    prefilled_by: str | None = None
+
+
+class Requests:
+    def __init__(
+        self, driver: EngineDriver, outputs: Outputs, prefill: PrefillSide, blobs: BlobAssembler
+    ) -> None:
+        self._driver = driver
+        self._outputs = outputs
+        self._prefill = prefill
+        # Hand-off KV still arriving for a request that ends.
+        self._blobs = blobs
+        self.active: dict[str, Active] = {}
+        self.prefills: dict[str, PrefillJob] = {}
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.active or request_id in self.prefills
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.active or self.prefills)
+
+    def engine_request(self, request_id: str, spec: RequestSpec) -> EngineRequest:
+        return EngineRequest(
+            request_id, spec.prompt_token_ids, spec.sampling, self.block_hashes(spec)
+        )
+
+    def block_hashes(self, spec: RequestSpec) -> tuple[int, ...]:
+        return spec.block_hashes if spec.block_size == self._driver.engine.block_size else ()
+
+    async def admit(
+        self, request: EngineRequest, before: Callable[[], object] | None = None
+    ) -> None:
+        """Give the engine ``request``, after ``before`` (an engine op: a hand-off's KV import)."""
+
+        def add() -> None:
+            if before is not None:
+                before()
+            self._driver.add(request)
+
+        self._driver.op(add)
+        await self.fail_refused()
+        self._driver.wake()
+
+    def abort(self, request_id: str) -> None:
+        self._driver.abort(request_id)
+
+    async def fail_refused(self) -> None:
+        for request_id, message in self._driver.take_refused():
+            if request_id in self.prefills:
+                self.prefill_failed(request_id, message)
+            elif request_id in self.active:
+                await self.fail(request_id, message, "invalid_request")
+
+    async def engine_failed(self, err: Exception) -> None:
+        # An engine may say which request failed (a `request_id` on the error); otherwise every
+        # request it held is lost with the step.
+        log.exception("engine step failed")
+        failed: str | None = getattr(err, "request_id", None)
+        victims = (
+            [failed]
+            if failed is not None and self.holds(failed)
+            else [*self.active, *self.prefills]
+        )
+        for request_id in victims:
+            if request_id in self.prefills:
+                self.prefill_failed(request_id, f"engine error: {err}")
+            elif request_id in self.active and self.active[request_id].awaiting is None:
+                await self.fail(request_id, f"engine error: {err}")
+
+    async def output(self, output: RequestOutput, stalled: bool = False) -> None:
+        """``stalled``: the step that produced it also computed prompt tokens."""
+        request_id = output.request_id
+        if request_id in self.prefills:
+            if output.finished:
+                await self._prefill.done(request_id, self.prefills.pop(request_id), output)
+            return
+        state = self.active.get(request_id)
+        if state is None:  # cancelled while the step ran
+            return
+        chunk = state.stream.push(output, time.monotonic(), stalled)
+        if chunk is not None:
+            await self._outputs.tokens(state.spec.reply_to, request_id, state.session_id, chunk)
+        if not state.stream.finished:
+            return
+        if not output.finished:  # a stop string ended it before the engine did
+            self._driver.abort(request_id)
+        del self.active[request_id]
+        finished = state.stream.finished_event(
+            self._outputs.source,
+            request_id,
+            state.session_id,
+            trace_context(state.span),
+            self._outputs.worker_id,
+            state.prefilled_by,
+        )
+        state.span.set_attribute("laneway.completion_tokens", state.stream.emitted)
+        state.span.end()
+        self._terminal(state, finished)
+
+    async def cancelled(self, request_id: str, reason: str) -> None:
+        state = self.active.pop(request_id)
+        state.span.set_attribute("laneway.cancelled", reason)
+        state.span.end()
+        self._terminal(
+            state,
+            RequestCancelled(
+                source=self._outputs.source,
+                request_id=request_id,
+                session_id=state.session_id,
+                trace=trace_context(state.span),
+                worker_id=self._outputs.worker_id,
+                reason=reason,
+                completion_tokens=state.stream.emitted,
+            ),
+        )
+
+    async def fail(self, request_id: str, message: str, code: FailureCode = "engine_error") -> None:
+        self._driver.abort(request_id)
+        state = self.active.pop(request_id)
+        state.span.set_attribute("laneway.failed", message)
+        state.span.end()
+        self._terminal(
+            state,
+            RequestFailed(
+                source=self._outputs.source,
+                request_id=request_id,
+                session_id=state.session_id,
+                trace=trace_context(state.span),
+                code=code,
+                message=message,
+                worker_id=self._outputs.worker_id,
+            ),
+        )
+
+    def prefill_failed(self, request_id: str, message: str) -> None:
+        self._prefill.failed(request_id, self.prefills.pop(request_id), message)
+
+    def prefill_cancelled(self, request_id: str) -> bool:
+        """Stop prefilling a cancelled request (its decode worker ends it); False if this worker
+        does not prefill it."""
+        job = self.prefills.pop(request_id, None)
+        if job is None:
+            return False
+        self._driver.abort(request_id)
+        job.span.end()
+        return True
+
+    async def end_all(self) -> None:
+        """Fail every request still held: the worker stops."""
+        for request_id in list(self.active):
+            await self.fail(request_id, "worker shut down before the request finished")
+        for request_id in list(self.prefills):
+            self.prefill_failed(request_id, "prefill worker shut down")
+
+    def _terminal(self, state: Active, event: Envelope) -> None:
+        if state.awaiting is not None:
+            if state.awaiting.timer is not None:
+                state.awaiting.timer.cancel()
+            self._blobs.drop(event.request_id or "")
+        self._outputs.terminal(state.spec.reply_to, event)

@@ -1,0 +1,128 @@
+"""One request's output stream, pure: the engine's outputs for it go in, the token chunks to
+publish and the request's latency record come out. No clock and no I/O: the caller says when each
+output arrived, so the live worker (monotonic seconds) and a replay (its simulated clock) run it
+alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.events import FinishReason, RequestFinished, TraceContext, Usage
+from schemas.latency import LatencyHistogram
+from services.common.tokenizer import IncrementalDetokenizer
+from services.engine.protocol import RequestOutput
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Tokens that go out together; ``index`` is the answer position of the first."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+
+
+class RequestStream:
+    """``received``: when the request arrived (same clock as every ``now``). Without a
+    ``detokenizer`` chunks carry no text and no stop string can end the answer."""
+
+    def __init__(
+        self,
+        prompt_tokens: int,
+        received: float,
+        stream_interval_s: float = 0.0,
+        detokenizer: IncrementalDetokenizer | None = None,
+    ) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.received = received
+        self._interval_s = stream_interval_s
+        self._detok = detokenizer
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.finished_at: float | None = None
+        self.finish_reason: FinishReason | None = None
+        self.cached_tokens = 0
+        # Tokens published so far, and those generated but not yet published.
+        self.emitted = 0
+        self._pending_ids: list[int] = []
+        self._pending_text = ""
+        self._flushed_at = 0.0
+        self.token_gaps = LatencyHistogram()
+        # Gaps whose step also computed prompt tokens (another request's prefill, mostly).
+        self.stalled_gaps = 0
+        # The gap the latest output closed, in milliseconds (None for the first token).
+        self.last_gap_ms: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended the answer, possibly before the engine did."""
+        return self._detok is not None and self._detok.stopped
+
+    def push(self, output: RequestOutput, now: float, stalled: bool = False) -> Chunk | None:
+        """Take one step's output (``stalled``: that step also computed prompt tokens); the
+        chunk to publish now, if any."""
+        self.last_gap_ms = None
+        if self.first_token is None:
+            self.first_token = now
+            self.cached_tokens = output.cached_tokens or 0
+        elif self.last_token is not None and output.new_token_ids:
+            self.last_gap_ms = (now - self.last_token) * 1000
+            self.token_gaps.add(self.last_gap_ms)
+            self.stalled_gaps += stalled
+        if output.new_token_ids:
+            self.last_token = now
+        self._pending_ids += output.new_token_ids
+        if self._detok is not None:
+            self._pending_text += self._detok.push(output.new_token_ids)
+        finished = output.finished or self.stopped
+        if finished and self._detok is not None and not self._detok.stopped:
+            self._pending_text += self._detok.flush()
+        chunk = None
+        # The first token goes out at once (it is the TTFT), the last with the end; between,
+        # tokens are coalesced for `stream_interval_s` so that a long answer is not one message
+        # per step per request.
+        if self._pending_ids and (
+            finished or self.emitted == 0 or now - self._flushed_at >= self._interval_s
+        ):
+            chunk = Chunk(self.emitted, tuple(self._pending_ids), self._pending_text)
+            self.emitted += len(self._pending_ids)
+            self._pending_ids, self._pending_text, self._flushed_at = [], "", now
+        if finished:
+            self.finished_at = now
+            self.finish_reason = "stop" if self.stopped else (output.finish_reason or "length")
+        return chunk
+
+    def finished_event(
+        self,
+        source: str,
+        request_id: str,
+        session_id: str | None,
+        trace: TraceContext | None,
+        worker_id: str,
+        prefill_worker_id: str | None = None,
+    ) -> RequestFinished:
+        """The terminal event of a finished stream."""
+        assert self.finish_reason is not None and self.finished_at is not None
+        end = self.finished_at
+        return RequestFinished(
+            source=source,
+            request_id=request_id,
+            session_id=session_id,
+            trace=trace,
+            worker_id=worker_id,
+            finish_reason=self.finish_reason,
+            usage=Usage(
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=self.emitted,
+                cached_tokens=self.cached_tokens,
+            ),
+            ttft_ms=((self.first_token or end) - self.received) * 1000,
+            e2e_ms=(end - self.received) * 1000,
+            token_gaps=self.token_gaps,
+            stalled_gaps=self.stalled_gaps,
+            prefill_worker_id=prefill_worker_id,
+        )
