@@ -3,11 +3,9 @@ official openai client, streaming, through ingress, planner, kv-indexer and a to
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ from bus.topology import Subjects
 from infra.cli import _engine_env
 from schemas.events import Event, PrefillCompleted
 from tests.conftest import ClusterFactory
+from tests.helpers import eventually
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +105,7 @@ async def test_a_disaggregated_request_generates_the_aggregated_tokens(
                 texts.append(answer.choices[0].text)
             answers.append(texts)
         assert all(answers[0]) and answers[0] == answers[1]
-        deadline = time.monotonic() + 5
-        while len(handoffs) < len(prompts) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await eventually(lambda: len(handoffs) >= len(prompts))
         assert len(handoffs) == len(prompts)
         assert all(h.error is None for h in handoffs)
         # The long prompts' blocks went over as tensors; the second found the first's prefix
