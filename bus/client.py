@@ -16,22 +16,21 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, ValidationError
 
-from bus.topology import ALL_STREAMS, Consumer, Stream
+from bus.channels import Consumer, Topic
+from bus.topology import STREAM_SUBJECTS
 from schemas.codec import decode_as, decode_event, encode
 from schemas.events import Envelope, Event
 
 log = logging.getLogger(__name__)
 
-EventHandler = Callable[[Event], Awaitable[None]]
-# Receives each event with its position (sequence number) in the stream.
-PositionedHandler = Callable[[Event, int], Awaitable[None]]
+E = TypeVar("E", bound=Envelope)
 Q = TypeVar("Q", bound=BaseModel)
 R = TypeVar("R", bound=BaseModel)
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 
 
-def _headers(event: Envelope) -> dict[str, str]:
+def event_headers(event: Envelope) -> dict[str, str]:
     # The message id makes JetStream drop a re-published duplicate within the window; the trace
     # headers let tools that only read headers follow the trace without decoding the body.
     headers = {MSG_ID_HEADER: event.event_id}
@@ -40,6 +39,16 @@ def _headers(event: Envelope) -> dict[str, str]:
         if event.trace.tracestate:
             headers["tracestate"] = event.trace.tracestate
     return headers
+
+
+def _for_handler(topic: Topic[E], event: Event, subject: str) -> E | None:
+    """The event if the topic's handler takes its type; None (with a warning for a type the
+    channel does not carry at all) if not."""
+    if isinstance(event, topic.events):
+        return event
+    if not isinstance(event, topic.carried):
+        log.warning("dropping a %s on %s: the channel does not carry it", event.type, subject)
+    return None
 
 
 class Bus:
@@ -57,22 +66,24 @@ class Bus:
     def nc(self) -> NatsClient:
         return self._nc
 
-    async def ensure_streams(self, streams: tuple[Stream, ...] = ALL_STREAMS) -> None:
+    async def ensure_streams(self) -> None:
         """Create or update the streams; every service calls this, so start order is free."""
-        for stream in streams:
+        for stream, subjects in STREAM_SUBJECTS.items():
+            config = stream.config(subjects)
             try:
-                await self._js.add_stream(stream.config())
+                await self._js.add_stream(config)
             except BadRequestError:
-                await self._js.update_stream(stream.config())
+                await self._js.update_stream(config)
 
-    async def publish(self, subject: str, event: Envelope, *, durable: bool = True) -> None:
-        """Publish an event. ``durable`` waits for JetStream's ack; without it the message is
-        still stored by the stream but the caller does not wait a round trip (token deltas)."""
+    async def publish(self, topic: Topic[E], event: E) -> None:
+        """Publish an event the way its channel declares: ``confirmed`` returns once the stream
+        stored it; ``stored`` and ``core`` return once the connection has it (one connection
+        keeps a publisher's order)."""
         data = encode(event)
-        if durable:
-            await self._js.publish(subject, data, headers=_headers(event))
+        if topic.delivery == "confirmed":
+            await self._js.publish(topic.subject, data, headers=event_headers(event))
         else:
-            await self._nc.publish(subject, data, headers=_headers(event))
+            await self._nc.publish(topic.subject, data, headers=event_headers(event))
 
     async def publish_bytes(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         """Core NATS, no stream: bulk data that is not an event (see :mod:`bus.blobs`)."""
@@ -83,7 +94,7 @@ class Bus:
     ) -> None:
         self._subs.append(await self._nc.subscribe(subject, cb=handler))
 
-    async def subscribe(self, subject: str, handler: EventHandler) -> None:
+    async def subscribe(self, topic: Topic[E], handler: Callable[[E], Awaitable[None]]) -> None:
         """Core (non-durable) subscription: lowest latency, for live views of a stream."""
 
         async def on_msg(msg: Msg) -> None:
@@ -92,22 +103,22 @@ class Bus:
             except (ValidationError, ValueError):
                 log.exception("dropping undecodable message on %s", msg.subject)
                 return
-            await handler(event)
+            typed = _for_handler(topic, event, msg.subject)
+            if typed is not None:
+                await handler(typed)
 
-        self._subs.append(await self._nc.subscribe(subject, cb=on_msg))
+        self._subs.append(await self._nc.subscribe(topic.subject, cb=on_msg))
 
-    async def consume(
-        self,
-        consumer: Consumer,
-        handler: EventHandler,
-    ) -> None:
+    async def consume(self, consumer: Consumer[E], handler: Callable[[E], Awaitable[None]]) -> None:
         """Durable consumer with explicit ack: a message is acked only after its handler
-        returned, re-delivered if the handler failed. Handlers must therefore be idempotent."""
+        returned, re-delivered if the handler failed. Handlers must therefore be idempotent.
+        A message the handler does not take is acked unhandled, so it cannot hold the
+        consumer up."""
         config = ConsumerConfig(
             durable_name=consumer.durable,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=consumer.ack_wait_s,
-            filter_subject=consumer.filter_subject,
+            filter_subject=consumer.topic.subject,
             inactive_threshold=consumer.inactive_threshold_s,
             deliver_policy=DeliverPolicy.ALL,
             max_ack_pending=4096,
@@ -124,8 +135,12 @@ class Bus:
                 log.exception("terminating undecodable message on %s", msg.subject)
                 await msg.term()
                 return
+            typed = _for_handler(consumer.topic, event, msg.subject)
+            if typed is None:
+                await msg.ack()
+                return
             try:
-                await handler(event)
+                await handler(typed)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -135,7 +150,7 @@ class Bus:
             await msg.ack()
 
         sub = await self._js.subscribe(
-            consumer.filter_subject,
+            consumer.topic.subject,
             queue=consumer.queue,
             durable=consumer.durable,
             stream=consumer.stream.name,
@@ -146,13 +161,17 @@ class Bus:
         self._subs.append(sub)
 
     async def replay(
-        self, stream: Stream, subject: str, after: int, handler: PositionedHandler
+        self, topic: Topic[E], after: int, handler: Callable[[E, int], Awaitable[None]]
     ) -> None:
-        """Every event on ``subject`` past stream position ``after``, in order, then live ones.
+        """Every event on ``topic`` past stream position ``after``, in order, then live ones;
+        the handler gets each with its position (sequence number) in the stream.
 
         For state rebuilt as a fold: the caller remembers the last position it folded (in a
         snapshot) and resumes after it. An ordered consumer needs no acks and no durable name.
         """
+        stream = topic.stream
+        if stream is None:
+            raise ValueError(f"{topic.subject} is in no stream: nothing to replay")
 
         async def on_msg(msg: Msg) -> None:
             try:
@@ -160,10 +179,12 @@ class Bus:
             except (ValidationError, ValueError):
                 log.exception("skipping undecodable message on %s", msg.subject)
                 return
-            await handler(event, msg.metadata.sequence.stream)
+            typed = _for_handler(topic, event, msg.subject)
+            if typed is not None:
+                await handler(typed, msg.metadata.sequence.stream)
 
         sub = await self._js.subscribe(
-            subject,
+            topic.subject,
             stream=stream.name,
             cb=on_msg,
             ordered_consumer=True,

@@ -1,133 +1,240 @@
-"""Streams and subjects as objects. Services never spell a subject string themselves.
+"""Every stream, channel and durable consumer of Laneway, declared once.
 
-Ids used as subject tokens (worker, ingress instance) are hex strings, so they never contain the
-NATS separators ``.``, ``*`` or ``>``.
+Services never spell a subject string themselves; the streams' subjects are those of the
+channels they store. Ids used as subject tokens (worker, ingress instance) are hex strings, so
+they never contain the NATS separators ``.``, ``*`` or ``>``.
+
+``python -m bus.topology`` prints the table of channels; ``--readme README.md`` rewrites the one
+in the README (between its marker comments).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from pathlib import Path
+from typing import Any
 
-from nats.js.api import StorageType, StreamConfig
+from nats.js.api import StorageType
 
-_PREFIX = "lw"
-
-
-@dataclass(frozen=True)
-class Stream:
-    name: str
-    subjects: tuple[str, ...]
-    storage: StorageType
-    max_age_s: float
-    # Keep only the newest message per subject (the latest load report of each worker).
-    keep_last_per_subject: bool = False
-    duplicate_window_s: float = 120.0
-
-    def config(self) -> StreamConfig:
-        return StreamConfig(
-            name=self.name,
-            subjects=list(self.subjects),
-            storage=self.storage,
-            max_age=self.max_age_s,
-            max_msgs_per_subject=1 if self.keep_last_per_subject else -1,
-            duplicate_window=min(self.duplicate_window_s, self.max_age_s),
-        )
-
+from bus.channels import (
+    Channel,
+    Consumer,
+    Endpoint,
+    Stream,
+    Topic,
+    markdown_table,
+    stream_subjects,
+    view,
+)
+from schemas.events import (
+    CancellationRequested,
+    KvBlocksRemoved,
+    KvBlocksStored,
+    KvCleared,
+    KvEvent,
+    KvTransferred,
+    PrefillCompleted,
+    RequestAccepted,
+    RequestCancelled,
+    RequestFailed,
+    RequestFinished,
+    RolesRebalanced,
+    RouteDecided,
+    TerminalEvent,
+    TokensGenerated,
+    WorkerLoadReported,
+)
 
 DAY_S = 24 * 3600.0
 
-# Request lifecycle: accepted, cancellation asks and terminal events. Replayable.
-REQUESTS = Stream("LW_REQUESTS", (f"{_PREFIX}.req.>",), StorageType.FILE, DAY_S)
-# Routing decisions, one subject per worker. Replayable: the "why" of every request.
-ROUTES = Stream("LW_ROUTES", (f"{_PREFIX}.route.>",), StorageType.FILE, DAY_S)
-# KV cache events, one subject per worker so that each worker's events stay in order.
-KV = Stream("LW_KV", (f"{_PREFIX}.kv.>",), StorageType.FILE, DAY_S)
-# Token deltas, one subject per ingress instance. Short-lived: only the live client needs them.
-TOKENS = Stream("LW_TOKENS", (f"{_PREFIX}.tok.>",), StorageType.MEMORY, 60.0)
-# Worker load reports; only the latest per worker matters.
-LOAD = Stream(
-    "LW_LOAD", (f"{_PREFIX}.load.>",), StorageType.MEMORY, 600.0, keep_last_per_subject=True
+REQUESTS = Stream("LW_REQUESTS", StorageType.FILE, DAY_S)
+ROUTES = Stream("LW_ROUTES", StorageType.FILE, DAY_S)
+KV = Stream("LW_KV", StorageType.FILE, DAY_S)
+TOKENS = Stream("LW_TOKENS", StorageType.MEMORY, 60.0)
+LOAD = Stream("LW_LOAD", StorageType.MEMORY, 600.0, keep_last_per_subject=True)
+CONTROL = Stream("LW_CONTROL", StorageType.FILE, DAY_S)
+
+ACCEPTED: Channel[RequestAccepted] = Channel(
+    "lw.req.accepted",
+    (RequestAccepted,),
+    ("ingress",),
+    ("planner (durable `planner`, shared by replicas)",),
+    "confirmed",
+    REQUESTS,
+    "a request is only taken once the stream has it; replayable",
+)
+CANCELS: Channel[CancellationRequested] = Channel(
+    "lw.req.cancel",
+    (CancellationRequested,),
+    ("ingress",),
+    ("worker",),
+    "confirmed",
+    REQUESTS,
+    "every worker hears every ask; the one running the request ends it",
+)
+TERMINALS: Channel[TerminalEvent] = Channel(
+    "lw.req.done.{ingress}",
+    (RequestFinished, RequestFailed, RequestCancelled),
+    ("worker", "planner"),
+    ("ingress (its own instance)", "planner (all)"),
+    "confirmed",
+    REQUESTS,
+    "one subject per ingress instance; the end of every request, replayable",
+)
+ROUTE: Channel[RouteDecided | PrefillCompleted] = Channel(
+    "lw.route.{worker}",
+    (RouteDecided, PrefillCompleted),
+    ("planner", "worker (prefill side)"),
+    ("worker (durable per worker)", "kv-indexer (`RouteDecided`)"),
+    "confirmed",
+    ROUTES,
+    "one subject per worker: its work, in order; the why of every request",
+)
+TRANSFERRED: Channel[KvTransferred] = Channel(
+    "lw.route.{worker}.transferred",
+    (KvTransferred,),
+    ("worker (decode side)",),
+    ("bench", "operators"),
+    "stored",
+    ROUTES,
+    "a hand-off's arrival, next to its decision but outside the worker's own subject",
+)
+KV_EVENTS: Channel[KvEvent] = Channel(
+    "lw.kv.{worker}",
+    (KvBlocksStored, KvBlocksRemoved, KvCleared),
+    ("worker",),
+    ("kv-indexer (ordered replay)",),
+    "stored",
+    KV,
+    "one subject per worker keeps its order; the indexer replays after its snapshot",
+)
+TOKEN_DELTAS: Channel[TokensGenerated] = Channel(
+    "lw.tok.{ingress}",
+    (TokensGenerated,),
+    ("worker",),
+    ("ingress (its own instance)",),
+    "stored",
+    TOKENS,
+    "one subject per ingress instance; only the live client needs them",
+)
+LOAD_REPORTS: Channel[WorkerLoadReported] = Channel(
+    "lw.load.{worker}",
+    (WorkerLoadReported,),
+    ("worker",),
+    ("planner", "bench"),
+    "stored",
+    LOAD,
+    "the stream keeps each worker's latest report",
+)
+ROLE_MOVES: Channel[RolesRebalanced] = Channel(
+    "lw.ctl.roles",
+    (RolesRebalanced,),
+    ("planner (capacity loop)",),
+    ("bench", "operators"),
+    "confirmed",
+    CONTROL,
+    "the capacity loop's moves between the pools (workers take roles from etcd); replayable",
 )
 
-# The capacity loop's moves between the prefill and decode pools. Replayable.
-CONTROL = Stream("LW_CONTROL", (f"{_PREFIX}.ctl.>",), StorageType.FILE, DAY_S)
+CHANNELS: tuple[Channel[Any], ...] = (
+    ACCEPTED,
+    CANCELS,
+    TERMINALS,
+    ROUTE,
+    TRANSFERRED,
+    KV_EVENTS,
+    TOKEN_DELTAS,
+    LOAD_REPORTS,
+    ROLE_MOVES,
+)
+STREAM_SUBJECTS = stream_subjects(CHANNELS)
 
-ALL_STREAMS = (REQUESTS, ROUTES, KV, TOKENS, LOAD, CONTROL)
+OVERLAP_QUERY = Endpoint(
+    "lw.query.overlap",
+    "`OverlapQuery` → `OverlapReply`",
+    ("planner",),
+    ("kv-indexer (queue group)",),
+    "request/reply: queries are not facts",
+)
+INDEX_STATE = Endpoint(
+    "lw.query.index.{indexer}",
+    "`IndexStateQuery` → `IndexState`",
+    ("operators", "tests"),
+    ("kv-indexer (that replica)",),
+    "one replica's digest of its index",
+)
+KV_HANDOFF = Endpoint(
+    "lw.kvx.{worker}",
+    "KV tensor chunks (bytes)",
+    ("worker (prefill side)",),
+    ("worker (decode side)",),
+    "megabytes, useless once delivered; announced by `PrefillCompleted`",
+)
+ENDPOINTS = (OVERLAP_QUERY, INDEX_STATE, KV_HANDOFF)
 
 
 class Subjects:
-    """Every subject Laneway uses."""
+    """Every topic and subject Laneway uses, by what it is for."""
 
-    request_accepted = f"{_PREFIX}.req.accepted"
-    cancellation_requested = f"{_PREFIX}.req.cancel"
-    all_request_terminals = f"{_PREFIX}.req.done.>"
-    all_routes = f"{_PREFIX}.route.>"
-    all_kv = f"{_PREFIX}.kv.>"
-    all_load = f"{_PREFIX}.load.>"
-    roles_rebalanced = f"{_PREFIX}.ctl.roles"
-    # Core NATS request/reply, deliberately outside every stream: queries are not facts.
-    overlap_query = f"{_PREFIX}.query.overlap"
-
-    @staticmethod
-    def index_state(instance_id: str) -> str:
-        """One kv-indexer replica's digest of its index (operators, tests)."""
-        return f"{_PREFIX}.query.index.{instance_id}"
-
-    @staticmethod
-    def request_terminal(ingress_id: str) -> str:
-        return f"{_PREFIX}.req.done.{ingress_id}"
-
-    @staticmethod
-    def route(worker_id: str) -> str:
-        return f"{_PREFIX}.route.{worker_id}"
-
-    @staticmethod
-    def kv_transferred(worker_id: str) -> str:
-        """A hand-off's arrival at the decode worker; in the routes stream with the decision,
-        outside the worker's own route subject."""
-        return f"{_PREFIX}.route.{worker_id}.transferred"
-
-    @staticmethod
-    def kv_handoff(worker_id: str) -> str:
-        """Core NATS, outside every stream: the KV tensors of hand-offs to this worker, chunked."""
-        return f"{_PREFIX}.kvx.{worker_id}"
-
-    @staticmethod
-    def kv(worker_id: str) -> str:
-        return f"{_PREFIX}.kv.{worker_id}"
-
-    @staticmethod
-    def tokens(ingress_id: str) -> str:
-        return f"{_PREFIX}.tok.{ingress_id}"
-
-    @staticmethod
-    def load(worker_id: str) -> str:
-        return f"{_PREFIX}.load.{worker_id}"
+    request_accepted = ACCEPTED.subject
+    cancellation_requested = CANCELS.subject
+    all_request_terminals = TERMINALS.every
+    all_kv = KV_EVENTS.every
+    all_load = LOAD_REPORTS.every
+    roles_rebalanced = ROLE_MOVES.subject
+    # Decisions, prefill completions and hand-off arrivals: the whole routes stream.
+    all_routes: Topic[RouteDecided | PrefillCompleted | KvTransferred] = view(
+        "lw.route.>", ROUTE, TRANSFERRED
+    )
+    # Every worker's routing decisions, without the prefill completions beside them.
+    route_decisions = ROUTE.every.only(RouteDecided)
+    overlap_query = OVERLAP_QUERY.pattern
+    index_state = staticmethod(INDEX_STATE.at)
+    request_terminal = staticmethod(TERMINALS.at)
+    route = staticmethod(ROUTE.at)
+    kv_transferred = staticmethod(TRANSFERRED.at)
+    kv_handoff = staticmethod(KV_HANDOFF.at)
+    kv = staticmethod(KV_EVENTS.at)
+    tokens = staticmethod(TOKEN_DELTAS.at)
+    load = staticmethod(LOAD_REPORTS.at)
 
 
-@dataclass(frozen=True)
-class Consumer:
-    """A durable JetStream consumer: its name, stream, filter, and who shares it."""
-
-    durable: str
-    stream: Stream
-    filter_subject: str
-    # Replicas of a service share one durable through a deliver group (each message to one).
-    queue: str | None = None
-    # Seconds a durable survives without a subscriber (workers die; their consumers should not
-    # pile up). None: forever.
-    inactive_threshold_s: float | None = None
-    ack_wait_s: float = 30.0
-
-
-PLANNER_INTAKE = Consumer("planner", REQUESTS, Subjects.request_accepted, queue="planner")
+PLANNER_INTAKE = Consumer("planner", Subjects.request_accepted, queue="planner")
 
 # The kv-indexer's snapshots (JetStream object store): the index folded up to a KV stream position.
 INDEX_SNAPSHOTS = "LW_INDEX_SNAPSHOTS"
 INDEX_SNAPSHOT_NAME = "prefix-index"
 
 
-def worker_routes(worker_id: str) -> Consumer:
-    return Consumer(
-        f"worker-{worker_id}", ROUTES, Subjects.route(worker_id), inactive_threshold_s=300.0
-    )
+def worker_routes(worker_id: str) -> Consumer[RouteDecided | PrefillCompleted]:
+    return Consumer(f"worker-{worker_id}", ROUTE.at(worker_id), inactive_threshold_s=300.0)
+
+
+TABLE_BEGIN = "<!-- channels: generated by `python -m bus.topology --readme README.md` -->"
+TABLE_END = "<!-- /channels -->"
+
+
+def channel_table() -> str:
+    return markdown_table(CHANNELS, ENDPOINTS)
+
+
+def readme_table(text: str) -> str:
+    """The table between the markers of a README's text."""
+    start = text.index(TABLE_BEGIN) + len(TABLE_BEGIN) + 1
+    return text[start : text.index(TABLE_END, start)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="The table of Laneway's channels, as markdown.")
+    parser.add_argument("--readme", type=Path, help="rewrite the table in this README")
+    args = parser.parse_args()
+    if args.readme is None:
+        print(channel_table(), end="")
+        return
+    text = args.readme.read_text()
+    old = TABLE_BEGIN + "\n" + readme_table(text)
+    args.readme.write_text(text.replace(old, TABLE_BEGIN + "\n" + channel_table()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,14 +1,35 @@
-"""The bus against a real nats-server with JetStream."""
+"""The bus against a real nats-server with JetStream, and the channels' declaration."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
+import typing
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
-from bus.client import Bus, EventHandler
-from bus.topology import KV, Consumer, Subjects
+import pytest
+from nats.aio.msg import Msg
+
+from bus.channels import Consumer
+from bus.client import Bus
+from bus.topology import CHANNELS, KV, Subjects, channel_table, readme_table
 from infra.embedded import EmbeddedServer
-from schemas.events import Event, KvBlocksStored, KvCleared, TokensGenerated
+from schemas.codec import encode
+from schemas.events import (
+    Envelope,
+    Event,
+    KvBlocksStored,
+    KvCleared,
+    KvEvent,
+    RouteDecided,
+    TokensGenerated,
+    TraceContext,
+)
 from schemas.messages import OverlapQuery, OverlapReply
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def kv_event(seq: int, event_id: str | None = None) -> KvBlocksStored:
@@ -16,76 +37,163 @@ def kv_event(seq: int, event_id: str | None = None) -> KvBlocksStored:
     return KvBlocksStored(source="t", worker_id="w1", seq=seq, block_hashes=(seq,), **extra)
 
 
+def tokens(text: str = "a", trace: TraceContext | None = None) -> TokensGenerated:
+    return TokensGenerated(
+        source="t", request_id="r", worker_id="w", index=0, token_ids=(1,), text=text, trace=trace
+    )
+
+
+async def stored(bus: Bus, stream: str, subject: str) -> int:
+    info = await bus.nc.jetstream().stream_info(stream, subjects_filter=subject)
+    return (info.state.subjects or {}).get(subject, 0)
+
+
+async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not (await held if inspect.isawaitable(held := check()) else held):
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def test_the_readme_table_is_the_declared_one() -> None:
+    assert readme_table(README.read_text()) == channel_table(), (
+        "regenerate it: python -m bus.topology --readme README.md"
+    )
+
+
+def test_every_event_type_travels_on_a_channel() -> None:
+    (union, *_) = typing.get_args(Event)
+    carried = {t for channel in CHANNELS for t in channel.events}
+    assert set(typing.get_args(union)) <= carried
+
+
+def test_a_topic_narrows_only_to_a_type_its_channel_carries() -> None:
+    assert Subjects.all_routes.only(RouteDecided).events == (RouteDecided,)
+    with pytest.raises(ValueError, match="carries no"):
+        Subjects.all_kv.only(TokensGenerated)
+    with pytest.raises(ValueError, match="view over several subjects"):
+        _ = Subjects.all_kv.delivery
+
+
 async def test_durable_consumer_gets_every_event_once_in_order(bus: Bus) -> None:
-    got: list[Event] = []
+    got: list[KvEvent] = []
     done = asyncio.Event()
 
-    async def handler(event: Event) -> None:
+    async def handler(event: KvEvent) -> None:
         got.append(event)
         if len(got) == 3:
             done.set()
 
-    subject = Subjects.kv("busorder")
+    topic = Subjects.kv("busorder")
     for seq in (1, 2, 3):
-        await bus.publish(subject, kv_event(seq))
-    await bus.consume(Consumer("t-order", KV, subject), handler)
+        await bus.publish(topic, kv_event(seq))
+    await bus.consume(Consumer("t-order", topic), handler)
     await asyncio.wait_for(done.wait(), 5)
     await asyncio.sleep(0.2)
-    assert [e.seq for e in got] == [1, 2, 3]  # type: ignore[union-attr]
+    assert [e.seq for e in got] == [1, 2, 3]
+
+
+async def test_a_stray_event_type_is_dropped_and_acked_not_redelivered(
+    bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A durable consumer whose channel does not carry a type acks it unhandled and goes on:
+    nothing can wedge it."""
+    topic = Subjects.kv("busstray")
+    got: list[KvEvent] = []
+    await bus.nc.jetstream().publish(topic.subject, encode(tokens()))
+    await bus.publish(topic, kv_event(1))
+
+    async def handler(event: KvEvent) -> None:
+        got.append(event)
+
+    with caplog.at_level(logging.WARNING, logger="bus.client"):
+        await bus.consume(Consumer("t-stray", topic, ack_wait_s=1.0), handler)
+
+        async def all_acked() -> bool:
+            info = await bus.nc.jetstream().consumer_info(KV.name, "t-stray")
+            return bool(got) and info.num_ack_pending == 0 and info.num_pending == 0
+
+        await eventually(all_acked)
+    await asyncio.sleep(1.5)  # past ack_wait: an unacked stray would come back now
+    assert [type(e) for e in got] == [KvBlocksStored]
+    assert "does not carry it" in caplog.text
+
+
+async def test_a_handler_of_one_type_skips_the_others_quietly(
+    bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    got: list[KvCleared] = []
+    topic = Subjects.kv("busonly")
+
+    async def handler(event: KvCleared) -> None:
+        got.append(event)
+
+    await bus.subscribe(topic.only(KvCleared), handler)
+    with caplog.at_level(logging.WARNING, logger="bus.client"):
+        await bus.publish(topic, kv_event(1))
+        await bus.publish(topic, KvCleared(source="t", worker_id="w", seq=2))
+        await eventually(lambda: bool(got))
+    assert [e.seq for e in got] == [2]
+    assert "does not carry it" not in caplog.text
 
 
 async def test_republished_event_id_is_deduplicated(bus: Bus) -> None:
-    subject = Subjects.kv("busdedup")
-    await bus.publish(subject, kv_event(1, "same-id"))
-    await bus.publish(subject, kv_event(1, "same-id"))
-    info = await bus.nc.jetstream().stream_info(KV.name, subjects_filter=subject)
-    assert info.state.subjects == {subject: 1}
+    topic = Subjects.kv("busdedup")
+    await bus.publish(topic, kv_event(1, "same-id"))
+    await bus.publish(topic, kv_event(1, "same-id"))
+    await bus.publish(topic, kv_event(2))
+
+    async def both_arrived() -> bool:
+        return await stored(bus, KV.name, topic.subject) >= 2
+
+    await eventually(both_arrived)
+    assert await stored(bus, KV.name, topic.subject) == 2
 
 
 async def test_failed_handler_gets_the_event_again(bus: Bus) -> None:
     attempts: list[int] = []
     done = asyncio.Event()
 
-    async def flaky(event: Event) -> None:
+    async def flaky(event: KvEvent) -> None:
         attempts.append(1)
         if len(attempts) == 1:
             raise RuntimeError("transient")
         done.set()
 
-    subject = Subjects.kv("busretry")
-    await bus.publish(subject, KvCleared(source="t", worker_id="w", seq=1))
-    await bus.consume(Consumer("t-retry", KV, subject), flaky)
+    topic = Subjects.kv("busretry")
+    await bus.publish(topic, KvCleared(source="t", worker_id="w", seq=1))
+    await bus.consume(Consumer("t-retry", topic), flaky)
     await asyncio.wait_for(done.wait(), 10)
     assert len(attempts) == 2
 
 
 async def test_trace_context_travels_in_headers(bus: Bus) -> None:
-    from schemas.events import TraceContext
-
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    received = asyncio.get_running_loop().create_future()
+    received: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
 
-    async def on_msg(msg: object) -> None:
+    async def on_msg(msg: Msg) -> None:
         received.set_result(msg)
 
-    subject = Subjects.tokens("bustrace")
-    await bus.nc.subscribe(subject, cb=on_msg)
-    await bus.publish(
-        subject,
-        TokensGenerated(
-            source="t",
-            request_id="r",
-            worker_id="w",
-            index=0,
-            token_ids=(1,),
-            text="a",
-            trace=TraceContext(traceparent=parent),
-        ),
-        durable=False,
-    )
+    topic = Subjects.tokens("bustrace")
+    await bus.nc.subscribe(topic.subject, cb=on_msg)
+    await bus.publish(topic, tokens(trace=TraceContext(traceparent=parent)))
     msg = await asyncio.wait_for(received, 5)
-    assert msg.headers["traceparent"] == parent  # type: ignore[attr-defined]
-    assert msg.headers["Nats-Msg-Id"]  # type: ignore[attr-defined]
+    assert msg.headers is not None
+    assert msg.headers["traceparent"] == parent
+    assert msg.headers["Nats-Msg-Id"]
+
+
+async def test_token_deltas_reach_a_live_subscriber(bus: Bus) -> None:
+    got: list[TokensGenerated] = []
+    topic = Subjects.tokens("buslive")
+
+    async def handler(event: TokensGenerated) -> None:
+        got.append(event)
+
+    await bus.subscribe(topic, handler)
+    await bus.publish(topic, tokens("x"))
+    await eventually(lambda: bool(got))
+    assert got[0].text == "x"
 
 
 async def test_request_reply(bus: Bus) -> None:
@@ -104,24 +212,24 @@ async def test_replicas_starting_together_share_a_queue_consumer(
 ) -> None:
     """Two replicas create the same durable queue consumer at once (as planners starting
     together do): both must get messages, not whichever created it last."""
-    subject = Subjects.kv("busqueue")
-    consumer = Consumer("t-queue", KV, subject, queue="t-queue")
+    topic = Subjects.kv("busqueue")
+    consumer = Consumer("t-queue", topic, queue="t-queue")
     replicas = [await Bus.connect(nats_server.url, f"replica-{i}") for i in range(2)]
     got: dict[int, int] = {0: 0, 1: 0}
 
-    def handler_of(i: int) -> EventHandler:
-        async def handler(event: Event) -> None:
+    def handler_of(i: int) -> Callable[[Envelope], Awaitable[None]]:
+        async def handler(event: Envelope) -> None:
             got[i] += 1
 
         return handler
 
     try:
         await asyncio.gather(*(r.consume(consumer, handler_of(i)) for i, r in enumerate(replicas)))
+        for replica in replicas:  # both subscriptions are at the server before the burst
+            await replica.nc.flush()
         for seq in range(1, 41):
-            await bus.publish(subject, kv_event(seq))
-        deadline = asyncio.get_running_loop().time() + 5
-        while sum(got.values()) < 40 and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
+            await bus.publish(topic, kv_event(seq))
+        await eventually(lambda: sum(got.values()) >= 40)
     finally:
         for replica in replicas:
             await replica.close()

@@ -12,13 +12,11 @@ from bus.topology import Subjects
 from observability.tracing import trace_context
 from schemas.events import (
     CancellationRequested,
-    Event,
     RequestAccepted,
     RequestCancelled,
     RequestFailed,
     RequestFinished,
     RequestSpec,
-    TokensGenerated,
 )
 from services.ingress.gateway import CancelReason, GatewayEvent
 
@@ -38,11 +36,10 @@ class NatsGateway:
         await self._bus.subscribe(Subjects.tokens(self._instance_id), self._deliver)
         await self._bus.subscribe(Subjects.request_terminal(self._instance_id), self._deliver)
 
-    async def _deliver(self, event: Event) -> None:
-        if isinstance(event, TokensGenerated | RequestFinished | RequestFailed | RequestCancelled):
-            queue = self._streams.get(event.request_id or "")
-            if queue is not None:
-                queue.put_nowait(event)
+    async def _deliver(self, event: GatewayEvent) -> None:
+        queue = self._streams.get(event.request_id or "")
+        if queue is not None:
+            queue.put_nowait(event)
 
     async def submit(
         self, request_id: str, session_id: str | None, spec: RequestSpec

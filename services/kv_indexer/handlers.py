@@ -6,7 +6,7 @@ import time
 
 import xxhash
 
-from schemas.events import Event, KvBlocksRemoved, KvBlocksStored, KvCleared, RouteDecided
+from schemas.events import KvEvent, RouteDecided
 from schemas.messages import (
     IndexState,
     IndexStateQuery,
@@ -30,19 +30,17 @@ class Indexer:
         self._live: set[str] = set()
         self._seen_live = False
 
-    async def on_kv(self, event: Event, position: int) -> None:
-        if isinstance(event, KvBlocksStored | KvBlocksRemoved | KvCleared):
-            self.index.apply(event)
+    async def on_kv(self, event: KvEvent, position: int) -> None:
+        self.index.apply(event)
         self.index.position = position
 
-    async def on_route(self, event: Event) -> None:
-        if isinstance(event, RouteDecided):
-            now = time.monotonic()
-            self.predicted.routed(event.worker_id, event.spec.block_hashes, now)
-            # A remote prefill caches the prompt on the prefill worker too.
-            remote = event.prefill.prefill_worker_id if event.prefill is not None else None
-            if remote is not None:
-                self.predicted.routed(remote, event.spec.block_hashes, now)
+    async def on_route(self, event: RouteDecided) -> None:
+        now = time.monotonic()
+        self.predicted.routed(event.worker_id, event.spec.block_hashes, now)
+        # A remote prefill caches the prompt on the prefill worker too.
+        remote = event.prefill.prefill_worker_id if event.prefill is not None else None
+        if remote is not None:
+            self.predicted.routed(remote, event.spec.block_hashes, now)
 
     async def on_query(self, query: OverlapQuery) -> OverlapReply:
         overlaps = self.index.overlaps(query.block_hashes)

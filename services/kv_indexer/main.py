@@ -12,7 +12,7 @@ from bus.client import Bus
 from bus.registry import connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
-from bus.topology import INDEX_SNAPSHOT_NAME, INDEX_SNAPSHOTS, KV, Subjects
+from bus.topology import INDEX_SNAPSHOT_NAME, INDEX_SNAPSHOTS, Subjects
 from schemas.events import new_id
 from schemas.messages import IndexStateQuery, OverlapQuery
 from services.kv_indexer.handlers import Indexer
@@ -59,9 +59,9 @@ def main() -> None:
         etcd = connect_etcd(settings.etcd_endpoints)
         indexer = Indexer(await _restore(bus), settings.predicted_ttl_s)
         watcher = asyncio.create_task(watch_workers(etcd, indexer.on_workers))
-        await bus.replay(KV, Subjects.all_kv, indexer.index.position, indexer.on_kv)
+        await bus.replay(Subjects.all_kv, indexer.index.position, indexer.on_kv)
         # Live routing decisions only: predictions are approximate and short-lived anyway.
-        await bus.subscribe(Subjects.all_routes, indexer.on_route)
+        await bus.subscribe(Subjects.route_decisions, indexer.on_route)
         await bus.serve(Subjects.overlap_query, OverlapQuery, indexer.on_query, queue="kv-indexer")
         await bus.serve(
             Subjects.index_state(settings.instance_id),

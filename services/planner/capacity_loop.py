@@ -11,6 +11,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
+from bus.channels import Topic
 from bus.registry import LeasedKey
 from bus.topology import Subjects
 from schemas.events import RequestFinished, Role, RoleMove, RolesRebalanced
@@ -27,7 +28,7 @@ from services.planner.policy import WorkerView
 log = logging.getLogger(__name__)
 
 AssignRoles = Callable[[dict[str, Role]], Awaitable[None]]
-Publish = Callable[[str, RolesRebalanced], Awaitable[None]]
+Publish = Callable[[Topic[RolesRebalanced], RolesRebalanced], Awaitable[None]]
 
 
 class CapacityLoop:

@@ -15,13 +15,12 @@ from bus.registry import SessionStore
 from bus.topology import PLANNER_INTAKE, Subjects
 from observability.tracing import context_of, trace_context
 from schemas.events import (
-    Event,
     FailureCode,
     RequestAccepted,
-    RequestCancelled,
     RequestFailed,
     RequestFinished,
     RouteDecided,
+    TerminalEvent,
     WorkerLoadReported,
     utc_now,
 )
@@ -60,7 +59,7 @@ class Planner:
         """Take requests, terminal events and load reports from the bus; ``on_finished`` also
         hears every finished request (the capacity loop)."""
 
-        async def on_terminal(event: Event) -> None:
+        async def on_terminal(event: TerminalEvent) -> None:
             await self.on_terminal(event)
             if on_finished is not None and isinstance(event, RequestFinished):
                 on_finished(event)
@@ -69,8 +68,8 @@ class Planner:
         await self._bus.subscribe(Subjects.all_load, self.on_load)
         await self._bus.consume(PLANNER_INTAKE, self.on_request)
 
-    async def on_request(self, event: Event) -> None:
-        if not isinstance(event, RequestAccepted) or event.request_id is None:
+    async def on_request(self, event: RequestAccepted) -> None:
+        if event.request_id is None:
             return
         if self.cluster.is_routed(event.request_id):  # redelivered after a lost ack
             return
@@ -183,16 +182,12 @@ class Planner:
             return {}
         return reply.overlaps
 
-    async def on_terminal(self, event: Event) -> None:
-        if (
-            isinstance(event, RequestFinished | RequestFailed | RequestCancelled)
-            and event.request_id
-        ):
+    async def on_terminal(self, event: TerminalEvent) -> None:
+        if event.request_id:
             self.cluster.finished(event.request_id)
 
-    async def on_load(self, event: Event) -> None:
-        if isinstance(event, WorkerLoadReported):
-            self.cluster.report(event)
+    async def on_load(self, event: WorkerLoadReported) -> None:
+        self.cluster.report(event)
 
     async def on_workers(self, workers: dict[str, WorkerRegistration]) -> None:
         lost = self.cluster.set_workers(workers)

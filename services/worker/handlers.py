@@ -8,7 +8,7 @@ import time
 from opentelemetry import trace
 
 from observability.tracing import context_of
-from schemas.events import CancellationRequested, Event, PrefillCompleted, RouteDecided
+from schemas.events import CancellationRequested, PrefillCompleted, RouteDecided
 from services.common.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.worker.decode_side import DecodeSide
 from services.worker.handoff import PrefillSide
@@ -39,11 +39,11 @@ class Handlers:
         self._early_cancels: dict[str, float] = {}
         self._tracer = trace.get_tracer("laneway.worker")
 
-    async def on_route(self, event: Event) -> None:
+    async def on_route(self, event: RouteDecided | PrefillCompleted) -> None:
         if isinstance(event, PrefillCompleted):
             self._decode.on_prefilled(event)
             return
-        if not isinstance(event, RouteDecided) or event.request_id is None:
+        if event.request_id is None:
             return
         request_id = event.request_id
         if self._requests.holds(request_id):  # a redelivery
@@ -81,8 +81,8 @@ class Handlers:
         self._requests.prefills[request_id] = job
         await self._requests.admit(request)
 
-    async def on_cancel(self, event: Event) -> None:
-        if not isinstance(event, CancellationRequested) or event.request_id is None:
+    async def on_cancel(self, event: CancellationRequested) -> None:
+        if event.request_id is None:
             return
         if self._requests.prefill_cancelled(event.request_id):
             return  # the decode worker holds the request and ends it

@@ -7,7 +7,13 @@ from collections.abc import Coroutine
 
 from bus.client import Bus
 from bus.topology import Subjects
-from schemas.events import Envelope, KvTransferred, Role, TokensGenerated, WorkerLoadReported
+from schemas.events import (
+    KvTransferred,
+    Role,
+    TerminalEvent,
+    TokensGenerated,
+    WorkerLoadReported,
+)
 from services.engine.kv_events import kv_event
 from services.engine.protocol import EngineLoad, KvChange
 from services.worker.stream import Chunk
@@ -51,27 +57,23 @@ class Outputs:
                 token_ids=chunk.token_ids,
                 text=chunk.text,
             ),
-            durable=False,
         )
 
-    def terminal(self, reply_to: str, event: Envelope) -> None:
-        # Awaiting JetStream's ack here would stall every other request's next step; the
-        # publish is queued on the connection behind this request's token deltas, so order holds.
+    def terminal(self, reply_to: str, event: TerminalEvent) -> None:
+        # Awaiting the stream's confirmation here would stall every other request's next step;
+        # the publish is queued on the connection behind this request's token deltas, so order
+        # holds.
         self._background.spawn(self._bus.publish(Subjects.request_terminal(reply_to), event))
 
     def kv_transferred(self, event: KvTransferred) -> None:
-        self._background.spawn(
-            self._bus.publish(Subjects.kv_transferred(self.worker_id), event, durable=False)
-        )
+        self._background.spawn(self._bus.publish(Subjects.kv_transferred(self.worker_id), event))
 
     async def kv(self, changes: list[KvChange]) -> None:
         subject = Subjects.kv(self.worker_id)
         for change in changes:
             self._kv_seq += 1
             # Per-worker order is what the index needs; one connection preserves it.
-            await self._bus.publish(
-                subject, kv_event(change, self.worker_id, self._kv_seq), durable=False
-            )
+            await self._bus.publish(subject, kv_event(change, self.worker_id, self._kv_seq))
 
     async def load(self, role: Role, load: EngineLoad, busy_s: float) -> None:
         await self._bus.publish(
@@ -87,5 +89,4 @@ class Outputs:
                 kv_blocks_total=load.kv_blocks_total,
                 busy_s=busy_s,
             ),
-            durable=False,
         )

@@ -14,7 +14,13 @@ from opentelemetry.trace import Span
 
 from bus.blobs import BlobAssembler
 from observability.tracing import trace_context
-from schemas.events import Envelope, FailureCode, RequestCancelled, RequestFailed, RequestSpec
+from schemas.events import (
+    FailureCode,
+    RequestCancelled,
+    RequestFailed,
+    RequestSpec,
+    TerminalEvent,
+)
 from services.engine.protocol import EngineRequest, RequestOutput
 from services.worker.driver import EngineDriver
 from services.worker.handoff import PrefillJob, PrefillSide
@@ -200,7 +206,7 @@ class Requests:
         for request_id in list(self.prefills):
             self.prefill_failed(request_id, "prefill worker shut down")
 
-    def _terminal(self, state: Active, event: Envelope) -> None:
+    def _terminal(self, state: Active, event: TerminalEvent) -> None:
         if state.awaiting is not None:
             if state.awaiting.timer is not None:
                 state.awaiting.timer.cancel()

@@ -1,0 +1,199 @@
+"""The vocabulary of the bus: streams, channels and the topics handlers subscribe to.
+
+A channel is one kind of traffic: a subject pattern, the events it carries, who publishes and
+who reads them, whether a stream stores them and whether a publisher waits for that. Every
+channel is declared once, in :mod:`bus.topology`; subjects, stream subjects, the typed dispatch
+of :class:`bus.client.Bus` and the README's table of channels are all derived from it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+
+from nats.js.api import StorageType, StreamConfig
+
+from schemas.events import Envelope
+
+E = TypeVar("E", bound=Envelope)
+T = TypeVar("T", bound=Envelope)
+
+# How a publisher hands an event over:
+#   core:      core NATS only, no stream stores it (gone if nobody listens right then);
+#   stored:    a stream stores it, the publisher does not wait for the stream's ack;
+#   confirmed: a stream stores it and the publisher waits until the stream has it.
+Delivery = Literal["core", "stored", "confirmed"]
+
+# The one token of a subject per worker or per instance, named for the docs: `{worker}`.
+_KEY = re.compile(r"\{[a-z_]+\}")
+
+
+@dataclass(frozen=True)
+class Stream:
+    name: str
+    storage: StorageType
+    max_age_s: float
+    # Keep only the newest message per subject (the latest load report of each worker).
+    keep_last_per_subject: bool = False
+    duplicate_window_s: float = 120.0
+
+    def config(self, subjects: list[str]) -> StreamConfig:
+        return StreamConfig(
+            name=self.name,
+            subjects=subjects,
+            storage=self.storage,
+            max_age=self.max_age_s,
+            max_msgs_per_subject=1 if self.keep_last_per_subject else -1,
+            duplicate_window=min(self.duplicate_window_s, self.max_age_s),
+        )
+
+
+@dataclass(frozen=True)
+class Channel(Generic[E]):
+    """``pattern`` is a subject, with one ``{name}`` token standing for a worker or instance id
+    where the channel has a subject per worker or instance."""
+
+    pattern: str
+    events: tuple[type[E], ...]
+    producers: tuple[str, ...]
+    consumers: tuple[str, ...]
+    delivery: Delivery
+    stream: Stream | None = None
+    about: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.stream is None) != (self.delivery == "core"):
+            raise ValueError(f"{self.pattern}: a stream exactly when delivery is not core")
+
+    def at(self, key: str) -> Topic[E]:
+        return Topic(_KEY.sub(lambda _: key, self.pattern), self.events, (self,))
+
+    @property
+    def every(self) -> Topic[E]:
+        """Every subject of the channel (all workers, all instances)."""
+        return self.at("*")
+
+    @property
+    def subject(self) -> Topic[E]:
+        """The channel's one subject; only for a channel without a key."""
+        if _KEY.search(self.pattern):
+            raise ValueError(f"{self.pattern} has a subject per key: use at(key)")
+        return self.at("")
+
+
+@dataclass(frozen=True)
+class Topic(Generic[E]):
+    """A subject to publish to or subscribe to, and the events a handler of it receives.
+
+    ``carried`` is every event type its channels declare; an event of one of them that is not in
+    ``events`` (a handler that wants only some) is skipped quietly, any other type is a stray
+    that the bus drops with a warning.
+    """
+
+    subject: str
+    events: tuple[type[E], ...]
+    channels: tuple[Channel[Any], ...]
+    carried: tuple[type[Envelope], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.carried:
+            carried = tuple(t for c in self.channels for t in c.events)
+            object.__setattr__(self, "carried", carried)
+
+    def only(self, kind: type[T]) -> Topic[T]:
+        """The same subject, with handlers receiving only events of ``kind``."""
+        if kind not in self.carried:
+            raise ValueError(f"{self.subject} carries no {kind.__name__}")
+        return Topic(self.subject, (kind,), self.channels, self.carried)
+
+    @property
+    def stream(self) -> Stream | None:
+        return self.channels[0].stream
+
+    @property
+    def delivery(self) -> Delivery:
+        if len(self.channels) != 1 or "*" in self.subject or ">" in self.subject:
+            raise ValueError(f"{self.subject} is a view over several subjects: publish to one")
+        return self.channels[0].delivery
+
+
+def view(subject: str, *channels: Channel[Any]) -> Topic[Any]:
+    """One subscription over several channels (an observer of a whole stream)."""
+    return Topic(subject, tuple(t for c in channels for t in c.events), channels)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A subject that carries no events: request/reply queries and bulk bytes, core NATS only."""
+
+    pattern: str
+    carries: str
+    producers: tuple[str, ...]
+    consumers: tuple[str, ...]
+    about: str = ""
+
+    def at(self, key: str) -> str:
+        return _KEY.sub(lambda _: key, self.pattern)
+
+
+@dataclass(frozen=True)
+class Consumer(Generic[E]):
+    """A durable JetStream consumer of one topic, and who shares it."""
+
+    durable: str
+    topic: Topic[E]
+    # Replicas of a service share one durable through a deliver group (each message to one).
+    queue: str | None = None
+    # Seconds a durable survives without a subscriber (workers die; their consumers should not
+    # pile up). None: forever.
+    inactive_threshold_s: float | None = None
+    ack_wait_s: float = 30.0
+
+    @property
+    def stream(self) -> Stream:
+        stream = self.topic.stream
+        if stream is None:
+            raise ValueError(f"{self.topic.subject} is in no stream")
+        return stream
+
+
+def stream_subjects(channels: tuple[Channel[Any], ...]) -> dict[Stream, list[str]]:
+    """Each stream with the subjects of the channels it stores: nothing else lands in it."""
+    found: dict[Stream, list[str]] = {}
+    for channel in channels:
+        if channel.stream is not None:
+            found.setdefault(channel.stream, []).append(channel.every.subject)
+    return found
+
+
+def _names(types: tuple[type[Any], ...]) -> str:
+    return ", ".join(f"`{t.__name__}`" for t in types)
+
+
+def markdown_table(channels: tuple[Channel[Any], ...], endpoints: tuple[Endpoint, ...]) -> str:
+    rows = [
+        "| subject | carries | stored in | delivery | producers | consumers | why |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in channels:
+        stream = f"`{c.stream.name}`" if c.stream is not None else "—"
+        rows.append(
+            _row(c.pattern, _names(c.events), stream, c.delivery, c.producers, c.consumers, c.about)
+        )
+    for e in endpoints:
+        rows.append(_row(e.pattern, e.carries, "—", "core", e.producers, e.consumers, e.about))
+    return "\n".join(rows) + "\n"
+
+
+def _row(
+    pattern: str,
+    carries: str,
+    stream: str,
+    delivery: str,
+    producers: tuple[str, ...],
+    consumers: tuple[str, ...],
+    about: str,
+) -> str:
+    cells = [f"`{pattern}`", carries, stream, delivery, ", ".join(producers), ", ".join(consumers)]
+    return "| " + " | ".join([*cells, about]) + " |"
