@@ -1,19 +1,17 @@
 """The TensorRT-LLM adapter.
 
 Without a GPU, the adapter runs over a stand-in for ``tensorrt_llm.LLM`` that streams like the
-real one (an async-iterable result per request, an async KV event stream), which checks the
-threading, step folding, aborts, failures and KV event translation. The end-to-end test needs
-``tensorrt_llm``, a CUDA device and a model directory in ``LANEWAY_TRTLLM_MODEL``.
+real one (``tests/engine/trtllm_standin.py``), which checks the threading, step folding, aborts,
+failures and KV event translation. The end-to-end test needs ``tensorrt_llm``, a CUDA device and
+a model directory in ``LANEWAY_TRTLLM_MODEL``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -34,28 +32,7 @@ from services.engine.trtllm_engine import (
     TrtllmError,
     sampling_kwargs,
 )
-
-BLOCK = 4
-
-
-def _tokens(ids: list[int]) -> list[dict[str, Any]]:
-    return [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in ids]
-
-
-def _stored(parent: int | None, blocks: list[tuple[int, list[int]]]) -> dict[str, Any]:
-    return {
-        "event_id": 0,
-        "data": {
-            "type": "stored",
-            "parent_hash": parent,
-            "blocks": [{"block_hash": h, "tokens": _tokens(ids)} for h, ids in blocks],
-        },
-    }
-
-
-def _removed(hashes: list[int]) -> dict[str, Any]:
-    return {"event_id": 0, "data": {"type": "removed", "block_hashes": hashes}}
-
+from tests.engine.trtllm_standin import BLOCK, FakeLlm, removed_event, standin_engine, stored_event
 
 # -- KV event translation ------------------------------------------------------------------
 
@@ -64,25 +41,27 @@ def test_stored_blocks_are_rehashed_with_laneways_chain() -> None:
     translator = KvEventTranslator(BLOCK)
     prompt = list(range(10, 22))
     expected = chain_block_hashes(prompt, BLOCK)
-    first = translator.translate(_stored(None, [(101, prompt[0:4]), (102, prompt[4:8])]))
+    first = translator.translate(stored_event(None, [(101, prompt[0:4]), (102, prompt[4:8])]))
     assert first == [BlocksStored(expected[:2], None)]
     # A child event names its parent by TensorRT-LLM's hash.
-    child = translator.translate(_stored(102, [(103, prompt[8:12])]))
+    child = translator.translate(stored_event(102, [(103, prompt[8:12])]))
     assert child == [BlocksStored(expected[2:], expected[1])]
-    assert translator.translate(_removed([103, 102])) == [BlocksRemoved((expected[2], expected[1]))]
+    assert translator.translate(removed_event([103, 102])) == [
+        BlocksRemoved((expected[2], expected[1]))
+    ]
     # Removed blocks are forgotten: their removal, or a child of theirs, means nothing now.
-    assert translator.translate(_removed([102])) == []
-    assert translator.translate(_stored(102, [(104, [1, 2, 3, 4])])) == []
+    assert translator.translate(removed_event([102])) == []
+    assert translator.translate(stored_event(102, [(104, [1, 2, 3, 4])])) == []
 
 
 def test_partial_blocks_end_a_stored_run_and_are_never_announced() -> None:
     translator = KvEventTranslator(BLOCK)
     changes = translator.translate(
-        _stored(None, [(1, [5, 6, 7, 8]), (2, [9, 10]), (3, [11, 12, 13, 14])])
+        stored_event(None, [(1, [5, 6, 7, 8]), (2, [9, 10]), (3, [11, 12, 13, 14])])
     )
     assert changes == [BlocksStored((hash_block(0, [5, 6, 7, 8]),), None)]
-    assert translator.translate(_stored(None, [(2, [9, 10])])) == []
-    assert translator.translate(_removed([2])) == []
+    assert translator.translate(stored_event(None, [(2, [9, 10])])) == []
+    assert translator.translate(removed_event([2])) == []
 
 
 def test_other_event_kinds_change_nothing() -> None:
@@ -115,116 +94,8 @@ def test_sampling_maps_greedy_to_top_k_one_and_seeds_from_the_request_id() -> No
 # -- the adapter over a stand-in LLM -------------------------------------------------------
 
 
-class _Result:
-    """Streams like ``GenerationResult``: one output per iteration, token ids accumulating."""
-
-    def __init__(self, llm: _FakeLlm, prompt: list[int], params: dict[str, Any]) -> None:
-        self._llm = llm
-        self._prompt = prompt
-        self._params = params
-        self.outputs = [SimpleNamespace(token_ids=[], finish_reason=None)]
-        self.finished = False
-        self.cached_tokens = llm.cached_tokens
-        self.aborted = False
-
-    def __aiter__(self) -> _Result:
-        return self
-
-    async def __anext__(self) -> _Result:
-        if self.finished:
-            raise StopAsyncIteration
-        await asyncio.sleep(self._llm.iteration_s)
-        completion = self.outputs[0]
-        if self.aborted:
-            self.finished, completion.finish_reason = True, "cancelled"
-            return self
-        if self._llm.fail_streaming:
-            raise RuntimeError("CUDA error: an illegal memory access")
-        token = self._prompt[-1] + len(completion.token_ids) + 1
-        completion.token_ids.append(token)
-        if token in (self._params["stop_token_ids"] or ()):
-            self.finished, completion.finish_reason = True, "stop"
-        elif len(completion.token_ids) == self._params["max_tokens"]:
-            self.finished, completion.finish_reason = True, "length"
-        if self.finished:
-            self._llm.finish(self._prompt + completion.token_ids)
-        return self
-
-    def abort(self) -> None:
-        self.aborted = True
-
-
-class _EventStream:
-    """Like TensorRT-LLM's ``IterationResult``: ends at the first timeout, until re-armed."""
-
-    def __init__(self, llm: _FakeLlm) -> None:
-        self._llm = llm
-        self._done = False
-
-    def mark_undone(self) -> None:
-        self._done = False
-
-    def __aiter__(self) -> _EventStream:
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        if self._done or not self._llm.events:
-            self._done = True
-            raise StopAsyncIteration
-        return self._llm.events.pop(0)
-
-
-class _FakeLlm:
-    def __init__(self) -> None:
-        self.submitted: list[tuple[list[int], dict[str, Any]]] = []
-        self.results: list[_Result] = []
-        self.events: list[dict[str, Any]] = []
-        self.cached_tokens = 0
-        self.iteration_s = 0.0
-        self.refuse: set[int] = set()
-        self.fail_streaming = False
-        self.shut_down = False
-        self._next_hash = 1000
-        # One stream for the LLM's lifetime, as TensorRT-LLM keeps one.
-        self._events = _EventStream(self)
-
-    def generate_async(
-        self, inputs: dict[str, list[int]], sampling_params: dict[str, Any], streaming: bool
-    ) -> _Result:
-        assert streaming
-        prompt = inputs["prompt_token_ids"]
-        if prompt[0] in self.refuse:
-            raise ValueError("prompt too long")
-        self.submitted.append((prompt, sampling_params))
-        result = _Result(self, prompt, sampling_params)
-        self.results.append(result)
-        return result
-
-    def finish(self, sequence: list[int]) -> None:
-        """Store the sequence's blocks, the last one partial, as TensorRT-LLM reports them."""
-        blocks = []
-        for start in range(0, len(sequence), BLOCK):
-            blocks.append((self._next_hash, sequence[start : start + BLOCK]))
-            self._next_hash += 1
-        self.events.append(_stored(None, blocks))
-
-    def get_kv_cache_events_async(self, timeout: float) -> _EventStream:
-        return self._events
-
-    def get_kv_cache_capacity(self) -> dict[str, int]:
-        return {"maxNumBlocks": 64, "tokensPerBlock": BLOCK, "maxNumTokens": 64 * BLOCK}
-
-    def shutdown(self) -> None:
-        self.shut_down = True
-
-
-def _engine(
-    tmp_path: Path, llm: _FakeLlm, **config: Any
-) -> tuple[TrtllmEngine, Callable[[], None]]:
-    settings = TrtllmEngineConfig(
-        model_dir=tmp_path, eos_token_id=2, max_seq_len=64, linger_s=0.0, **config
-    )
-    engine = TrtllmEngine(settings, opener=lambda _config, _max_seq_len: (llm, dict))
+def _engine(tmp_path: Path, llm: FakeLlm, **config: Any) -> tuple[TrtllmEngine, Callable[[], None]]:
+    engine = standin_engine(tmp_path, llm, **config)
     return engine, engine.close
 
 
@@ -261,7 +132,7 @@ def _finished(*request_ids: str) -> Callable[[list[StepResult]], bool]:
 
 
 def test_generates_folds_outputs_and_reports_kv_events(tmp_path: Path) -> None:
-    llm = _FakeLlm()
+    llm = FakeLlm()
     llm.cached_tokens = 4
     engine, close = _engine(tmp_path, llm)
     try:
@@ -307,7 +178,7 @@ def test_generates_folds_outputs_and_reports_kv_events(tmp_path: Path) -> None:
 
 
 def test_abort_stops_the_request_and_drops_its_later_output(tmp_path: Path) -> None:
-    llm = _FakeLlm()
+    llm = FakeLlm()
     llm.iteration_s = 0.005
     engine, close = _engine(tmp_path, llm)
     try:
@@ -328,7 +199,7 @@ def test_abort_stops_the_request_and_drops_its_later_output(tmp_path: Path) -> N
 
 
 def test_a_refused_request_fails_loudly_without_losing_other_output(tmp_path: Path) -> None:
-    llm = _FakeLlm()
+    llm = FakeLlm()
     llm.refuse = {99}
     engine, close = _engine(tmp_path, llm)
     try:
@@ -346,7 +217,7 @@ def test_a_refused_request_fails_loudly_without_losing_other_output(tmp_path: Pa
 
 
 def test_a_failure_while_streaming_is_raised(tmp_path: Path) -> None:
-    llm = _FakeLlm()
+    llm = FakeLlm()
     llm.fail_streaming = True
     engine, close = _engine(tmp_path, llm)
     try:
@@ -359,7 +230,7 @@ def test_a_failure_while_streaming_is_raised(tmp_path: Path) -> None:
 
 
 def test_requests_are_checked_before_they_are_submitted(tmp_path: Path) -> None:
-    llm = _FakeLlm()
+    llm = FakeLlm()
     engine, close = _engine(tmp_path, llm, kv_events=False)
     try:
         assert not engine.capabilities.kv_events

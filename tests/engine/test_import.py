@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from schemas.block_hash import chain_block_hashes
 from schemas.events import SamplingParams
 from services.common.perf_model import FixedPerf
-from services.engine.protocol import BlocksRemoved, BlocksStored, EngineRequest
+from services.engine.protocol import EngineRequest, KvChange
 from services.engine.sim import SimConfig, SimEngine
+
+from ._sim_support import fold
 
 
 def engine(blocks: int) -> SimEngine:
     return SimEngine(SimConfig(block_size=4, num_gpu_blocks=blocks), FixedPerf(0.0, 0.0))
 
 
-def folded(changes: list[object]) -> set[int]:
+def folded(changes: Iterable[KvChange]) -> set[int]:
     cached: set[int] = set()
-    for change in changes:
-        if isinstance(change, BlocksStored):
-            cached |= set(change.block_hashes)
-        elif isinstance(change, BlocksRemoved):
-            cached -= set(change.block_hashes)
+    fold(changes, cached)
     return cached
 
 

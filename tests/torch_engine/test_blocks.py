@@ -9,9 +9,9 @@ import random
 from schemas.block_hash import chain_block_hashes
 from schemas.events import SamplingParams
 from services.engine.protocol import BlocksRemoved, EngineRequest
-from services.engine.sim.config import SimConfig
-from services.engine.sim.request import SimRequest
-from services.engine.sim.scheduler import Scheduler
+from services.engine.scheduling.config import SimConfig
+from services.engine.scheduling.request import SimRequest
+from services.engine.scheduling.scheduler import Scheduler
 from services.engine.torch_engine.blocks import PagedBlockPool, PagedKvManager
 
 BLOCK_SIZE = 4

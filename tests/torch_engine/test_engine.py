@@ -11,7 +11,7 @@ import torch
 
 import services.engine.torch_engine.engine as engine_module
 from services.engine.protocol import BlocksRemoved, RequestOutput
-from services.engine.torch_engine.sampler import RequestSampler
+from services.engine.torch_engine.sampler import RequestSampler, sample
 from tests.engine._sim_support import fold
 
 from ._support import (
@@ -40,11 +40,10 @@ def test_batched_greedy_matches_full_recompute_tokens_and_logits(
 
     # The logits each step samples from, one row per output in output order.
     rows: list[torch.Tensor] = []
-    real_sample = engine_module.sample
 
     def capture(logits: torch.Tensor, samplers: list[RequestSampler]) -> list[int]:
         rows.extend(logits)
-        return real_sample(logits, samplers)
+        return sample(logits, samplers)
 
     monkeypatch.setattr(engine_module, "sample", capture)
     sequences = {rid: list(p) for rid, p in prompts.items()}
@@ -153,7 +152,7 @@ def test_random_workload_matches_reference_and_kv_events_fold(tiny_model_dir: Pa
 
 def _finished(outputs: dict[str, list[RequestOutput]], rid: str) -> bool:
     outs = outputs.get(rid)
-    return bool(outs) and outs[-1].finished
+    return outs is not None and bool(outs) and outs[-1].finished
 
 
 def test_seeded_sampling_is_reproducible_alone_or_batched(tiny_model_dir: Path) -> None:

@@ -9,10 +9,10 @@ import pytest
 
 from infra.bench.engine_bench import hf_greedy
 from schemas.events import SamplingParams
+from services.common.hf_tokenizer import HfTokenizer
 from services.engine.protocol import EngineRequest
 from services.engine.torch_engine.config import TorchEngineConfig
 from services.engine.torch_engine.engine import TorchEngine
-from services.engine.torch_engine.tokenizer import HfTokenizer
 
 NEW_TOKENS = 24
 

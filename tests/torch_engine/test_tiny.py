@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from services.common.hf_tokenizer import HfTokenizer
 from services.engine.torch_engine import tiny
 from services.engine.torch_engine.tiny import make_tiny_model
-from services.engine.torch_engine.tokenizer import HfTokenizer
 from tests.torch_engine._support import Message
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

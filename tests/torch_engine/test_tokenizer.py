@@ -12,8 +12,8 @@ from jinja2.exceptions import TemplateError
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import processors
 
-from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from services.engine.torch_engine.tokenizer import HfTokenizer
+from services.common.hf_tokenizer import HfTokenizer
+from services.common.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.torch_engine._support import Message
 
 MIXED = "Ferry café, naïve 😀 日本語 — ✓ tabs\tand\nnewlines, 12,345 and <b>&amp;</b>"

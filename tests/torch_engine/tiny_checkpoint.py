@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ def write_tiny_checkpoint(folder: Path, seed: int = 0, **overrides: Any) -> Path
     gen = torch.Generator().manual_seed(seed)
 
     def linear(out_dim: int, in_dim: int, gain: float = 1.0) -> torch.Tensor:
-        return torch.randn(out_dim, in_dim, generator=gen) * (gain / in_dim**0.5)
+        return torch.randn(out_dim, in_dim, generator=gen) * (gain / math.sqrt(in_dim))
 
     def norm() -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(hidden, generator=gen)

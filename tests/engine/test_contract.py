@@ -1,0 +1,288 @@
+"""The ``Engine`` protocol's promises, checked against every engine: sim, torch (a tiny random
+checkpoint on the CPU) and TensorRT-LLM (the adapter over its stand-in). An engine that breaks a
+promise the worker or the indexer relies on fails here, whichever engine it is."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from schemas.block_hash import chain_block_hashes
+from schemas.events import SamplingParams
+from services.engine.protocol import (
+    Engine,
+    EngineCapabilities,
+    EngineRequest,
+    RequestOutput,
+    StepResult,
+    kv_portable,
+)
+from services.engine.sim import SimConfig, SimEngine
+from services.engine.torch_engine import TorchEngine, TorchEngineConfig
+from tests.torch_engine.tiny_checkpoint import write_tiny_checkpoint
+
+from ._sim_support import fold
+from .trtllm_standin import FakeLlm, standin_engine
+
+BLOCK = 4
+NUM_BLOCKS = 64  # the stand-in's KV pool too
+MAX_NUM_SEQS = 8
+MAX_NUM_BATCHED_TOKENS = 32
+# Generous for the engines that compute on another thread; the others drain in a few steps.
+DRAIN_TIMEOUT_S = 10.0
+
+EngineFactory = Callable[[], Engine]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("contract-llama"))
+
+
+@pytest.fixture(params=["sim", "torch", "trtllm", "trtllm-no-kv-events"])
+def new_engine(
+    request: pytest.FixtureRequest, tiny_checkpoint: Path, tmp_path: Path
+) -> Iterator[EngineFactory]:
+    """Makes fresh engines of one kind, all of the same shape."""
+    opened = []
+
+    def make() -> Engine:
+        if request.param == "sim":
+            return SimEngine(
+                SimConfig(BLOCK, NUM_BLOCKS, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, "fixed")
+            )
+        if request.param == "torch":
+            config = TorchEngineConfig(BLOCK, NUM_BLOCKS, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS)
+            return TorchEngine(tiny_checkpoint, config)
+        llm = FakeLlm()
+        # Slow enough that a long request is still running when the test aborts it.
+        llm.iteration_s = 0.002
+        trtllm = standin_engine(
+            tmp_path,
+            llm,
+            max_seq_len=1024,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+            # Long enough for trailing KV events to arrive (the adapter polls them every 50 ms).
+            linger_s=0.2,
+            kv_events=request.param == "trtllm",
+        )
+        opened.append(trtllm)
+        return trtllm
+
+    yield make
+    for engine in opened:
+        engine.close()
+
+
+def make_request(request_id: str, prompt: list[int], max_tokens: int = 6) -> EngineRequest:
+    # The tiny model's vocabulary is 300: every prompt token stays below it.
+    assert all(3 <= t < 300 for t in prompt)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return EngineRequest(request_id, tuple(prompt), sampling)
+
+
+def drain(engine: Engine, results: list[StepResult] | None = None) -> list[StepResult]:
+    """Step while the engine has work."""
+    results = [] if results is None else results
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while engine.has_work():
+        assert time.monotonic() < deadline, "the engine never ran out of work"
+        results.append(engine.step())
+    return results
+
+
+def outputs_of(results: list[StepResult]) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    for result in results:
+        for out in result.outputs:
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def tokens_of(outputs: list[RequestOutput]) -> list[int]:
+    return [t for out in outputs for t in out.new_token_ids]
+
+
+def folded(results: list[StepResult], view: set[int] | None = None) -> set[int]:
+    """A KV event consumer's view of the cache after ``results``, each change checked."""
+    view = set() if view is None else view
+    for result in results:
+        fold(result.kv_changes, view)
+    return view
+
+
+def leading(hashes: Sequence[int], view: set[int]) -> int:
+    n = 0
+    while n < len(hashes) and hashes[n] in view:
+        n += 1
+    return n
+
+
+def drain_one(engine: Engine, request_id: str, prompt: list[int]) -> list[StepResult]:
+    engine.add_request(make_request(request_id, prompt))
+    return drain(engine)
+
+
+PROMPTS = {
+    "a": list(range(10, 23)),  # 13 tokens: 3 full blocks and a partial one
+    "b": list(range(40, 48)),  # exactly 2 blocks
+    "c": [7, 8, 9],  # shorter than a block
+}
+
+
+def test_every_request_ends_exactly_once_with_its_tokens_in_order(
+    new_engine: EngineFactory,
+) -> None:
+    engine = new_engine()
+    assert isinstance(engine.capabilities, EngineCapabilities)
+    assert not engine.has_work()
+    max_tokens = {"a": 6, "b": 9, "c": 1}
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(make_request(rid, prompt, max_tokens[rid]))
+    assert engine.has_work()
+    results = drain(engine)
+    outputs = outputs_of(results)
+    assert set(outputs) == set(PROMPTS)
+    for rid, outs in outputs.items():
+        # One finished output, the last: nothing for a request after its end.
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True], rid
+        assert outs[-1].finish_reason == "length"
+        assert all(o.new_token_ids for o in outs), "an output without tokens"
+        assert len(tokens_of(outs)) == max_tokens[rid]
+        # Only the first output says what the cache held; a fresh engine held nothing.
+        assert outs[0].cached_tokens == 0
+        assert all(o.cached_tokens is None for o in outs[1:])
+    assert all(r.duration_s >= 0 for r in results)
+    assert sum(r.prefill_tokens for r in results) == sum(len(p) for p in PROMPTS.values())
+    # Batched or alone, greedy decoding gives a request the same tokens in the same order.
+    for rid, prompt in PROMPTS.items():
+        alone = new_engine()
+        alone.add_request(make_request(rid, prompt, max_tokens[rid]))
+        assert tokens_of(outputs_of(drain(alone))[rid]) == tokens_of(outputs[rid]), rid
+
+
+def test_queue_and_kv_occupancy_are_reported(new_engine: EngineFactory) -> None:
+    engine = new_engine()
+    idle = engine.load()
+    assert (idle.running, idle.waiting, idle.waiting_prefill_tokens, idle.kv_blocks_used) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    assert idle.kv_blocks_total == engine.kv_blocks_total == NUM_BLOCKS
+    assert engine.block_size == BLOCK and engine.max_num_seqs == MAX_NUM_SEQS
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(make_request(rid, prompt))
+    queued = engine.load()
+    assert queued.running + queued.waiting == len(PROMPTS)
+    results: list[StepResult] = []
+    while not any(o.finished for r in results for o in r.outputs):
+        load = engine.load()
+        assert load.running + load.waiting == len(PROMPTS)
+        assert 0 <= load.kv_blocks_used <= NUM_BLOCKS
+        results.append(engine.step())
+    drain(engine)
+    done = engine.load()
+    assert (done.running, done.waiting, done.waiting_prefill_tokens) == (0, 0, 0)
+
+
+def test_an_aborted_request_stops_and_the_engine_serves_on(new_engine: EngineFactory) -> None:
+    engine = new_engine()
+    engine.add_request(make_request("long", list(range(20, 30)), max_tokens=200))
+    engine.add_request(make_request("short", PROMPTS["b"], max_tokens=3))
+    results: list[StepResult] = []
+    while "long" not in outputs_of(results):
+        results.append(engine.step())
+    assert engine.abort("long")
+    assert not engine.abort("long")
+    assert not engine.abort("never-added")
+    after = drain(engine)
+    assert "long" not in outputs_of(after)
+    short = outputs_of(results + after)["short"]
+    assert short[-1].finished and len(tokens_of(short)) == 3
+    assert engine.load().running == engine.load().waiting == 0
+    # The id is free again.
+    engine.add_request(make_request("long", PROMPTS["c"], max_tokens=2))
+    assert outputs_of(drain(engine))["long"][-1].finished
+
+
+def test_a_request_the_engine_can_never_serve_is_refused_and_changes_nothing(
+    new_engine: EngineFactory,
+) -> None:
+    engine = new_engine()
+    # 300 tokens need 75 blocks of 4; the pool has 64.
+    huge = [3 + i % 290 for i in range(300)]
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request(make_request("huge", huge, max_tokens=1))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request(make_request("empty", []))
+    assert not engine.has_work()
+    engine.add_request(make_request("ok", PROMPTS["a"], max_tokens=2))
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request(make_request("ok", PROMPTS["b"]))
+    outputs = outputs_of(drain(engine))
+    assert set(outputs) == {"ok"} and len(tokens_of(outputs["ok"])) == 2
+
+
+def test_kv_events_describe_the_cache_that_prefix_hits_come_from(
+    new_engine: EngineFactory,
+) -> None:
+    engine = new_engine()
+    if not engine.capabilities.kv_events:
+        results = drain_one(engine, "a", PROMPTS["a"])
+        assert not any(r.kv_changes for r in results)
+        return
+    first = drain_one(engine, "a", PROMPTS["a"])
+    view = folded(first)
+    sequence = PROMPTS["a"] + tokens_of(outputs_of(first)["a"])
+    # Only full blocks of what the engine computed, hashed with Laneway's chain.
+    assert view and view <= set(chain_block_hashes(sequence, BLOCK))
+    prompt_hashes = chain_block_hashes(PROMPTS["a"], BLOCK)
+    assert leading(prompt_hashes, view) == len(prompt_hashes)
+    # A request sharing the prompt's first two blocks finds exactly what the events announced.
+    shared = [*PROMPTS["a"][: 2 * BLOCK], 250, 251, 252]
+    second = drain_one(engine, "shared", shared)
+    expected_hit = min(leading(chain_block_hashes(shared, BLOCK), view), (len(shared) - 1) // BLOCK)
+    assert outputs_of(second)["shared"][0].cached_tokens == expected_hit * BLOCK == 2 * BLOCK
+    assert sum(r.prefill_tokens for r in second) == len(shared) - 2 * BLOCK
+    folded(second, view)
+    portable = kv_portable(engine)
+    if portable is not None:
+        # The exported prefix is the one the events describe.
+        unseen = chain_block_hashes([*PROMPTS["a"], *range(100, 108)], BLOCK)
+        for hashes in (prompt_hashes, chain_block_hashes(shared, BLOCK), unseen):
+            assert portable.export_prefix(hashes)[0] == leading(hashes, view)
+
+
+def test_a_prompts_kv_moves_to_another_engine_when_the_engine_can_hand_off(
+    new_engine: EngineFactory,
+) -> None:
+    prefill = new_engine()
+    source = kv_portable(prefill)
+    if not prefill.capabilities.kv_handoff:
+        assert source is None
+        return
+    assert source is not None
+    prompt = PROMPTS["a"]
+    hashes = chain_block_hashes(prompt, BLOCK)
+    local = outputs_of(drain_one(prefill, "r", prompt))["r"]
+    count, payload = source.export_prefix(hashes)
+    assert count == len(hashes)
+    decode = new_engine()
+    target = kv_portable(decode)
+    assert target is not None
+    assert target.import_prefix(hashes, payload) == len(hashes)
+    results = drain_one(decode, "r", prompt)
+    # The import is announced like any other caching, with the next step.
+    assert set(hashes) <= folded(results[:1])
+    folded(results)
+    remote = outputs_of(results)["r"]
+    # The last prompt token is always computed; the blocks before it came over.
+    assert remote[0].cached_tokens == len(hashes) * BLOCK
+    assert sum(r.prefill_tokens for r in results) == len(prompt) - len(hashes) * BLOCK
+    assert tokens_of(remote) == tokens_of(local)
