@@ -22,7 +22,6 @@ from services.engine.protocol import (
     BlocksRemoved,
     BlocksStored,
     EngineRequest,
-    RequestOutput,
     StepResult,
 )
 from services.engine.trtllm_engine import (
@@ -32,6 +31,7 @@ from services.engine.trtllm_engine import (
     TrtllmError,
     sampling_kwargs,
 )
+from tests.engine._sim_support import outputs_by_request
 from tests.engine.trtllm_standin import BLOCK, FakeLlm, removed_event, standin_engine, stored_event
 
 # -- KV event translation ------------------------------------------------------------------
@@ -115,14 +115,6 @@ def _run(
     return results
 
 
-def _outputs(results: list[StepResult]) -> dict[str, list[RequestOutput]]:
-    outputs: dict[str, list[RequestOutput]] = {}
-    for result in results:
-        for out in result.outputs:
-            outputs.setdefault(out.request_id, []).append(out)
-    return outputs
-
-
 def _finished(*request_ids: str) -> Callable[[list[StepResult]], bool]:
     def check(results: list[StepResult]) -> bool:
         done = {o.request_id for r in results for o in r.outputs if o.finished}
@@ -144,7 +136,7 @@ def test_generates_folds_outputs_and_reports_kv_events(tmp_path: Path) -> None:
         load = engine.load()
         assert (load.running, load.waiting, load.waiting_prefill_tokens) == (0, 2, 16)
         results = _run(engine, _finished("a", "b"))
-        outputs = _outputs(results)
+        outputs = outputs_by_request(results)
         a = [t for o in outputs["a"] for t in o.new_token_ids]
         b = [t for o in outputs["b"] for t in o.new_token_ids]
         assert a == [20, 21, 22, 23, 24] and b == [46, 47, 48, 49]
@@ -211,7 +203,7 @@ def test_a_refused_request_fails_loudly_without_losing_other_output(tmp_path: Pa
         assert failure.value.request_id == "bad"
         assert engine.load().waiting == 0
         engine.add_request(_request("after", [4, 5], max_tokens=2))
-        assert _outputs(_run(engine, _finished("after")))["after"][-1].finished
+        assert outputs_by_request(_run(engine, _finished("after")))["after"][-1].finished
     finally:
         close()
 
@@ -268,7 +260,7 @@ def test_trtllm_generates_end_to_end() -> None:
         for request_id in ("first", "second"):
             engine.add_request(_request(request_id, prompt, max_tokens=16, ignore_eos=True))
             results = _run(engine, _finished(request_id), timeout_s=300)
-            outputs = _outputs(results)[request_id]
+            outputs = outputs_by_request(results)[request_id]
             tokens = [t for o in outputs for t in o.new_token_ids]
             assert len(tokens) == 16 and outputs[-1].finish_reason == "length"
             assert tokenizer.decode(tokens)

@@ -1,4 +1,5 @@
-"""Shared helpers of the simulated-engine tests."""
+"""Shared helpers of the engine tests: building sim engines and requests, running any engine to
+its end, and reading its results as a consumer would."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from services.engine.protocol import (
     BlocksRemoved,
     BlocksStored,
     CacheCleared,
+    Engine,
     EngineRequest,
     KvChange,
+    RequestOutput,
     StepResult,
 )
 from services.engine.sim import FixedPerf, SimConfig, SimEngine
@@ -46,7 +49,7 @@ def make_request(
     return EngineRequest(request_id, tuple(prompt), sampling, tuple(block_hashes))
 
 
-def run_to_end(engine: SimEngine, max_steps: int = 10_000) -> list[StepResult]:
+def run_to_end(engine: Engine, max_steps: int = 10_000) -> list[StepResult]:
     results: list[StepResult] = []
     while engine.has_work():
         assert len(results) < max_steps, "engine did not drain"
@@ -54,12 +57,19 @@ def run_to_end(engine: SimEngine, max_steps: int = 10_000) -> list[StepResult]:
     return results
 
 
-def tokens_by_request(results: Iterable[StepResult]) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
+def outputs_by_request(results: Iterable[StepResult]) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
     for result in results:
         for out in result.outputs:
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return tokens
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def tokens_by_request(results: Iterable[StepResult]) -> dict[str, list[int]]:
+    return {
+        rid: [t for out in outs for t in out.new_token_ids]
+        for rid, outs in outputs_by_request(results).items()
+    }
 
 
 def stored_hashes(results: Iterable[StepResult]) -> list[int]:

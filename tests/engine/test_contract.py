@@ -4,7 +4,6 @@ promise the worker or the indexer relies on fails here, whichever engine it is."
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -24,15 +23,13 @@ from services.engine.sim import SimConfig, SimEngine
 from services.engine.torch_engine import TorchEngine, TorchEngineConfig
 from tests.torch_engine.tiny_checkpoint import write_tiny_checkpoint
 
-from ._sim_support import fold
+from ._sim_support import fold, outputs_by_request, run_to_end
 from .trtllm_standin import FakeLlm, standin_engine
 
 BLOCK = 4
 NUM_BLOCKS = 64  # the stand-in's KV pool too
 MAX_NUM_SEQS = 8
 MAX_NUM_BATCHED_TOKENS = 32
-# Generous for the engines that compute on another thread; the others drain in a few steps.
-DRAIN_TIMEOUT_S = 10.0
 
 EngineFactory = Callable[[], Engine]
 
@@ -85,24 +82,6 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int = 6) -> Eng
     return EngineRequest(request_id, tuple(prompt), sampling)
 
 
-def drain(engine: Engine, results: list[StepResult] | None = None) -> list[StepResult]:
-    """Step while the engine has work."""
-    results = [] if results is None else results
-    deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while engine.has_work():
-        assert time.monotonic() < deadline, "the engine never ran out of work"
-        results.append(engine.step())
-    return results
-
-
-def outputs_of(results: list[StepResult]) -> dict[str, list[RequestOutput]]:
-    outputs: dict[str, list[RequestOutput]] = {}
-    for result in results:
-        for out in result.outputs:
-            outputs.setdefault(out.request_id, []).append(out)
-    return outputs
-
-
 def tokens_of(outputs: list[RequestOutput]) -> list[int]:
     return [t for out in outputs for t in out.new_token_ids]
 
@@ -122,9 +101,9 @@ def leading(hashes: Sequence[int], view: set[int]) -> int:
     return n
 
 
-def drain_one(engine: Engine, request_id: str, prompt: list[int]) -> list[StepResult]:
+def run_one(engine: Engine, request_id: str, prompt: list[int]) -> list[StepResult]:
     engine.add_request(make_request(request_id, prompt))
-    return drain(engine)
+    return run_to_end(engine)
 
 
 PROMPTS = {
@@ -144,8 +123,8 @@ def test_every_request_ends_exactly_once_with_its_tokens_in_order(
     for rid, prompt in PROMPTS.items():
         engine.add_request(make_request(rid, prompt, max_tokens[rid]))
     assert engine.has_work()
-    results = drain(engine)
-    outputs = outputs_of(results)
+    results = run_to_end(engine)
+    outputs = outputs_by_request(results)
     assert set(outputs) == set(PROMPTS)
     for rid, outs in outputs.items():
         # One finished output, the last: nothing for a request after its end.
@@ -162,7 +141,7 @@ def test_every_request_ends_exactly_once_with_its_tokens_in_order(
     for rid, prompt in PROMPTS.items():
         alone = new_engine()
         alone.add_request(make_request(rid, prompt, max_tokens[rid]))
-        assert tokens_of(outputs_of(drain(alone))[rid]) == tokens_of(outputs[rid]), rid
+        assert tokens_of(outputs_by_request(run_to_end(alone))[rid]) == tokens_of(outputs[rid]), rid
 
 
 def test_queue_and_kv_occupancy_are_reported(new_engine: EngineFactory) -> None:
@@ -186,7 +165,7 @@ def test_queue_and_kv_occupancy_are_reported(new_engine: EngineFactory) -> None:
         assert load.running + load.waiting == len(PROMPTS)
         assert 0 <= load.kv_blocks_used <= NUM_BLOCKS
         results.append(engine.step())
-    drain(engine)
+    run_to_end(engine)
     done = engine.load()
     assert (done.running, done.waiting, done.waiting_prefill_tokens) == (0, 0, 0)
 
@@ -196,19 +175,19 @@ def test_an_aborted_request_stops_and_the_engine_serves_on(new_engine: EngineFac
     engine.add_request(make_request("long", list(range(20, 30)), max_tokens=200))
     engine.add_request(make_request("short", PROMPTS["b"], max_tokens=3))
     results: list[StepResult] = []
-    while "long" not in outputs_of(results):
+    while "long" not in outputs_by_request(results):
         results.append(engine.step())
     assert engine.abort("long")
     assert not engine.abort("long")
     assert not engine.abort("never-added")
-    after = drain(engine)
-    assert "long" not in outputs_of(after)
-    short = outputs_of(results + after)["short"]
+    after = run_to_end(engine)
+    assert "long" not in outputs_by_request(after)
+    short = outputs_by_request(results + after)["short"]
     assert short[-1].finished and len(tokens_of(short)) == 3
     assert engine.load().running == engine.load().waiting == 0
     # The id is free again.
     engine.add_request(make_request("long", PROMPTS["c"], max_tokens=2))
-    assert outputs_of(drain(engine))["long"][-1].finished
+    assert outputs_by_request(run_to_end(engine))["long"][-1].finished
 
 
 def test_a_request_the_engine_can_never_serve_is_refused_and_changes_nothing(
@@ -225,7 +204,7 @@ def test_a_request_the_engine_can_never_serve_is_refused_and_changes_nothing(
     engine.add_request(make_request("ok", PROMPTS["a"], max_tokens=2))
     with pytest.raises(ValueError, match="already"):
         engine.add_request(make_request("ok", PROMPTS["b"]))
-    outputs = outputs_of(drain(engine))
+    outputs = outputs_by_request(run_to_end(engine))
     assert set(outputs) == {"ok"} and len(tokens_of(outputs["ok"])) == 2
 
 
@@ -234,21 +213,23 @@ def test_kv_events_describe_the_cache_that_prefix_hits_come_from(
 ) -> None:
     engine = new_engine()
     if not engine.capabilities.kv_events:
-        results = drain_one(engine, "a", PROMPTS["a"])
+        results = run_one(engine, "a", PROMPTS["a"])
         assert not any(r.kv_changes for r in results)
         return
-    first = drain_one(engine, "a", PROMPTS["a"])
+    first = run_one(engine, "a", PROMPTS["a"])
     view = folded(first)
-    sequence = PROMPTS["a"] + tokens_of(outputs_of(first)["a"])
+    sequence = PROMPTS["a"] + tokens_of(outputs_by_request(first)["a"])
     # Only full blocks of what the engine computed, hashed with Laneway's chain.
     assert view and view <= set(chain_block_hashes(sequence, BLOCK))
     prompt_hashes = chain_block_hashes(PROMPTS["a"], BLOCK)
     assert leading(prompt_hashes, view) == len(prompt_hashes)
     # A request sharing the prompt's first two blocks finds exactly what the events announced.
     shared = [*PROMPTS["a"][: 2 * BLOCK], 250, 251, 252]
-    second = drain_one(engine, "shared", shared)
+    second = run_one(engine, "shared", shared)
     expected_hit = min(leading(chain_block_hashes(shared, BLOCK), view), (len(shared) - 1) // BLOCK)
-    assert outputs_of(second)["shared"][0].cached_tokens == expected_hit * BLOCK == 2 * BLOCK
+    assert (
+        outputs_by_request(second)["shared"][0].cached_tokens == expected_hit * BLOCK == 2 * BLOCK
+    )
     assert sum(r.prefill_tokens for r in second) == len(shared) - 2 * BLOCK
     folded(second, view)
     portable = kv_portable(engine)
@@ -270,18 +251,18 @@ def test_a_prompts_kv_moves_to_another_engine_when_the_engine_can_hand_off(
     assert source is not None
     prompt = PROMPTS["a"]
     hashes = chain_block_hashes(prompt, BLOCK)
-    local = outputs_of(drain_one(prefill, "r", prompt))["r"]
+    local = outputs_by_request(run_one(prefill, "r", prompt))["r"]
     count, payload = source.export_prefix(hashes)
     assert count == len(hashes)
     decode = new_engine()
     target = kv_portable(decode)
     assert target is not None
     assert target.import_prefix(hashes, payload) == len(hashes)
-    results = drain_one(decode, "r", prompt)
+    results = run_one(decode, "r", prompt)
     # The import is announced like any other caching, with the next step.
     assert set(hashes) <= folded(results[:1])
     folded(results)
-    remote = outputs_of(results)["r"]
+    remote = outputs_by_request(results)["r"]
     # The last prompt token is always computed; the blocks before it came over.
     assert remote[0].cached_tokens == len(hashes) * BLOCK
     assert sum(r.prefill_tokens for r in results) == len(prompt) - len(hashes) * BLOCK

@@ -11,8 +11,11 @@ from typing import Any
 import torch
 
 from schemas.events import SamplingParams
-from services.engine.protocol import EngineRequest, RequestOutput, StepResult
+from services.engine.protocol import EngineRequest
 from services.engine.torch_engine import LlamaForCausalLM, TorchEngine, TorchEngineConfig
+from tests.engine._sim_support import outputs_by_request as outputs_by_request
+from tests.engine._sim_support import run_to_end as run_to_end
+from tests.engine._sim_support import tokens_by_request as tokens_by_request
 
 SMALL = {"block_size": 4, "num_gpu_blocks": 64, "max_num_seqs": 8, "max_num_batched_tokens": 64}
 
@@ -37,29 +40,6 @@ def make_request(
 
 def random_prompt(rng: torch.Generator, length: int, vocab: int = 300) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=rng).tolist()
-
-
-def run_to_end(engine: TorchEngine, max_steps: int = 2_000) -> list[StepResult]:
-    results: list[StepResult] = []
-    while engine.has_work():
-        assert len(results) < max_steps, "engine did not drain"
-        results.append(engine.step())
-    return results
-
-
-def outputs_by_request(results: Iterable[StepResult]) -> dict[str, list[RequestOutput]]:
-    outputs: dict[str, list[RequestOutput]] = {}
-    for result in results:
-        for out in result.outputs:
-            outputs.setdefault(out.request_id, []).append(out)
-    return outputs
-
-
-def tokens_by_request(results: Iterable[StepResult]) -> dict[str, list[int]]:
-    return {
-        rid: [t for out in outs for t in out.new_token_ids]
-        for rid, outs in outputs_by_request(results).items()
-    }
 
 
 def greedy_reference(
