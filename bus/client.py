@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -17,7 +18,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, ValidationError
 
 from bus.channels import Consumer, Topic
-from bus.topology import STREAM_SUBJECTS
+from bus.topology import RETIRED_STREAMS, STREAM_SUBJECTS
 from schemas.codec import decode_as, decode_event, encode
 from schemas.events import Envelope, Event
 
@@ -74,6 +75,9 @@ class Bus:
                 await self._js.add_stream(config)
             except BadRequestError:
                 await self._js.update_stream(config)
+        for name in RETIRED_STREAMS:
+            with contextlib.suppress(NotFoundError):
+                await self._js.delete_stream(name)
 
     async def publish(self, topic: Topic[E], event: E) -> None:
         """Publish an event the way its channel declares: ``confirmed`` returns once the stream

@@ -11,10 +11,20 @@ from pathlib import Path
 
 import pytest
 from nats.aio.msg import Msg
+from nats.js.api import StorageType
+from nats.js.errors import NotFoundError
 
-from bus.channels import Consumer
+from bus.channels import Consumer, Stream
 from bus.client import Bus
-from bus.topology import CHANNELS, KV, Subjects, channel_table, readme_table
+from bus.topology import (
+    CHANNELS,
+    KV,
+    RETIRED_STREAMS,
+    Subjects,
+    channel_table,
+    readme_table,
+)
+from infra.bench import bus_bench
 from infra.embedded import EmbeddedServer
 from schemas.codec import encode
 from schemas.events import (
@@ -194,6 +204,16 @@ async def test_token_deltas_reach_a_live_subscriber(bus: Bus) -> None:
     await bus.publish(topic, tokens("x"))
     await eventually(lambda: bool(got))
     assert got[0].text == "x"
+    with pytest.raises(NotFoundError):  # core delivery: no stream holds them
+        await bus.nc.jetstream().find_stream_name_by_subject(topic.subject)
+
+
+async def test_a_retired_stream_is_deleted(bus: Bus) -> None:
+    js = bus.nc.jetstream()
+    await js.add_stream(Stream(RETIRED_STREAMS[0], StorageType.MEMORY, 60.0).config(["busold.>"]))
+    await bus.ensure_streams()
+    with pytest.raises(NotFoundError):
+        await js.stream_info(RETIRED_STREAMS[0])
 
 
 async def test_request_reply(bus: Bus) -> None:
@@ -235,3 +255,10 @@ async def test_replicas_starting_together_share_a_queue_consumer(
             await replica.close()
     assert sum(got.values()) == 40
     assert got[0] > 0 and got[1] > 0, got
+
+
+async def test_the_bus_bench_measures_both_paths(nats_server: EmbeddedServer) -> None:
+    results = await bus_bench.run(nats_server.url, nats_server.proc.pid, 200, 50, rounds=1)
+    cases = {r.case.split(maxsplit=1)[1] for r in results if r.us_per_msg > 0}
+    assert {"laneway Bus.subscribe", "laneway Bus.consume", "nats-py raw callback"} <= cases
+    assert "laneway" in bus_bench.report(results)
