@@ -31,6 +31,8 @@ _KEY = re.compile(r"\{[a-z_]+\}")
 
 @dataclass(frozen=True)
 class Stream:
+    """A JetStream stream; its subjects are those of the channels it stores."""
+
     name: str
     storage: StorageType
     max_age_s: float
