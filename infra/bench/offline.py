@@ -23,11 +23,11 @@ from infra.bench.metrics import (
     busy_timeline,
 )
 from infra.bench.traces import PromptFactory, TraceRequest
-from schemas.block_hash import ROOT_HASH, hash_block
 from schemas.events import Role, SamplingParams
 from schemas.latency import LatencyHistogram
+from services.engine.continuation import Continuation, continuation
 from services.engine.kv_events import kv_event
-from services.engine.protocol import EngineRequest, KvChange, StepResult
+from services.engine.protocol import EngineRequest, KvChange, RequestOutput, StepResult
 from services.engine.sim import SimConfig, SimEngine, perf_model
 from services.kv_indexer.index import PrefixIndex
 from services.planner.capacity import (
@@ -40,6 +40,7 @@ from services.planner.decision import Decision, DecisionInputs, decide
 from services.planner.disagg import DisaggSettings
 from services.planner.kv_policy import KvAware
 from services.planner.policy import Policy, RouteRequest, WorkerView
+from services.worker.stream import RequestStream
 
 _ARRIVAL, _STEP_END, _KV_ARRIVED, _PLAN = 0, 1, 2, 3
 # Suffix of the id a request has on the prefill worker that computes its prompt.
@@ -117,6 +118,8 @@ class OfflineReplay:
             raise ValueError("disaggregation needs the kv policy's cost model")
         self._index = PrefixIndex()
         self._records = [RequestRecord(r.arrival_s, r.input_length) for r in trace]
+        # Each request's output as its live worker streams it (times, gaps), while it runs.
+        self._streams: dict[int, RequestStream] = {}
         # Token gaps since the capacity loop last looked, bucketed as the live loop gets them,
         # and how many of them waited on a prefill in the same step.
         self._interval_gaps = LatencyHistogram()
@@ -130,7 +133,7 @@ class OfflineReplay:
         self._seq = 0
         self._remote_prefills = 0
         # Decode-side state of requests whose prompt a prefill worker is computing.
-        self._handoffs: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._handoffs: dict[int, tuple[int, EngineRequest]] = {}
 
     def _push(self, at: float, kind: int, who: int, payload: Any = None) -> None:
         self._seq += 1
@@ -170,6 +173,7 @@ class OfflineReplay:
         request = self._trace[i]
         hashes = self._prompts.block_hashes(request)
         request_id = f"r{i}"
+        self._streams[i] = RequestStream(request.input_length, request.arrival_s, histogram=False)
         route = RouteRequest(
             request_id, request.input_length, hashes, max_tokens=request.output_length
         )
@@ -187,16 +191,17 @@ class OfflineReplay:
             self.decisions.append((inputs, decision))
         w = self._accept(i, decision.worker_id)
         remote = decision.prefill_worker_id
+        sampling = SamplingParams(max_tokens=request.output_length, ignore_eos=True)
+        whole = EngineRequest(request_id, self._prompts.prompt(request), sampling, hashes)
         if remote is None:
-            sampling = SamplingParams(max_tokens=request.output_length, ignore_eos=True)
-            self._submit(now, w, i, request_id, self._prompts.prompt(request), sampling, hashes)
+            self._submit(now, w, i, whole)
             return
         self._remote_prefills += 1
         self._records[i].prefill_worker_id = remote
-        self._handoffs[i] = (w, hashes)
+        self._handoffs[i] = (w, whole)
         one = SamplingParams(max_tokens=1, ignore_eos=True)
-        prompt = self._prompts.prompt(request)
-        self._submit(now, self._index_of(remote), i, request_id + _PREFILL, prompt, one, hashes)
+        prefill = EngineRequest(request_id + _PREFILL, whole.prompt_token_ids, one, hashes)
+        self._submit(now, self._index_of(remote), i, prefill)
 
     def _pool(self, role: Role) -> list[_Worker]:
         """The workers the planner may send new work of ``role``: not the draining ones."""
@@ -231,19 +236,10 @@ class OfflineReplay:
         return next(k for k, v in enumerate(self._workers) if v.worker_id == worker_id)
 
     def _submit(
-        self,
-        now: float,
-        w: int,
-        i: int,
-        request_id: str,
-        prompt: Sequence[int],
-        sampling: SamplingParams,
-        hashes: tuple[int, ...],
-        handed_off: int = 0,
+        self, now: float, w: int, i: int, request: EngineRequest, handed_off: int = 0
     ) -> None:
         """``handed_off``: leading prompt tokens whose KV a prefill worker sent along."""
         worker = self._workers[w]
-        request = EngineRequest(request_id, prompt, sampling, hashes)
         try:
             if handed_off:
                 worker.engine.add_handed_off(request, handed_off)
@@ -251,27 +247,22 @@ class OfflineReplay:
                 worker.engine.add_request(request)
         except ValueError:  # larger than the worker's whole KV cache
             self._records[i].failed = True
+            self._streams.pop(i, None)
             self._handoffs.pop(i, None)
             self._workers[self._index_of(self._records[i].worker_id or "")].routed -= 1
             return
-        self._owner[request_id] = i
+        self._owner[request.request_id] = i
         worker.in_flight += 1
         if not worker.stepping:
             self._start_step(now, worker, w)
 
-    def _kv_arrived(self, now: float, i: int, first_token: int) -> None:
+    def _kv_arrived(self, now: float, i: int, resumed: Continuation) -> None:
         """The prompt's KV reached the decode worker: it continues from the first token."""
-        w, hashes = self._handoffs.pop(i)
-        decode = self._workers[w]
-        decode.engine.import_blocks(hashes)
-        request = self._trace[i]
-        prompt = self._prompts.prompt(request, tail=(first_token,))
-        block = decode.engine.block_size
-        if len(prompt) % block == 0:  # the first token completed a block
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes = (*hashes, hash_block(parent, prompt[len(prompt) - block :]))
-        rest = SamplingParams(max_tokens=request.output_length - 1, ignore_eos=True)
-        self._submit(now, w, i, f"r{i}", prompt, rest, hashes, handed_off=len(prompt) - 1)
+        w, whole = self._handoffs.pop(i)
+        self._workers[w].engine.import_blocks(whole.block_hashes)
+        rest = resumed.rest
+        assert rest is not None  # a prompt prefills remotely for more than one token
+        self._submit(now, w, i, rest, resumed.handed_off_tokens)
 
     def _start_step(self, now: float, worker: _Worker, w: int) -> None:
         result = worker.engine.step()
@@ -287,23 +278,20 @@ class OfflineReplay:
     def _step_end(self, now: float, worker: _Worker, w: int, result: StepResult) -> None:
         # A live worker publishes a step's KV events when the step is done; so does this.
         self._fold(worker, result.kv_changes)
+        stalled = result.prefill_tokens > 0
         for output in result.outputs:
             i = self._owner[output.request_id]
-            record = self._records[i]
-            if record.first_token_s is None:
-                record.cached_tokens = output.cached_tokens or 0
-            if output.new_token_ids:
-                gap = record.tokens_at(now, len(output.new_token_ids))
-                if gap is not None and self._capacity is not None:
-                    self._interval_gaps.add(gap)
-                    self._interval_stalled += result.prefill_tokens > 0
+            prefilled = output.request_id.endswith(_PREFILL)
+            if not prefilled:
+                self._stream(now, i, output, stalled)
             if output.finished:
                 del self._owner[output.request_id]
                 worker.in_flight -= 1
-                if output.request_id.endswith(_PREFILL):
-                    self._hand_off(now, worker, i, output.new_token_ids[-1])
+                if prefilled:
+                    self._stream(now, i, self._hand_off(now, worker, i, output), stalled)
                 else:
                     worker.routed -= 1
+                    del self._streams[i]
         worker.stepping = False
         if worker.engine.has_work():
             self._start_step(now, worker, w)
@@ -364,13 +352,42 @@ class OfflineReplay:
             }
         )
 
-    def _hand_off(self, now: float, prefill: _Worker, i: int, first_token: int) -> None:
-        w, hashes = self._handoffs[i]
-        hits, _ = self._workers[w].engine.cached_prefix(hashes)
+    def _stream(self, now: float, i: int, output: RequestOutput, stalled: bool) -> None:
+        """Request ``i``'s output, into its stream and its record."""
+        stream = self._streams[i]
+        stream.push(output, now, stalled)
+        record = self._records[i]
+        record.last_token_s, record.output_tokens = stream.last_token, stream.emitted
+        gap = stream.last_gap_ms
+        if gap is None:
+            record.first_token_s, record.cached_tokens = stream.first_token, stream.cached_tokens
+        else:
+            record.token_gaps_ms.append(gap)
+            if self._capacity is not None:
+                self._interval_gaps.add(gap)
+                self._interval_stalled += stalled
+
+    def _hand_off(
+        self, now: float, prefill: _Worker, i: int, output: RequestOutput
+    ) -> RequestOutput:
+        """The prefill worker sampled request ``i``'s first token (``output``): its KV goes to
+        the decode worker; the first token as the request's own first output."""
+        w, whole = self._handoffs[i]
+        request = self._trace[i]
+        first = output.new_token_ids[-1]
+        resumed = continuation(
+            whole,
+            first,
+            prefill.engine.block_size,
+            cached_tokens=output.cached_tokens,
+            prompt=self._prompts.prompt(request, tail=(first,)),
+        )
+        hits, _ = self._workers[w].engine.cached_prefix(whole.block_hashes)
         # Every prompt token's KV the decode worker lacks, the partial last block's included.
-        missing = self._trace[i].input_length - hits * prefill.engine.block_size
+        missing = request.input_length - hits * prefill.engine.block_size
         arrival = now + self._disagg.transfer.transfer_ms(missing) / 1000.0
-        self._push(arrival, _KV_ARRIVED, i, first_token)
+        self._push(arrival, _KV_ARRIVED, i, resumed)
+        return resumed.first
 
     def _fold(self, worker: _Worker, changes: list[KvChange]) -> None:
         for change in changes:

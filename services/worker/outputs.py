@@ -53,7 +53,7 @@ class Outputs:
                 request_id=request_id,
                 session_id=session_id,
                 worker_id=self.worker_id,
-                index=chunk.index,
+                index=chunk.position,
                 token_ids=chunk.token_ids,
                 text=chunk.text,
             ),

@@ -5,7 +5,7 @@ alike."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from schemas.events import FinishReason, RequestFinished, TraceContext, Usage
 from schemas.latency import LatencyHistogram
@@ -13,18 +13,19 @@ from services.common.tokenizer import IncrementalDetokenizer
 from services.engine.protocol import RequestOutput
 
 
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """Tokens that go out together; ``index`` is the answer position of the first."""
+class Chunk(NamedTuple):
+    """Tokens that go out together; ``position``: the answer position of the first."""
 
-    index: int
+    position: int
     token_ids: tuple[int, ...]
     text: str
 
 
 class RequestStream:
     """``received``: when the request arrived (same clock as every ``now``). Without a
-    ``detokenizer`` chunks carry no text and no stop string can end the answer."""
+    ``detokenizer`` chunks carry no text and no stop string can end the answer. ``histogram``
+    False: the caller keeps every gap itself (:attr:`last_gap_ms`), so ``token_gaps`` stays
+    empty."""
 
     def __init__(
         self,
@@ -32,6 +33,7 @@ class RequestStream:
         received: float,
         stream_interval_s: float = 0.0,
         detokenizer: IncrementalDetokenizer | None = None,
+        histogram: bool = True,
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.received = received
@@ -44,10 +46,11 @@ class RequestStream:
         self.cached_tokens = 0
         # Tokens published so far, and those generated but not yet published.
         self.emitted = 0
-        self._pending_ids: list[int] = []
+        self._pending_ids: tuple[int, ...] = ()
         self._pending_text = ""
         self._flushed_at = 0.0
         self.token_gaps = LatencyHistogram()
+        self._histogram = histogram
         # Gaps whose step also computed prompt tokens (another request's prefill, mostly).
         self.stalled_gaps = 0
         # The gap the latest output closed, in milliseconds (None for the first token).
@@ -65,35 +68,41 @@ class RequestStream:
     def push(self, output: RequestOutput, now: float, stalled: bool = False) -> Chunk | None:
         """Take one step's output (``stalled``: that step also computed prompt tokens); the
         chunk to publish now, if any."""
-        self.last_gap_ms = None
+        ids = output.new_token_ids
+        gap = None
         if self.first_token is None:
             self.first_token = now
             self.cached_tokens = output.cached_tokens or 0
-        elif self.last_token is not None and output.new_token_ids:
-            self.last_gap_ms = (now - self.last_token) * 1000
-            self.token_gaps.add(self.last_gap_ms)
+        elif ids and self.last_token is not None:
+            gap = (now - self.last_token) * 1000
+            if self._histogram:
+                self.token_gaps.add(gap)
             self.stalled_gaps += stalled
-        if output.new_token_ids:
+        self.last_gap_ms = gap
+        if ids:
             self.last_token = now
-        self._pending_ids += output.new_token_ids
-        if self._detok is not None:
-            self._pending_text += self._detok.push(output.new_token_ids)
-        finished = output.finished or self.stopped
-        if finished and self._detok is not None and not self._detok.stopped:
-            self._pending_text += self._detok.flush()
+        pending = self._pending_ids = self._pending_ids + ids
+        detok = self._detok
+        stopped = False
+        if detok is not None:
+            self._pending_text += detok.push(ids)
+            stopped = detok.stopped
+            if output.finished and not stopped:
+                self._pending_text += detok.flush()
+        finished = output.finished or stopped
         chunk = None
         # The first token goes out at once (it is the TTFT), the last with the end; between,
         # tokens are coalesced for `stream_interval_s` so that a long answer is not one message
         # per step per request.
-        if self._pending_ids and (
+        if pending and (
             finished or self.emitted == 0 or now - self._flushed_at >= self._interval_s
         ):
-            chunk = Chunk(self.emitted, tuple(self._pending_ids), self._pending_text)
-            self.emitted += len(self._pending_ids)
-            self._pending_ids, self._pending_text, self._flushed_at = [], "", now
+            chunk = Chunk(self.emitted, pending, self._pending_text)
+            self.emitted += len(pending)
+            self._pending_ids, self._pending_text, self._flushed_at = (), "", now
         if finished:
             self.finished_at = now
-            self.finish_reason = "stop" if self.stopped else (output.finish_reason or "length")
+            self.finish_reason = "stop" if stopped else (output.finish_reason or "length")
         return chunk
 
     def finished_event(

@@ -1,0 +1,45 @@
+"""A request's output stream: the first token at once, the rest coalesced, the last with the end;
+the gaps, TTFT and end-to-end time on the caller's clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from services.engine.protocol import RequestOutput
+from services.worker.stream import Chunk, RequestStream
+
+
+def out(*ids: int, finished: bool = False, cached: int | None = None) -> RequestOutput:
+    return RequestOutput("r", ids, finished=finished, cached_tokens=cached)
+
+
+def test_tokens_are_coalesced_between_the_first_and_the_last() -> None:
+    stream = RequestStream(10, received=1.0, stream_interval_s=0.05)
+    assert stream.push(out(1, cached=4), 1.2) == Chunk(0, (1,), "")
+    assert stream.push(out(2), 1.22) is None
+    assert stream.push(out(3), 1.26) == Chunk(1, (2, 3), "")
+    assert stream.last_gap_ms == pytest.approx(40)
+    assert stream.push(out(4, finished=True), 1.27) == Chunk(3, (4,), "")
+    assert stream.finished and stream.finish_reason == "length"
+    event = stream.finished_event("worker/w", "r", None, None, "w", prefill_worker_id="p")
+    assert event.ttft_ms == pytest.approx(200) and event.e2e_ms == pytest.approx(270)
+    assert event.usage.completion_tokens == 4 and event.usage.cached_tokens == 4
+    assert event.token_gaps.total() == 3 and event.prefill_worker_id == "p"
+
+
+def test_a_stop_string_ends_the_answer_before_the_engine_does() -> None:
+    detok = IncrementalDetokenizer(ByteTokenizer(), stop=["!"])
+    stream = RequestStream(3, received=0.0, detokenizer=detok)
+    assert stream.push(out(*b"hi"), 0.1) == Chunk(0, tuple(b"hi"), "hi")
+    chunk = stream.push(out(*b" you! more"), 0.2, stalled=True)
+    assert chunk is not None and chunk.text == " you"
+    assert stream.stopped and stream.finish_reason == "stop" and stream.stalled_gaps == 1
+
+
+def test_a_replay_may_keep_the_gaps_itself() -> None:
+    stream = RequestStream(3, received=0.0, histogram=False)
+    stream.push(out(1), 0.1)
+    assert stream.last_gap_ms is None
+    stream.push(out(2), 0.3)
+    assert stream.last_gap_ms == pytest.approx(200) and stream.token_gaps.total() == 0
