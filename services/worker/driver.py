@@ -1,6 +1,6 @@
 """Drives an engine's steps in real time: each step's modelled or measured duration is waited
-out (divided by the speed-up), and an engine that computes for real steps on a thread of its own
-so that the bus keeps flowing meanwhile."""
+out (divided by the speed-up), and an engine that computes for real (no ``modelled_time``) steps
+on a thread of its own so that the bus keeps flowing meanwhile."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from services.engine.protocol import Engine, EngineRequest, KvPortable, StepResult
+from services.engine.protocol import Engine, EngineRequest, StepResult, kv_portable
 
 _T = TypeVar("_T")
 
 
 class EngineDriver:
-    def __init__(self, engine: Engine, speedup: float, step_thread: bool) -> None:
+    def __init__(self, engine: Engine, speedup: float) -> None:
         self.engine = engine
         self._speedup = speedup
         # Seconds spent stepping, for the load reports.
@@ -24,7 +24,13 @@ class EngineDriver:
         # Requests the engine would not take, to fail from the event loop.
         self._refused: list[tuple[str, str]] = []
         self._wake = asyncio.Event()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine") if step_thread else None
+        self._thread = (
+            None
+            if engine.capabilities.modelled_time
+            else ThreadPoolExecutor(1, thread_name_prefix="engine")
+        )
+        # The engine, if its KV can move to another engine (disaggregation).
+        self.portable = kv_portable(engine)
 
     def op(self, op: Callable[[], object]) -> None:
         """Change the engine's request set. An engine whose steps run on the step thread is only
@@ -39,13 +45,6 @@ class EngineDriver:
         if self._thread is None:
             return call()
         return await asyncio.get_running_loop().run_in_executor(self._thread, call)
-
-    @property
-    def portable(self) -> KvPortable | None:
-        """The engine, if its KV can move to another engine (disaggregation)."""
-        engine = self.engine
-        ok = hasattr(engine, "export_prefix") and hasattr(engine, "import_prefix")
-        return engine if ok else None  # type: ignore[return-value]
 
     def add(self, request: EngineRequest) -> None:
         """Give the engine a request; a refusal is kept for :meth:`take_refused`. Runs where

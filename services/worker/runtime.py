@@ -37,7 +37,7 @@ class Worker:
         self._bus = bus
         self._opt = options
         self._background = Background()
-        self._driver = EngineDriver(engine, options.speedup, options.step_thread)
+        self._driver = EngineDriver(engine, options.speedup)
         self._outputs = Outputs(bus, options.worker_id, self._background)
         self._receiver = KvReceiver(
             engine.block_size,

@@ -30,8 +30,6 @@ class WorkerOptions:
     load_report_interval_s: float
     drain_timeout_s: float
     kv_events: bool = True
-    # Run engine steps on a thread of their own (engines that compute for real).
-    step_thread: bool = False
     # Seconds a request's tokens may be held back to go out together (0: every step).
     stream_interval_s: float = 0.02
     # While busy, a report at most this often (seconds): the planner's queue estimates are only
@@ -129,8 +127,7 @@ def worker_options(settings: WorkerSettings, engine: Engine) -> WorkerOptions:
         load_report_interval_s=settings.load_report_interval_s,
         busy_report_interval_s=settings.busy_report_interval_s,
         drain_timeout_s=settings.drain_timeout_s,
-        kv_events=settings.kv_events and getattr(engine, "publishes_kv_events", True),
-        step_thread=settings.engine != "sim",
+        kv_events=settings.kv_events and engine.capabilities.kv_events,
         stream_interval_s=settings.stream_interval_s,
         kv_transfer=KvTransferModel(
             settings.kv_bytes_per_token, settings.link_gb_s, settings.link_latency_ms
