@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import typing
 from collections.abc import Awaitable, Callable
@@ -38,6 +37,7 @@ from schemas.events import (
     TraceContext,
 )
 from schemas.messages import OverlapQuery, OverlapReply
+from tests.helpers import eventually
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -56,13 +56,6 @@ def tokens(text: str = "a", trace: TraceContext | None = None) -> TokensGenerate
 async def stored(bus: Bus, stream: str, subject: str) -> int:
     info = await bus.nc.jetstream().stream_info(stream, subjects_filter=subject)
     return (info.state.subjects or {}).get(subject, 0)
-
-
-async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not (await held if inspect.isawaitable(held := check()) else held):
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 def test_the_readme_table_is_the_declared_one() -> None:
