@@ -105,7 +105,7 @@ def check_trtllm(model: Path) -> bool:
         deadline = time.perf_counter() + TIMEOUT_S
         expected = set(chain_block_hashes(shared, engine.block_size))
         # Step on until the repeat ends and (with events) every prompt block was announced.
-        while cached is None or (engine.publishes_kv_events and not stored >= expected):
+        while cached is None or (engine.capabilities.kv_events and not stored >= expected):
             if time.perf_counter() > deadline:
                 break
             result = engine.step()
@@ -115,7 +115,7 @@ def check_trtllm(model: Path) -> bool:
             for change in result.kv_changes:
                 if isinstance(change, BlocksStored):
                     stored.update(change.block_hashes)
-        block_size, events = engine.block_size, engine.publishes_kv_events
+        block_size, events = engine.block_size, engine.capabilities.kv_events
     ok = all(len(o) == MAX_TOKENS for o in outputs) and len(first[0]) == MAX_TOKENS
     reused = cached is not None and cached >= block_size
     hashed = not events or stored >= expected

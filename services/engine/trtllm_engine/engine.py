@@ -80,12 +80,6 @@ class TrtllmEngine:
         )
         self._translator = KvEventTranslator(self.block_size)
 
-    @property
-    def publishes_kv_events(self) -> bool:
-        """Whether ``step`` reports KV changes; register the worker with ``kv_events`` set to
-        this, so that the indexer predicts the cache of an engine that does not."""
-        return self._session.kv_events
-
     # -- the Engine protocol ---------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> None:
