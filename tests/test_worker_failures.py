@@ -20,7 +20,8 @@ from schemas.events import (
 from services.common.perf_model import FixedPerf
 from services.common.tokenizer import ByteTokenizer
 from services.engine.sim import SimConfig, SimEngine
-from services.worker.runtime import Worker, WorkerOptions
+from services.worker.runtime import Worker
+from services.worker.settings import WorkerOptions
 
 
 class FlakyEngine(SimEngine):

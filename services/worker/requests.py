@@ -152,9 +152,7 @@ class Requests:
         self._terminal(state, finished)
 
     async def cancelled(self, request_id: str, reason: str) -> None:
-        state = self.active.pop(request_id)
-        state.span.set_attribute("laneway.cancelled", reason)
-        state.span.end()
+        state = self._end(request_id, "laneway.cancelled", reason)
         self._terminal(
             state,
             RequestCancelled(
@@ -170,9 +168,7 @@ class Requests:
 
     async def fail(self, request_id: str, message: str, code: FailureCode = "engine_error") -> None:
         self._driver.abort(request_id)
-        state = self.active.pop(request_id)
-        state.span.set_attribute("laneway.failed", message)
-        state.span.end()
+        state = self._end(request_id, "laneway.failed", message)
         self._terminal(
             state,
             RequestFailed(
@@ -205,6 +201,13 @@ class Requests:
             await self.fail(request_id, "worker shut down before the request finished")
         for request_id in list(self.prefills):
             self.prefill_failed(request_id, "prefill worker shut down")
+
+    def _end(self, request_id: str, attribute: str, why: str) -> Active:
+        """Let go of a request that ends before its answer does, saying why on its span."""
+        state = self.active.pop(request_id)
+        state.span.set_attribute(attribute, why)
+        state.span.end()
+        return state
 
     def _terminal(self, state: Active, event: TerminalEvent) -> None:
         if state.awaiting is not None:
