@@ -10,7 +10,7 @@ import pytest
 
 from infra.bench.offline import OfflineReplay
 from infra.bench.traces import load_trace
-from services.engine.kv_transfer import KvTransferModel
+from services.common.kv_transfer import KvTransferModel
 from services.engine.sim import SimConfig
 from services.planner.disagg import DisaggSettings, handoff_ms_per_token, plan_prefill
 from services.planner.kv_policy import KvAware

@@ -7,7 +7,7 @@ import pytest
 from infra.bench.offline import OfflineReplay
 from infra.bench.traces import load_trace
 from services.engine.sim import SimConfig
-from services.planner.registry import make_policy
+from services.planner.policies import make_policy
 
 SMALL_ENGINE = SimConfig(block_size=64, num_gpu_blocks=2048)
 
