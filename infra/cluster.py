@@ -114,8 +114,9 @@ class LocalCluster:
             )
             for i in range(cfg.planners)
         ]
-        # Beside a prefill pool the others decode; alone they serve requests end to end.
-        role = {"LANEWAY_ROLE": "decode" if cfg.prefill_workers else "both"}
+        # Beside a prefill pool the others decode (the decode worker's own role); alone they
+        # serve requests end to end.
+        role = {} if cfg.prefill_workers else {"LANEWAY_ROLE": "both"}
         self.services += [
             Service(f"decode-worker-{i}", "services.worker.decode_worker", {**role, **common})
             for i in range(cfg.workers)
