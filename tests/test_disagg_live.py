@@ -91,6 +91,9 @@ async def test_a_remote_prefill_hands_its_kv_to_the_decode_worker(
             assert indexes == list(range(12))
             # One gap per token after the first, the first of them the hand-off's.
             assert done.token_gaps.total() == 11
+            # The sim engine takes the whole prompt's KV: the decode worker computes none of
+            # it, so no step of the answer carries prompt tokens (the partial last block's).
+            assert done.stalled_gaps == 0
             assert done.worker_id == decode and done.usage.completion_tokens == 12
     finally:
         await bus.close()

@@ -25,7 +25,7 @@ from infra.bench.metrics import (
 from infra.bench.traces import PromptFactory, TraceRequest
 from schemas.events import Role, SamplingParams
 from schemas.latency import LatencyHistogram
-from services.engine.continuation import Continuation, continuation
+from services.engine.continuation import Continuation, continuation, handoff_tokens
 from services.engine.kv_events import kv_event
 from services.engine.protocol import EngineRequest, KvChange, RequestOutput, StepResult
 from services.engine.sim import SimConfig, SimEngine, perf_model
@@ -133,7 +133,7 @@ class OfflineReplay:
         self._seq = 0
         self._remote_prefills = 0
         # Decode-side state of requests whose prompt a prefill worker is computing.
-        self._handoffs: dict[int, tuple[int, EngineRequest]] = {}
+        self._handoffs: dict[int, tuple[int, EngineRequest, int]] = {}
 
     def _push(self, at: float, kind: int, who: int, payload: Any = None) -> None:
         self._seq += 1
@@ -198,7 +198,9 @@ class OfflineReplay:
             return
         self._remote_prefills += 1
         self._records[i].prefill_worker_id = remote
-        self._handoffs[i] = (w, whole)
+        # The decode worker's KV of the prompt when the planner decided, as a live one counts it.
+        cached = next(v.cached_blocks for v in inputs.decoders if v.worker_id == decision.worker_id)
+        self._handoffs[i] = (w, whole, cached)
         one = SamplingParams(max_tokens=1, ignore_eos=True)
         prefill = EngineRequest(request_id + _PREFILL, whole.prompt_token_ids, one, hashes)
         self._submit(now, self._index_of(remote), i, prefill)
@@ -257,8 +259,10 @@ class OfflineReplay:
             self._start_step(now, worker, w)
 
     def _kv_arrived(self, now: float, i: int, resumed: Continuation) -> None:
-        """The prompt's KV reached the decode worker: it continues from the first token."""
-        w, whole = self._handoffs.pop(i)
+        """The prompt's KV reached the decode worker: it streams the first token (a live client
+        sees it only now) and continues from it."""
+        w, whole, _ = self._handoffs.pop(i)
+        self._stream(now, i, resumed.first, stalled=False)
         self._workers[w].engine.import_blocks(whole.block_hashes)
         rest = resumed.rest
         assert rest is not None  # a prompt prefills remotely for more than one token
@@ -288,7 +292,7 @@ class OfflineReplay:
                 del self._owner[output.request_id]
                 worker.in_flight -= 1
                 if prefilled:
-                    self._stream(now, i, self._hand_off(now, worker, i, output), stalled)
+                    self._hand_off(now, worker, i, output)
                 else:
                     worker.routed -= 1
                     del self._streams[i]
@@ -367,12 +371,10 @@ class OfflineReplay:
                 self._interval_gaps.add(gap)
                 self._interval_stalled += stalled
 
-    def _hand_off(
-        self, now: float, prefill: _Worker, i: int, output: RequestOutput
-    ) -> RequestOutput:
-        """The prefill worker sampled request ``i``'s first token (``output``): its KV goes to
-        the decode worker; the first token as the request's own first output."""
-        w, whole = self._handoffs[i]
+    def _hand_off(self, now: float, prefill: _Worker, i: int, output: RequestOutput) -> None:
+        """The prefill worker sampled request ``i``'s first token (``output``): its KV crosses
+        the link to the decode worker, which then streams the first token and goes on."""
+        _, whole, cached = self._handoffs[i]
         request = self._trace[i]
         first = output.new_token_ids[-1]
         resumed = continuation(
@@ -382,12 +384,10 @@ class OfflineReplay:
             cached_tokens=output.cached_tokens,
             prompt=self._prompts.prompt(request, tail=(first,)),
         )
-        hits, _ = self._workers[w].engine.cached_prefix(whole.block_hashes)
-        # Every prompt token's KV the decode worker lacks, the partial last block's included.
-        missing = request.input_length - hits * prefill.engine.block_size
-        arrival = now + self._disagg.transfer.transfer_ms(missing) / 1000.0
-        self._push(arrival, _KV_ARRIVED, i, resumed)
-        return resumed.first
+        tokens = handoff_tokens(request.input_length, cached, prefill.engine.block_size)
+        self._push(
+            now + self._disagg.transfer.transfer_ms(tokens) / 1000.0, _KV_ARRIVED, i, resumed
+        )
 
     def _fold(self, worker: _Worker, changes: list[KvChange]) -> None:
         for change in changes:

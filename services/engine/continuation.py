@@ -24,6 +24,12 @@ class Continuation:
     handed_off_tokens: int
 
 
+def handoff_tokens(prompt_tokens: int, cached_blocks: int, block_size: int) -> int:
+    """Prompt tokens whose KV a whole-prompt hand-off moves to a decode engine that caches
+    ``cached_blocks`` leading blocks of it: all it lacks, the partial last block's included."""
+    return max(0, prompt_tokens - cached_blocks * block_size)
+
+
 def continuation(
     request: EngineRequest,
     first_token: int,

@@ -91,6 +91,11 @@ class EngineCapabilities:
     # (the sim engine). Without it a step computes on real hardware and holds the caller for its
     # duration, so the worker runs steps on a thread of their own to keep its event loop free.
     modelled_time: bool
+    # A hand-off carries the whole prompt's KV, its partial last block's included, and
+    # ``add_handed_off`` (:class:`WholePromptHandoff`) continues the request from its first token
+    # with nothing recomputed. Without it only full blocks travel, and the decode engine
+    # recomputes the partial last block with the first token.
+    whole_prompt_handoff: bool = False
 
 
 class Engine(Protocol):
@@ -160,6 +165,24 @@ class KvPortable(Protocol):
         adds the hand-off's continuation, so that the request finds its prompt cached. Their
         ``BlocksStored`` changes come with the next step's result."""
         ...
+
+
+class WholePromptHandoff(Protocol):
+    """An engine that takes a hand-off's whole prompt (``capabilities.whole_prompt_handoff``)."""
+
+    def add_handed_off(self, request: EngineRequest, prompt_tokens: int) -> None:
+        """Queue a hand-off's continuation whose first ``prompt_tokens`` tokens (the original
+        prompt) another engine computed; their KV was imported with :meth:`KvPortable.import_prefix`
+        first. The next decode step consumes the rest (the first token). Called by a decode worker
+        instead of ``add_request``; raises ValueError as ``add_request`` does."""
+        ...
+
+
+def whole_prompt_handoff(engine: Engine) -> WholePromptHandoff | None:
+    """The engine's way to continue a whole-prompt hand-off, or None if it has none."""
+    if not engine.capabilities.whole_prompt_handoff:
+        return None
+    return cast(WholePromptHandoff, engine)
 
 
 def kv_portable(engine: Engine) -> KvPortable | None:

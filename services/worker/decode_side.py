@@ -61,7 +61,7 @@ class DecodeSide:
         started = time.monotonic()
         cached = state.awaiting.cached_blocks if state.awaiting is not None else 0
         try:
-            data = await self._receiver.receive(event, cached)
+            data = await self._receiver.receive(event, cached, len(state.spec.prompt_token_ids))
         except ValueError as err:
             if self._requests.active.get(request_id) is state:
                 self._fall_back(request_id, state, f"KV hand-off failed: {err}")
@@ -89,16 +89,16 @@ class DecodeSide:
         portable = self._driver.portable
         hashes = event.block_hashes
 
-        def adopt() -> None:
+        def adopt() -> bool:
             try:
                 if portable is not None:
                     portable.import_prefix(hashes, data)
             except Exception:  # unusable KV costs a local prefill, never the request
                 log.exception("KV import of %s failed; prefilling locally", request_id)
+                return False
+            return portable is not None
 
-        # The prompt's full blocks come from the hand-off; the partial last block and the first
-        # token are computed here (an exported prefix holds full blocks only).
-        await self._requests.admit(resumed.rest, before=adopt)
+        await self._requests.admit(resumed.rest, adopt, resumed.handed_off_tokens)
 
     async def _deadline(self, request_id: str, timeout_s: float) -> None:
         await asyncio.sleep(timeout_s)

@@ -9,7 +9,13 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from services.engine.protocol import Engine, EngineRequest, StepResult, kv_portable
+from services.engine.protocol import (
+    Engine,
+    EngineRequest,
+    StepResult,
+    kv_portable,
+    whole_prompt_handoff,
+)
 
 _T = TypeVar("_T")
 
@@ -31,6 +37,7 @@ class EngineDriver:
         )
         # The engine, if its KV can move to another engine (disaggregation).
         self.portable = kv_portable(engine)
+        self._whole_prompt = whole_prompt_handoff(engine)
 
     def op(self, op: Callable[[], object]) -> None:
         """Change the engine's request set. An engine whose steps run on the step thread is only
@@ -46,11 +53,16 @@ class EngineDriver:
             return call()
         return await asyncio.get_running_loop().run_in_executor(self._thread, call)
 
-    def add(self, request: EngineRequest) -> None:
+    def add(self, request: EngineRequest, handed_off: int = 0) -> None:
         """Give the engine a request; a refusal is kept for :meth:`take_refused`. Runs where
-        engine ops run."""
+        engine ops run. ``handed_off``: a hand-off's continuation, whose first ``handed_off``
+        prompt tokens' KV was imported; an engine that takes a whole prompt recomputes none of
+        them, any other its partial last block."""
         try:
-            self.engine.add_request(request)
+            if handed_off and self._whole_prompt is not None:
+                self._whole_prompt.add_handed_off(request, handed_off)
+            else:
+                self.engine.add_request(request)
         except ValueError as err:  # e.g. larger than the whole KV cache: it can never run here
             self._refused.append((request.request_id, str(err)))
 

@@ -25,6 +25,7 @@ from schemas.events import (
     RouteDecided,
 )
 from services.common.kv_transfer import KvTransferModel
+from services.engine.continuation import handoff_tokens
 from services.engine.protocol import EngineRequest, RequestOutput
 from services.worker.driver import EngineDriver
 from services.worker.outputs import Background
@@ -112,14 +113,17 @@ class KvReceiver:
         predicted_s = (placement.remote_ms or 0.0) / 1000 / self._speedup
         return max(self._timeout_s, self._timeout_factor * predicted_s)
 
-    async def receive(self, event: PrefillCompleted, cached_blocks: int = 0) -> bytes:
+    async def receive(
+        self, event: PrefillCompleted, cached_blocks: int, prompt_tokens: int
+    ) -> bytes:
         """The hand-off's KV payload (empty for a modelled one, after the link's modelled time
-        for the blocks beyond the ``cached_blocks`` this worker holds); ``ValueError`` if it did
-        not arrive whole and intact."""
+        for the ``prompt_tokens`` beyond the ``cached_blocks`` this worker holds); ``ValueError``
+        if it did not arrive whole and intact."""
         request_id = event.request_id or ""
         if event.payload is not None:
             return await self.blobs.take(request_id, event.payload, self._timeout_s)
-        tokens = max(0, len(event.block_hashes) - cached_blocks) * self._block_size
+        # Only the sim engine models its KV, and it hands the whole prompt over.
+        tokens = handoff_tokens(prompt_tokens, cached_blocks, self._block_size)
         await asyncio.sleep(self._transfer.transfer_ms(tokens) / 1000 / self._speedup)
         return b""
 

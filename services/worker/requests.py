@@ -82,14 +82,17 @@ class Requests:
         return spec.block_hashes if spec.block_size == self._driver.engine.block_size else ()
 
     async def admit(
-        self, request: EngineRequest, before: Callable[[], object] | None = None
+        self,
+        request: EngineRequest,
+        before: Callable[[], bool] | None = None,
+        handed_off: int = 0,
     ) -> None:
-        """Give the engine ``request``, after ``before`` (an engine op: a hand-off's KV import)."""
+        """Give the engine ``request``, after ``before`` (an engine op: a hand-off's KV import,
+        true if the KV was taken); ``handed_off``: the leading prompt tokens that KV covers."""
 
         def add() -> None:
-            if before is not None:
-                before()
-            self._driver.add(request)
+            taken = before() if before is not None else True
+            self._driver.add(request, handed_off if taken else 0)
 
         self._driver.op(add)
         await self.fail_refused()

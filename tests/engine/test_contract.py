@@ -11,6 +11,7 @@ import pytest
 
 from schemas.block_hash import chain_block_hashes
 from schemas.events import SamplingParams
+from services.engine.continuation import continuation
 from services.engine.protocol import (
     Engine,
     EngineCapabilities,
@@ -18,6 +19,7 @@ from services.engine.protocol import (
     RequestOutput,
     StepResult,
     kv_portable,
+    whole_prompt_handoff,
 )
 from services.engine.sim import SimConfig, SimEngine
 from services.engine.torch_engine import TorchEngine, TorchEngineConfig
@@ -267,3 +269,28 @@ def test_a_prompts_kv_moves_to_another_engine_when_the_engine_can_hand_off(
     assert remote[0].cached_tokens == len(hashes) * BLOCK
     assert sum(r.prefill_tokens for r in results) == len(prompt) - len(hashes) * BLOCK
     assert tokens_of(remote) == tokens_of(local)
+
+
+def test_a_whole_prompt_hand_off_continues_from_the_first_token_with_nothing_recomputed(
+    new_engine: EngineFactory,
+) -> None:
+    prefill = new_engine()
+    if not prefill.capabilities.whole_prompt_handoff:
+        assert whole_prompt_handoff(prefill) is None
+        return
+    source, prompt = kv_portable(prefill), PROMPTS["a"]
+    assert source is not None
+    local = tokens_of(outputs_by_request(run_one(prefill, "r", prompt))["r"])
+    hashes = chain_block_hashes(prompt, BLOCK)
+    decode = new_engine()
+    target, whole = kv_portable(decode), whole_prompt_handoff(decode)
+    assert target is not None and whole is not None
+    target.import_prefix(hashes, source.export_prefix(hashes)[1])
+    resumed = continuation(make_request("r", prompt), local[0], BLOCK)
+    assert resumed.rest is not None
+    whole.add_handed_off(resumed.rest, resumed.handed_off_tokens)
+    results = run_to_end(decode)
+    # The partial last block came over too: every step of the answer decodes only.
+    assert sum(r.prefill_tokens for r in results) == 0
+    remote = tokens_of(outputs_by_request(results)["r"])
+    assert len(remote) == len(local) - 1

@@ -53,8 +53,9 @@ async def test_modelled_kv_takes_the_links_time_and_real_kv_must_arrive() -> Non
     link = KvTransferModel(kv_bytes_per_token=1_000_000, bandwidth_gb_s=1.0, latency_ms=0.0)
     receiver = KvReceiver(4, link, speedup=0.2, timeout_s=0.1, timeout_factor=1.0)
     started = time.monotonic()
-    assert await receiver.receive(completed(block_hashes=(7, 8))) == b""
-    assert time.monotonic() - started >= 0.039  # 8 tokens × 1 ms, at a fifth of the speed
+    # A 10-token prompt, one block of it cached here: 6 tokens cross, the partial block's too.
+    assert await receiver.receive(completed(block_hashes=(7, 8)), 1, 10) == b""
+    assert time.monotonic() - started >= 0.029  # 6 tokens × 1 ms, at a fifth of the speed
     missing = KvPayload(chunks=2, size=10, sha256="0" * 64)
     with pytest.raises(ValueError, match="0 of 2"):
-        await receiver.receive(completed(payload=missing))
+        await receiver.receive(completed(payload=missing), 0, 10)

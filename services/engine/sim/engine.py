@@ -16,7 +16,9 @@ class SimEngine(ScheduledEngine):
     """Schedules like vLLM v1 over a paged, prefix-cached KV pool and reports how long each step
     would take. ``perf`` overrides the perf model named in ``config``."""
 
-    capabilities = EngineCapabilities(kv_handoff=True, kv_events=True, modelled_time=True)
+    capabilities = EngineCapabilities(
+        kv_handoff=True, kv_events=True, modelled_time=True, whole_prompt_handoff=True
+    )
 
     def __init__(self, config: SimConfig, perf: PerfModel | None = None) -> None:
         pool = BlockPool(config.num_gpu_blocks)
