@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry.trace import Span
 
@@ -156,16 +157,11 @@ class Requests:
 
     async def cancelled(self, request_id: str, reason: str) -> None:
         state = self._end(request_id, "laneway.cancelled", reason)
+        emitted = state.stream.emitted
         self._terminal(
             state,
             RequestCancelled(
-                source=self._outputs.source,
-                request_id=request_id,
-                session_id=state.session_id,
-                trace=trace_context(state.span),
-                worker_id=self._outputs.worker_id,
-                reason=reason,
-                completion_tokens=state.stream.emitted,
+                **self._about(request_id, state), reason=reason, completion_tokens=emitted
             ),
         )
 
@@ -173,16 +169,7 @@ class Requests:
         self._driver.abort(request_id)
         state = self._end(request_id, "laneway.failed", message)
         self._terminal(
-            state,
-            RequestFailed(
-                source=self._outputs.source,
-                request_id=request_id,
-                session_id=state.session_id,
-                trace=trace_context(state.span),
-                code=code,
-                message=message,
-                worker_id=self._outputs.worker_id,
-            ),
+            state, RequestFailed(**self._about(request_id, state), code=code, message=message)
         )
 
     def prefill_failed(self, request_id: str, message: str) -> None:
@@ -211,6 +198,16 @@ class Requests:
         state.span.set_attribute(attribute, why)
         state.span.end()
         return state
+
+    def _about(self, request_id: str, state: Active) -> dict[str, Any]:
+        """The fields every terminal event of this worker's request carries."""
+        return {
+            "source": self._outputs.source,
+            "request_id": request_id,
+            "session_id": state.session_id,
+            "trace": trace_context(state.span),
+            "worker_id": self._outputs.worker_id,
+        }
 
     def _terminal(self, state: Active, event: TerminalEvent) -> None:
         if state.awaiting is not None:
