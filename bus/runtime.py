@@ -1,4 +1,5 @@
-"""Process lifecycle shared by every service: logging, signals, orderly shutdown."""
+"""Process lifecycle shared by every service: logging, signals, orderly shutdown, and a failure
+told in one line."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 
 ServiceMain = Callable[[asyncio.Event], Awaitable[None]]
@@ -14,10 +16,17 @@ ServiceMain = Callable[[asyncio.Event], Awaitable[None]]
 # still starting (say, waiting for a NATS server that never comes) never looks at `stop`.
 SHUTDOWN_GRACE_S = 10.0
 
+# A service that fails ends its output with one line starting so; whoever started it (laneway
+# up) reports that line instead of a traceback.
+FATAL_PREFIX = "laneway fatal: "
+
+logger = logging.getLogger(__name__)
+
 
 def run_service(main: ServiceMain, log_level: str = "INFO") -> None:
     """Run ``main(stop)`` until SIGINT/SIGTERM sets ``stop``; ``main`` then cleans up. A second
-    signal, or the grace period running out, cancels it."""
+    signal, or the grace period running out, cancels it. If ``main`` fails, the process says why
+    in one line and exits with code 1."""
     logging.basicConfig(
         level=log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -47,4 +56,21 @@ def run_service(main: ServiceMain, log_level: str = "INFO") -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    asyncio.run(runner())
+    try:
+        asyncio.run(runner())
+    except SystemExit as exc:
+        # A library that gives up exits (uvicorn does, having logged why just before).
+        if exc.code not in (None, 0):
+            _fatal(f"exited with code {exc.code}; the lines above say why")
+        raise
+    except Exception as exc:
+        # The environment's refusals (a port taken, a server not there) need no traceback;
+        # anything else is a bug, and its traceback goes to the log.
+        if not isinstance(exc, OSError):
+            logger.exception("service failed")
+        _fatal(f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
+
+
+def _fatal(cause: str) -> None:
+    print(FATAL_PREFIX + " ".join(cause.split()), file=sys.stderr, flush=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -37,6 +39,7 @@ class IngressSettings(ServiceSettings):
     max_model_len: int = _API.max_model_len
     default_max_tokens: int = _API.default_max_tokens
     request_timeout_s: float = _API.request_timeout_s
+    max_body_bytes: int = _API.max_body_bytes
 
     def api(self) -> IngressApiSettings:
         names = {field.name for field in fields(IngressApiSettings)}
@@ -56,10 +59,23 @@ def _tokenizer(model_dir: Path | None) -> Tokenizer:
     return HfTokenizer(model_dir)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    # Bound here, before anything else, so that a port in use fails at once as one clear error
+    # rather than as uvicorn's exit after the bus is up.
+    try:
+        return socket.create_server(
+            (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+        )
+    except OSError as exc:
+        cause = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise OSError(f"cannot listen on {host}:{port}: {cause}") from None
+
+
 def main() -> None:
     settings = IngressSettings()
 
     async def serve(stop: asyncio.Event) -> None:
+        listener = _listen(settings.host, settings.port)
         setup_tracing("laneway-ingress", settings.instance_id, settings.trace_exporter)
         bus = await Bus.connect(settings.nats_url, f"ingress-{settings.instance_id}")
         await bus.ensure_streams()
@@ -76,7 +92,7 @@ def main() -> None:
                 timeout_graceful_shutdown=5,
             )
         )
-        serving = asyncio.create_task(server.serve())
+        serving = asyncio.create_task(server.serve(sockets=[listener]))
         await stop.wait()
         server.should_exit = True
         await serving
