@@ -108,6 +108,10 @@ class Engine(Protocol):
     kv_blocks_total: int
     # Most requests one step decodes together, as registered for the planner.
     max_num_seqs: int
+    # Most tokens, prompt and completion together, one request may have: what both its context
+    # (positions) and its KV pool hold. Registered for the ingress's context-length check;
+    # ``add_request`` takes every request within it.
+    max_model_len: int
 
     @property
     def capabilities(self) -> EngineCapabilities:

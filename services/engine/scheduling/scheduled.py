@@ -19,6 +19,8 @@ class ScheduledEngine:
         self.block_size = config.block_size
         self.kv_blocks_total = config.num_gpu_blocks
         self.max_num_seqs = config.max_num_seqs
+        # The KV of every token but the last sampled one must fit in the pool at once.
+        self.max_model_len = config.num_gpu_blocks * config.block_size
         self._pool = pool
         self._kv = kv
         self._scheduler = Scheduler(config, kv)

@@ -63,6 +63,7 @@ class TorchEngine(ScheduledEngine):
         self._paged_pool = pool
         self._paged_kv = PagedKvManager(pool, config.block_size)
         super().__init__(scheduling, pool, self._paged_kv)
+        self.max_model_len = min(self.max_model_len, self.model.config.max_position_embeddings)
         self._cache = PagedKvCache(
             self.model.config, config.num_gpu_blocks, config.block_size, device, dtype
         )

@@ -73,6 +73,7 @@ class TrtllmEngine:
         except BaseException:
             self.close()
             raise
+        self.max_model_len = min(self._max_seq_len, self.kv_blocks_total * self.block_size)
         # KV lives on TensorRT-LLM's own executor, with no export of Laneway's; its steps are
         # real time spent there.
         self.capabilities = EngineCapabilities(
