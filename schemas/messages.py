@@ -30,6 +30,12 @@ class WorkerRegistration(Frozen):
     block_size: int = Field(gt=0, description="tokens per KV block")
     kv_blocks_total: int = Field(gt=0, description="KV cache capacity, in blocks")
     max_num_seqs: int = Field(gt=0, description="most requests it runs at once")
+    max_model_len: int | None = Field(
+        default=None,
+        gt=0,
+        description="most tokens, prompt and completion together, of a request it takes "
+        "(None: a record from before workers registered it)",
+    )
     kv_events: bool = Field(default=True, description="publishes KV events (else: approximate)")
     kv_handoff: bool = Field(
         default=False, description="its engine can send and take a prompt's KV (disaggregation)"

@@ -75,6 +75,7 @@ class Worker:
             block_size=engine.block_size,
             kv_blocks_total=engine.kv_blocks_total,
             max_num_seqs=engine.max_num_seqs,
+            max_model_len=self._opt.max_model_len or engine.max_model_len,
             kv_events=self._opt.kv_events,
             kv_handoff=self._driver.portable is not None,
             draining=self._next_role is not None,

@@ -30,6 +30,9 @@ class WorkerOptions:
     load_report_interval_s: float
     drain_timeout_s: float
     kv_events: bool = True
+    # Most tokens, prompt and completion together, of a request it takes; None: all its engine
+    # holds. Registered: the ingress answers longer requests with context_length_exceeded.
+    max_model_len: int | None = None
     # Seconds a request's tokens may be held back to go out together (0: every step).
     stream_interval_s: float = 0.02
     # While busy, a report at most this often (seconds): the planner's queue estimates are only
@@ -58,6 +61,9 @@ class WorkerSettings(ServiceSettings):
     num_gpu_blocks: int = 16384
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # Most tokens, prompt and completion together, of one request; unset: all the engine holds
+    # (its model's positions and its KV pool: num_gpu_blocks × block_size for the sim).
+    max_model_len: int | None = Field(default=None, gt=0)
     # Perf model of the sim engine: dynamo-mocker, or fixed (fast, for tests and demos).
     perf_model: str = "dynamo-mocker"
     # Modelled time is divided by this: 10 runs the simulated GPU ten times faster.
@@ -116,6 +122,19 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
     return SimEngine(SimConfig(**scheduling), perf_model(settings.perf_model)), ByteTokenizer()
 
 
+def _max_model_len(settings: WorkerSettings, engine: Engine) -> int | None:
+    """The setting's context limit, refused if the engine cannot hold it: a limit silently
+    lowered would leave the operator wondering why long prompts still fail."""
+    wanted = settings.max_model_len
+    if wanted is not None and wanted > engine.max_model_len:
+        raise ValueError(
+            f"LANEWAY_MAX_MODEL_LEN={wanted} is more than the {settings.engine} engine holds "
+            f"(at most {engine.max_model_len} tokens: its context and its "
+            f"{engine.kv_blocks_total} KV blocks of {engine.block_size})"
+        )
+    return wanted
+
+
 def worker_options(settings: WorkerSettings, engine: Engine) -> WorkerOptions:
     return WorkerOptions(
         worker_id=settings.worker_id,
@@ -128,6 +147,7 @@ def worker_options(settings: WorkerSettings, engine: Engine) -> WorkerOptions:
         busy_report_interval_s=settings.busy_report_interval_s,
         drain_timeout_s=settings.drain_timeout_s,
         kv_events=settings.kv_events and engine.capabilities.kv_events,
+        max_model_len=_max_model_len(settings, engine),
         stream_interval_s=settings.stream_interval_s,
         kv_transfer=KvTransferModel(
             settings.kv_bytes_per_token, settings.link_gb_s, settings.link_latency_ms
