@@ -21,6 +21,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from services.common.tokenizer import Tokenizer
+from services.ingress.access_log import log_request
+from services.ingress.body import read_json_body
+from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.errors import ApiError, internal_error
 from services.ingress.exchange import Endpoint, Exchange
 from services.ingress.gateway import Gateway
@@ -37,16 +40,22 @@ from services.ingress.settings import IngressApiSettings
 _JSON = "application/json"
 
 
-def create_app(gateway: Gateway, tokenizer: Tokenizer, settings: IngressApiSettings) -> Starlette:
+def create_app(
+    gateway: Gateway,
+    tokenizer: Tokenizer,
+    settings: IngressApiSettings,
+    worker_limit: WorkerContextLimit | None = None,
+) -> Starlette:
+    """``worker_limit``: the context limit of the registered workers (none: only the settings')."""
     metrics = IngressMetrics()
-    intake = Intake(tokenizer, settings)
+    intake = Intake(tokenizer, settings, worker_limit or WorkerContextLimit())
     endpoints = _Endpoints(settings, metrics)
 
     def completion(
         name: str, parse: Callable[[bytes], ParsedRequest], response_format: type[Format]
     ) -> _CompletionEndpoint:
         endpoint = Endpoint(name, gateway, metrics, response_format, settings.request_timeout_s)
-        return _CompletionEndpoint(endpoint, intake, parse)
+        return _CompletionEndpoint(endpoint, intake, parse, settings.max_body_bytes)
 
     routes = [
         Route(
@@ -100,25 +109,47 @@ class _CompletionEndpoint:
     endpoint: Endpoint
     intake: Intake
     parse: Callable[[bytes], ParsedRequest]
+    max_body_bytes: int
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         received = time.perf_counter()
-        metrics, name = self.endpoint.metrics, self.endpoint.name
         request = Request(scope, receive)
+        parsed: ParsedRequest | None = None
         try:
-            parsed = self.parse(await request.body())
+            parsed = self.parse(await read_json_body(request, self.max_body_bytes))
             spec = self.intake.spec(parsed)
         except ClientDisconnect:
-            metrics.request_done(name, CLIENT_CLOSED_STATUS)
+            self._done(scope, CLIENT_CLOSED_STATUS, received, parsed)
             return
         except ApiError as error:
-            metrics.request_done(name, error.status)
+            self._done(scope, error.status, received, parsed)
             await send_json(send, error.status, error.body())
             return
         params = parsed.params
         session_id = request.headers.get("x-session-id") or params.user
         exchange = Exchange(self.endpoint, params, spec, session_id, received)
-        metrics.request_done(name, await exchange.run(receive, send))
+        self._done(scope, await exchange.run(receive, send), received, parsed, exchange)
+
+    def _done(
+        self,
+        scope: Scope,
+        status: int,
+        received: float,
+        parsed: ParsedRequest | None,
+        exchange: Exchange | None = None,
+    ) -> None:
+        self.endpoint.metrics.request_done(self.endpoint.name, status)
+        params = parsed.params if parsed is not None else None
+        log_request(
+            scope,
+            status,
+            time.perf_counter() - received,
+            request_id=exchange.request_id if exchange is not None else None,
+            model=params.model if params is not None else None,
+            stream=params.stream if params is not None else None,
+            usage=exchange.usage if exchange is not None else None,
+            ttft_s=exchange.ttft_s if exchange is not None else None,
+        )
 
 
 def _error_response(error: ApiError) -> Response:
@@ -127,8 +158,10 @@ def _error_response(error: ApiError) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    log_request(request.scope, exc.status_code)
     return _error_response(ApiError(exc.status_code, exc.detail))
 
 
 async def _unhandled_error(request: Request, exc: Exception) -> Response:
+    log_request(request.scope, 500)
     return _error_response(internal_error())

@@ -10,40 +10,49 @@ from datetime import UTC, datetime, timedelta
 from schemas.block_hash import chain_block_hashes
 from schemas.events import RequestSpec, SamplingParams
 from services.common.tokenizer import Tokenizer
+from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.errors import InvalidRequest, model_not_found
 from services.ingress.openai_models import ChatRequest, ParsedRequest
 from services.ingress.settings import IngressApiSettings
 
 
 class Intake:
-    def __init__(self, tokenizer: Tokenizer, settings: IngressApiSettings) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, settings: IngressApiSettings, worker_limit: WorkerContextLimit
+    ) -> None:
         self._tokenizer = tokenizer
         self._settings = settings
+        self._worker_limit = worker_limit
         self._models = frozenset(settings.served_model_names)
 
     def spec(self, request: ParsedRequest) -> RequestSpec:
         params = request.params
         if params.model not in self._models:
             raise model_not_found(params.model)
-        prompt_ids = tuple(self._prompt_ids(request))
+        prompt_ids = self._prompt_ids(request)
         prompt_len = len(prompt_ids)
         if not prompt_len:
             raise InvalidRequest("The prompt must contain at least one token.", "prompt")
         settings = self._settings
+        limit = self._max_model_len()
         max_tokens = params.max_tokens
         if max_tokens is None:
-            room = settings.max_model_len - prompt_len
+            room = settings.default_max_tokens if limit is None else limit - prompt_len
             max_tokens = max(1, min(settings.default_max_tokens, room))
-        if prompt_len + max_tokens > settings.max_model_len:
+        # No limit known (no worker registered one yet): the request goes on, and an engine
+        # refuses what it cannot hold.
+        if limit is not None and prompt_len + max_tokens > limit:
             where = request.prompt_param
             raise InvalidRequest(
-                f"This model's maximum context length is {settings.max_model_len} tokens. "
+                f"This model's maximum context length is {limit} tokens. "
                 f"However, you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
                 f"{where}, {max_tokens} in the completion). Please reduce the length of the "
                 f"{where} or completion.",
                 where,
                 code="context_length_exceeded",
             )
+        # Copied only now that it is known to fit: an over-long prompt costs one list, not two.
+        prompt_ids = tuple(prompt_ids)
         # Every field was checked above, so pydantic's validation would only cost time here.
         sampling = SamplingParams.model_construct(
             max_tokens=max_tokens,
@@ -63,6 +72,10 @@ class Intake:
             reply_to=settings.instance_id,
             deadline=datetime.now(UTC) + timedelta(seconds=settings.request_timeout_s),
         )
+
+    def _max_model_len(self) -> int | None:
+        limits = (self._settings.max_model_len, self._worker_limit.tokens)
+        return min((n for n in limits if n is not None), default=None)
 
     def _prompt_ids(self, request: ParsedRequest) -> Sequence[int]:
         tokenizer = self._tokenizer

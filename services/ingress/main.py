@@ -14,6 +14,7 @@ import uvicorn
 from pydantic import Field
 
 from bus.client import Bus
+from bus.registry import connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
 from observability.tracing import setup_tracing
@@ -21,6 +22,7 @@ from schemas.events import new_id
 from services.common.hf_tokenizer import HfTokenizer
 from services.common.tokenizer import ByteTokenizer, Tokenizer
 from services.ingress.api import create_app
+from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.nats_gateway import NatsGateway
 from services.ingress.settings import IngressApiSettings
 
@@ -36,7 +38,7 @@ class IngressSettings(ServiceSettings):
     # The served model's folder, for its tokenizer and chat template; unset: the sim's bytes.
     model_dir: Path | None = None
     block_size: int = _API.block_size
-    max_model_len: int = _API.max_model_len
+    max_model_len: int | None = _API.max_model_len
     default_max_tokens: int = _API.default_max_tokens
     request_timeout_s: float = _API.request_timeout_s
     max_body_bytes: int = _API.max_body_bytes
@@ -81,7 +83,10 @@ def main() -> None:
         await bus.ensure_streams()
         gateway = NatsGateway(bus, settings.instance_id)
         await gateway.start()
-        app = create_app(gateway, _tokenizer(settings.model_dir), settings.api())
+        etcd = connect_etcd(settings.etcd_endpoints)
+        limit = WorkerContextLimit()
+        watching = asyncio.create_task(watch_workers(etcd, limit.on_workers), name="worker-watch")
+        app = create_app(gateway, _tokenizer(settings.model_dir), settings.api(), limit)
         server = _Server(
             uvicorn.Config(
                 app,
@@ -96,6 +101,10 @@ def main() -> None:
         await stop.wait()
         server.should_exit = True
         await serving
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
+        await etcd.close()
         await bus.close()
 
     run_service(serve, settings.log_level)
