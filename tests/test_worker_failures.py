@@ -22,6 +22,7 @@ from services.common.tokenizer import ByteTokenizer
 from services.engine.sim import SimConfig, SimEngine
 from services.worker.runtime import Worker
 from services.worker.settings import WorkerOptions
+from tests.helpers import eventually
 
 
 class FlakyEngine(SimEngine):
@@ -76,15 +77,9 @@ async def test_a_failed_step_fails_its_requests_and_the_worker_serves_on(
     await bus.subscribe(Subjects.request_terminal("testingress"), collect)
     await asyncio.sleep(0.5)
     await bus.publish(Subjects.route("flaky"), route("first", "flaky"))
-    for _ in range(50):
-        if ends:
-            break
-        await asyncio.sleep(0.1)
+    await eventually(lambda: ends)
     await bus.publish(Subjects.route("flaky"), route("second", "flaky"))
-    for _ in range(50):
-        if len(ends) == 2:
-            break
-        await asyncio.sleep(0.1)
+    await eventually(lambda: len(ends) == 2)
     stop.set()
     await running
     await etcd.close()
