@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -151,7 +151,9 @@ async def replay_live(
     block_size: int,
     time_scale: float = 1.0,
     timeout_s: float = 3600.0,
+    progress: Callable[[int], None] | None = None,
 ) -> ReplayResult:
+    """``progress``, if given, is called with the number of requests finished so far."""
     prompts = PromptFactory(block_size)
     texts = [prompts.prompt(r).text() for r in trace]
     records = [RequestRecord(r.arrival_s, r.input_length) for r in trace]
@@ -170,12 +172,14 @@ async def replay_live(
         timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits
     ) as http:
         t0 = time.monotonic()
+        finished = 0
 
         async def fire(i: int) -> str | None:
+            nonlocal finished
             delay = trace[i].arrival_s / time_scale - (time.monotonic() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            return await _one(
+            request_id = await _one(
                 http,
                 f"{base_url}/completions",
                 model,
@@ -185,6 +189,10 @@ async def replay_live(
                 t0,
                 time_scale,
             )
+            finished += 1
+            if progress is not None:
+                progress(finished)
+            return request_id
 
         request_ids = list(await asyncio.gather(*(fire(i) for i in range(len(trace)))))
     await asyncio.sleep(1.5)  # the workers' last load reports

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,8 @@ from services.planner.policy import Policy, RouteRequest, WorkerView
 from services.worker.stream import RequestStream
 
 _ARRIVAL, _STEP_END, _KV_ARRIVED, _PLAN = 0, 1, 2, 3
+# Arrivals between two calls of the progress callback: off the per-event path.
+_PROGRESS_EVERY = 64
 # Suffix of the id a request has on the prefill worker that computes its prompt.
 _PREFILL = "/prefill"
 
@@ -128,6 +130,8 @@ class OfflineReplay:
         self._events: list[tuple[float, int, int, int, Any]] = []
         # Every routing decision with its inputs, when asked for (`laneway bench --decisions`).
         self.decisions: list[tuple[DecisionInputs, Decision]] | None = None
+        # Called with the arrivals so far, now and then (`laneway bench`'s progress).
+        self.progress: Callable[[int], None] | None = None
         # Every sim engine can hand a prompt's KV over.
         self._handoff = frozenset(w.worker_id for w in self._workers)
         self._seq = 0
@@ -151,6 +155,8 @@ class OfflineReplay:
             now, _, kind, who, payload = heapq.heappop(self._events)
             if kind == _ARRIVAL:
                 self._arrive(now, who)
+                if self.progress is not None and who % _PROGRESS_EVERY == 0:
+                    self.progress(who)
             elif kind == _STEP_END:
                 self._step_end(now, self._workers[who], who, payload)
             elif kind == _KV_ARRIVED:
