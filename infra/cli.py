@@ -15,6 +15,16 @@ from infra.cluster import ClusterConfig, LocalCluster
 from services.planner.policies import POLICY_NAMES
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default to its help, unless there is none to show (no default, or
+    a switch that is off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = sub.add_parser("up", help="start the whole local cluster and serve the OpenAI API")
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
@@ -44,10 +54,12 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--engine", choices=["sim", "torch", "trtllm"], default="sim", help="worker engine"
     )
     up.add_argument("--model", type=Path, help="torch engine: a Hugging Face layout model folder")
-    up.add_argument("--perf-model", default="dynamo-mocker", help="sim engine perf model")
+    bench.add_perf_model_argument(up)
     up.add_argument("--speedup", type=float, default=1.0, help="sim engine speed-up factor")
     up.add_argument("--state-dir", type=Path, default=Path(".state"), help="data and logs")
-    up.add_argument("--trace-exporter", default="none", help="none | console | otlp | file:PATH")
+    up.add_argument(
+        "--trace-exporter", default="none", help="where spans go: none, console, otlp or file:PATH"
+    )
     up.set_defaults(func=_up)
 
 
@@ -118,15 +130,21 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="laneway", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="laneway",
+        description="Laneway's local cluster and benchmarks; `laneway COMMAND --help` shows a "
+        "command's flags with their defaults and choices.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_up(sub)
     engine_bench.add_parser(sub)
     tiny = sub.add_parser("make-tiny-model", help="write a small seeded model and tokenizer")
-    tiny.add_argument("dir", type=Path)
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("dir", type=Path, help="folder to write (created if missing)")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.set_defaults(func=_make_tiny_model)
     bench.add_parser(sub)
+    for command in sub.choices.values():
+        command.formatter_class = _DefaultsFormatter
     args = parser.parse_args(argv)
     return int(args.func(args))
 

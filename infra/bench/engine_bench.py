@@ -22,10 +22,24 @@ if TYPE_CHECKING:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench-engine", help="torch engine vs transformers on a local model")
     bench.add_argument("--model", type=Path, required=True, help="Hugging Face layout folder")
-    bench.add_argument("--concurrency", type=int, action="append", help="default: 1, 8, 32")
-    bench.add_argument("--prompt-tokens", type=int, default=64)
-    bench.add_argument("--output-tokens", type=int, default=64)
-    bench.add_argument("--long-prompt-tokens", type=int, default=2000)
+    bench.add_argument(
+        "--concurrency",
+        type=int,
+        action="append",
+        help="requests at once; repeatable (default: 1, 8, 32)",
+    )
+    bench.add_argument(
+        "--prompt-tokens", type=int, default=64, help="prompt length of the throughput runs"
+    )
+    bench.add_argument(
+        "--output-tokens", type=int, default=64, help="tokens each throughput request generates"
+    )
+    bench.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=2000,
+        help="prompt length of the time-to-first-token runs",
+    )
     bench.add_argument("--json", type=Path, help="write the figures here")
     bench.set_defaults(func=main)
 

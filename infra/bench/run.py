@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ from infra.bench.report import format_table, write_json
 from infra.bench.traces import TraceRequest, load_trace
 from infra.cluster import ClusterConfig, LocalCluster
 from infra.embedded import free_port
+from infra.progress import Progress
 from services.common.kv_transfer import KvTransferModel
+from services.common.perf_model import PERF_MODEL_NAMES
 from services.engine.sim import SimConfig
 from services.planner.capacity import CapacitySettings
 from services.planner.disagg import DisaggSettings
@@ -44,19 +47,30 @@ def add_disagg_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_perf_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--perf-model",
+        choices=PERF_MODEL_NAMES,
+        default="dynamo-mocker",
+        help="sim engine step times: Dynamo mocker's model, or cheap and linear",
+    )
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="replay a request trace through routing policies")
     bench.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file")
-    bench.add_argument("--format", choices=["mooncake", "azure"], help="default: by extension")
     bench.add_argument(
-        "--policy", action="append", choices=list(POLICY_NAMES), help="repeatable; default all"
+        "--format", choices=["mooncake", "azure"], help="trace format (default: by extension)"
+    )
+    bench.add_argument(
+        "--policy", action="append", choices=list(POLICY_NAMES), help="repeatable (default: all)"
     )
     bench.add_argument("--workers", type=int, default=8, help="all workers (both roles)")
     bench.add_argument(
         "--prefill-workers", type=int, default=0, help="of --workers, this many prefill only"
     )
     bench.add_argument(
-        "--decode-workers", type=int, help="default: --workers minus --prefill-workers"
+        "--decode-workers", type=int, help="(default: --workers minus --prefill-workers)"
     )
     add_disagg_argument(bench)
     bench.add_argument(
@@ -76,7 +90,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=_CAPACITY.itl_target_ms,
         help="the capacity loop's target; the kv policy avoids decode steps slower than it",
     )
-    bench.add_argument("--plan-interval-s", type=float, default=_CAPACITY.interval_s)
+    bench.add_argument(
+        "--plan-interval-s",
+        type=float,
+        default=_CAPACITY.interval_s,
+        help="seconds between two looks of the capacity loop",
+    )
     bench.add_argument(
         "--min-remote-tokens",
         type=int,
@@ -90,18 +109,61 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="offline: a hand-off adding more to each of the request's token gaps stays local "
         "(up to --max-local-stall-tokens uncached tokens); 0: off",
     )
-    bench.add_argument("--max-local-stall-tokens", type=int, default=_DISAGG.max_local_stall_tokens)
-    bench.add_argument("--kv-bytes-per-token", type=int, default=_LINK_DEFAULTS.kv_bytes_per_token)
-    bench.add_argument("--link-gb-s", type=float, default=_LINK_DEFAULTS.bandwidth_gb_s)
-    bench.add_argument("--link-latency-ms", type=float, default=_LINK_DEFAULTS.latency_ms)
-    bench.add_argument("--speedup", type=float, default=1.0, help="divides inter-arrival gaps")
-    bench.add_argument("--mode", choices=["offline", "live"], default="offline")
-    bench.add_argument("--perf-model", default="dynamo-mocker", help="sim engine perf model")
-    bench.add_argument("--block-size", type=int, default=_ENGINE_DEFAULTS.block_size)
-    bench.add_argument("--num-gpu-blocks", type=int, default=_ENGINE_DEFAULTS.num_gpu_blocks)
-    bench.add_argument("--max-num-seqs", type=int, default=_ENGINE_DEFAULTS.max_num_seqs)
     bench.add_argument(
-        "--max-num-batched-tokens", type=int, default=_ENGINE_DEFAULTS.max_num_batched_tokens
+        "--max-local-stall-tokens",
+        type=int,
+        default=_DISAGG.max_local_stall_tokens,
+        help="see --max-handoff-ms-per-token",
+    )
+    bench.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=_LINK_DEFAULTS.kv_bytes_per_token,
+        help="KV a hand-off moves per prompt token",
+    )
+    bench.add_argument(
+        "--link-gb-s",
+        type=float,
+        default=_LINK_DEFAULTS.bandwidth_gb_s,
+        help="bandwidth of the prefill-to-decode link",
+    )
+    bench.add_argument(
+        "--link-latency-ms",
+        type=float,
+        default=_LINK_DEFAULTS.latency_ms,
+        help="latency of the prefill-to-decode link",
+    )
+    bench.add_argument("--speedup", type=float, default=1.0, help="divides inter-arrival gaps")
+    bench.add_argument(
+        "--mode",
+        choices=["offline", "live"],
+        default="offline",
+        help="a simulation in this process, or through the real services",
+    )
+    add_perf_model_argument(bench)
+    bench.add_argument(
+        "--block-size",
+        type=int,
+        default=_ENGINE_DEFAULTS.block_size,
+        help="sim engine: tokens per KV block",
+    )
+    bench.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=_ENGINE_DEFAULTS.num_gpu_blocks,
+        help="sim engine: KV blocks per worker",
+    )
+    bench.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=_ENGINE_DEFAULTS.max_num_seqs,
+        help="sim engine: requests in a batch",
+    )
+    bench.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=_ENGINE_DEFAULTS.max_num_batched_tokens,
+        help="sim engine: tokens in a step",
     )
     bench.add_argument("--limit", type=int, help="replay only the first N requests")
     bench.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
@@ -121,7 +183,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bench.set_defaults(func=main)
 
 
-def _offline(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -> ReplayResult:
+def _offline(
+    trace: list[TraceRequest],
+    policy: str,
+    args: argparse.Namespace,
+    progress: Callable[[int], None],
+) -> ReplayResult:
     config = SimConfig(
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
@@ -163,6 +230,7 @@ def _offline(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -
     )
     if args.decisions:
         replay.decisions = []
+    replay.progress = progress
     return replay.run()
 
 
@@ -182,7 +250,12 @@ def _disagg_env(args: argparse.Namespace) -> dict[str, str]:
     }
 
 
-def _live(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -> ReplayResult:
+def _live(
+    trace: list[TraceRequest],
+    policy: str,
+    args: argparse.Namespace,
+    progress: Callable[[int], None],
+) -> ReplayResult:
     prefill = args.prefill_workers
     decode = args.decode_workers if args.decode_workers is not None else args.workers - prefill
     longest = max(r.input_length + r.output_length for r in trace)
@@ -220,6 +293,7 @@ def _live(trace: list[TraceRequest], policy: str, args: argparse.Namespace) -> R
                     MODEL,
                     args.block_size,
                     args.time_scale,
+                    progress=progress,
                 )
             )
         finally:
@@ -236,7 +310,9 @@ def main(args: argparse.Namespace) -> int:
     for policy in policies:
         print(f"replaying {len(trace)} requests, {args.mode}, policy {policy} …", flush=True)
         replay = _live if args.mode == "live" else _offline
-        results[policy] = replay(trace, policy, args)
+        # Offline counts arrivals, live finished requests.
+        with Progress(f"policy {policy}", len(trace)) as progress:
+            results[policy] = replay(trace, policy, args, progress.update)
     reports: dict[str, dict[str, Any]] = {p: r.report for p, r in results.items()}
     print(format_table(reports))
     if args.json:

@@ -52,6 +52,8 @@ _PRESETS: dict[str, Callable[[], PerfModel]] = {
     "dynamo-mocker": DynamoMockerPerf,
     "fixed": FixedPerf,
 }
+# What `perf_model` accepts: the CLI offers these as choices.
+PERF_MODEL_NAMES = tuple(_PRESETS)
 
 
 def perf_model(name: str) -> PerfModel:
