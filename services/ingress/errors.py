@@ -18,6 +18,8 @@ _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "server_error",
     502: "server_error",
     503: "service_unavailable_error",
@@ -68,6 +70,24 @@ def model_not_found(model: str) -> ApiError:
         f"The model `{model}` does not exist or you do not have access to it.",
         param="model",
         code="model_not_found",
+    )
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"The request body is larger than this server's limit of {limit} bytes "
+        "(LANEWAY_MAX_BODY_BYTES).",
+        code="request_too_large",
+    )
+
+
+def unsupported_media_type(content_type: str) -> ApiError:
+    return ApiError(
+        415,
+        f"Unsupported Content-Type '{content_type}': the body must be JSON, sent with "
+        "'Content-Type: application/json' (curl: -H 'Content-Type: application/json').",
+        code="unsupported_media_type",
     )
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from starlette.types import Message, Receive, Send
 
-from schemas.events import RequestFinished, RequestSpec, TokensGenerated, new_id
+from schemas.events import RequestFinished, RequestSpec, TokensGenerated, Usage, new_id
 from services.ingress.errors import ApiError, from_terminal, internal_error, request_timeout
 from services.ingress.gateway import CancelReason, Gateway, GatewayEvent
 from services.ingress.metrics import CLIENT_CLOSED_STATUS, IngressMetrics
@@ -99,10 +99,13 @@ class Exchange:
         self._spec = spec
         self._session_id = session_id
         self._received = received
-        self._request_id = new_id()
-        self._format = endpoint.response_format(self._request_id, params.model)
+        self.request_id = new_id()
+        self._format = endpoint.response_format(self.request_id, params.model)
         self._started = False
-        self._first_token = False
+        self.ttft_s: float | None = None
+        """Seconds from receipt to the first generated token, once it came."""
+        self.usage: Usage | None = None
+        """The finished request's token counts."""
         self._ended = False  # the gateway delivered the terminal event
 
     async def run(self, receive: Receive, send: Send) -> int:
@@ -116,7 +119,7 @@ class Exchange:
                 raise _ClientGone from error
 
         watch = _DisconnectWatch(receive)
-        events = self._gateway.submit(self._request_id, self._session_id, self._spec)
+        events = self._gateway.submit(self.request_id, self._session_id, self._spec)
         self._metrics.in_flight.inc()
         deadline_scope = asyncio.timeout(self._endpoint.timeout_s)
         try:
@@ -154,9 +157,9 @@ class Exchange:
         texts: list[str] = []
         async for event in events:
             if isinstance(event, TokensGenerated):
-                if not self._first_token:
-                    self._first_token = True
-                    self._metrics.first_token(self._endpoint.name, self._elapsed())
+                if self.ttft_s is None:
+                    self.ttft_s = self._elapsed()
+                    self._metrics.first_token(self._endpoint.name, self.ttft_s)
                 if not event.text:
                     continue
                 if stream:
@@ -173,7 +176,7 @@ class Exchange:
             else:
                 body = self._format.full("".join(texts), event)
                 await send_json(send, 200, body, self._headers(JSON_HEADERS))
-            usage = event.usage
+            usage = self.usage = event.usage
             self._metrics.completed(
                 self._endpoint.name,
                 self._elapsed(),
@@ -198,7 +201,7 @@ class Exchange:
         return time.perf_counter() - self._received
 
     def _headers(self, base: Headers) -> Headers:
-        return [*base, (b"x-request-id", self._request_id.encode())]
+        return [*base, (b"x-request-id", self.request_id.encode())]
 
     async def _fail(self, send: Send, error: ApiError) -> int:
         try:
@@ -212,7 +215,7 @@ class Exchange:
 
     async def _crash(self, send: Send) -> int:
         """Answer an unexpected exception (being handled) with a 500."""
-        log.exception("request %s failed", self._request_id)
+        log.exception("request %s failed", self.request_id)
         # Nobody will read the answer; don't leave a worker generating it.
         await self._cancel("client_disconnected")
         return await self._fail(send, internal_error())
@@ -221,7 +224,7 @@ class Exchange:
         if self._ended:
             return
         try:
-            await self._gateway.cancel(self._request_id, reason)
+            await self._gateway.cancel(self.request_id, reason)
         except Exception:
             # The request still ends at its deadline; the client must get its answer regardless.
-            log.warning("cancelling request %s failed", self._request_id, exc_info=True)
+            log.warning("cancelling request %s failed", self.request_id, exc_info=True)
