@@ -129,7 +129,7 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="laneway",
         description="Laneway's local cluster and benchmarks; `laneway COMMAND --help` shows a "
@@ -145,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser(sub)
     for command in sub.choices.values():
         command.formatter_class = _DefaultsFormatter
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return int(args.func(args))
 
 

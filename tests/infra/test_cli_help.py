@@ -1,0 +1,83 @@
+"""Every `laneway` command's --help names each flag's default and choices."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from infra.cli import build_parser, main
+from services.common.perf_model import PERF_MODEL_NAMES
+from services.planner.policies import POLICY_NAMES
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _help(command: str) -> str:
+    # argparse wraps long help lines: compare with the wrapping undone.
+    return re.sub(r"\s+", " ", _commands()[command].format_help())
+
+
+def test_up_shows_defaults_and_choices() -> None:
+    text = _help("up")
+    for shown in (
+        "--workers WORKERS workers that decode (aggregated without a prefill pool) (default: 2)",
+        "prefill-only workers (default: 0)",
+        "routing policy of the planner (default: kv)",
+        "--disagg {never,always,auto}",
+        "(default: auto)",
+        f"--perf-model {{{','.join(PERF_MODEL_NAMES)}}}",
+        "(default: dynamo-mocker)",
+        "--engine {sim,torch,trtllm} worker engine (default: sim)",
+        "(default: 127.0.0.1)",
+        "(default: 8000)",
+        "(default: .state)",
+    ):
+        assert shown in text
+    assert f"--policy {{{','.join(POLICY_NAMES)}}}" in text
+    # Flags with nothing to show do not claim a default.
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_bench_shows_defaults_and_choices() -> None:
+    text = _help("bench")
+    for shown in (
+        "all workers (both roles) (default: 8)",
+        "--mode {offline,live}",
+        "(default: offline)",
+        f"--perf-model {{{','.join(PERF_MODEL_NAMES)}}}",
+        "--disagg {never,always,auto}",
+        "divides inter-arrival gaps (default: 1.0)",
+        "sim engine: tokens per KV block (default: 64)",
+        "repeatable (default: all)",
+    ):
+        assert shown in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_every_flag_of_every_command_says_what_it_does() -> None:
+    commands = _commands()
+    assert set(commands) == {"up", "bench", "bench-engine", "make-tiny-model"}
+    for name, command in commands.items():
+        assert [a.dest for a in command._actions if not a.help] == [], name
+        assert "(default:" in command.format_help(), name
+
+
+def test_laneway_help_names_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    assert all(name in text for name in _commands())
+    assert "COMMAND --help" in text
+
+
+def test_tiny_model_and_engine_bench_show_defaults() -> None:
+    assert "seed of the random weights (default: 0)" in _help("make-tiny-model")
+    text = _help("bench-engine")
+    assert "prompt length of the time-to-first-token runs (default: 2000)" in text
+    assert "(default: 1, 8, 32)" in text
