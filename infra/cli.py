@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 import threading
@@ -12,6 +13,7 @@ from pathlib import Path
 from infra.bench import engine_bench
 from infra.bench import run as bench
 from infra.cluster import ClusterConfig, LocalCluster
+from infra.startup import StartupError
 from services.planner.policies import POLICY_NAMES
 
 
@@ -115,8 +117,14 @@ def _up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    # The cluster's notices (leftovers of a killed run stopped) as one line each.
+    logging.basicConfig(format="laneway up: %(message)s", level=logging.WARNING)
     print("starting Laneway …", flush=True)
-    cluster.start()
+    try:
+        cluster.start()
+    except StartupError as exc:
+        print(f"laneway up: {exc}", file=sys.stderr, flush=True)
+        return 1
     try:
         print(f"Laneway is serving the OpenAI API at {cluster.config.base_url}", flush=True)
         for name, pid in cluster.pids().items():

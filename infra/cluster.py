@@ -1,11 +1,15 @@
 """A whole local cluster as OS processes: embedded NATS and etcd (unless given), then ingress,
-planner, kv-indexer and the workers, each its own process; stopped in reverse order by PID."""
+planner, kv-indexer and the workers, each its own process; stopped in reverse order by PID.
+
+Every child dies with the process that starts the cluster, and the state directory is locked
+while the cluster runs (``infra.statedir``). What keeps the cluster from starting is raised as a
+``StartupError`` whose message is one line: a port in use, the state directory taken, a child
+that died while starting (its name and the cause from its log)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -18,15 +22,11 @@ from pathlib import Path
 import httpx
 
 from bus.registry import PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
-from infra.embedded import EmbeddedServer, start_etcd, start_nats
+from infra.embedded import EmbeddedServer, die_with_parent, start_etcd, start_nats
+from infra.startup import StartupError, check_port_free, log_cause
+from infra.statedir import StateDir
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    # If the supervisor is killed outright, its services must not outlive it.
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,6 +66,7 @@ class LocalCluster:
         self.services: list[Service] = []
         self.nats_url = config.nats_url or ""
         self.etcd_endpoints = config.etcd_endpoints or ""
+        self.state = StateDir(config.state_dir)
 
     @property
     def logs(self) -> Path:
@@ -73,16 +74,26 @@ class LocalCluster:
 
     def start(self, timeout: float = 60.0) -> None:
         cfg = self.config
-        self.logs.mkdir(parents=True, exist_ok=True)
         try:
+            leftovers = self.state.acquire()
+            if leftovers:
+                logger.warning(
+                    "stopped what an earlier run left running on %s (pids %s)",
+                    cfg.state_dir,
+                    ", ".join(map(str, leftovers)),
+                )
+            self._check_ports()
+            self.logs.mkdir(parents=True, exist_ok=True)
             if not cfg.nats_url:
                 server = start_nats(cfg.state_dir, cfg.nats_port, self.logs / "nats.log")
                 self.servers.append(server)
                 self.nats_url = server.url
+                self.state.record(self.pids())
             if not cfg.etcd_endpoints:
                 server = start_etcd(cfg.state_dir, cfg.etcd_port, self.logs / "etcd.log")
                 self.servers.append(server)
                 self.etcd_endpoints = server.url
+                self.state.record(self.pids())
             self._plan_services()
             for service in self.services:
                 self.spawn(service)
@@ -90,6 +101,15 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+
+    def _check_ports(self) -> None:
+        """Before anything starts: a port in use is one line naming it, not a child's death."""
+        cfg = self.config
+        check_port_free(cfg.http_host, cfg.http_port, "HTTP", "--port")
+        if cfg.nats_port and not cfg.nats_url:
+            check_port_free("127.0.0.1", cfg.nats_port, "NATS", "--nats-port")
+        if cfg.etcd_port and not cfg.etcd_endpoints:
+            check_port_free("127.0.0.1", cfg.etcd_port, "etcd", "--etcd-port")
 
     def _plan_services(self) -> None:
         cfg = self.config
@@ -141,9 +161,10 @@ class LocalCluster:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent(),
         )
         log.close()
+        self.state.record(self.pids())
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
@@ -153,25 +174,35 @@ class LocalCluster:
         replica consumes requests."""
         deadline = time.monotonic() + timeout
         workers = self.config.workers + self.config.prefill_workers
+        missing = ""
         while time.monotonic() < deadline:
             self._check_alive()
-            if (
-                self._api_up()
-                and self._count_keys(WORKERS_PREFIX) >= workers
-                and self._count_keys(PLANNERS_PREFIX) >= self.config.planners
-            ):
+            missing = self._missing(workers)
+            if not missing:
                 return
             time.sleep(0.2)
-        raise TimeoutError(f"cluster not ready within {timeout:.0f}s; logs in {self.logs}")
+        raise StartupError(f"cluster not ready within {timeout:.0f}s: {missing}; logs: {self.logs}")
+
+    def _missing(self, workers: int) -> str:
+        """What the cluster still waits for, in words; empty once it is ready."""
+        if not self._api_up():
+            return f"the API at {self.config.base_url} does not answer"
+        registered = self._count_keys(WORKERS_PREFIX)
+        if registered < workers:
+            return f"{registered} of {workers} workers registered"
+        planners = self._count_keys(PLANNERS_PREFIX)
+        if planners < self.config.planners:
+            return f"{planners} of {self.config.planners} planners consume requests"
+        return ""
 
     def _check_alive(self) -> None:
         for service in self.services:
             if service.proc is not None and service.proc.poll() is not None:
                 log = self.logs / f"{service.name}.log"
-                tail = log.read_text(errors="replace").splitlines()[-15:]
-                raise RuntimeError(
-                    f"{service.name} exited with code {service.proc.returncode}; "
-                    f"end of {log}:\n" + "\n".join(tail)
+                cause = log_cause(log) or "no output"
+                raise StartupError(
+                    f"{service.name} failed to start: {cause} "
+                    f"(exit code {service.proc.returncode}; log: {log})"
                 )
 
     def _api_up(self) -> bool:
@@ -212,6 +243,7 @@ class LocalCluster:
         for server in reversed(self.servers):
             server.stop()
         self.servers.clear()
+        self.state.release()
 
     def pids(self) -> dict[str, int]:
         pids = {f"{s.name} (embedded)": s.proc.pid for s in self.servers}

