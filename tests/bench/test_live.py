@@ -25,10 +25,17 @@ async def test_live_replay_completes_every_request(
         policy="round_robin",
         env={"LANEWAY_BLOCK_SIZE": "64", "LANEWAY_NUM_GPU_BLOCKS": "2048"},
     )
+    finished: list[int] = []
     result = await replay_live(
-        trace, cluster.config.base_url, cluster.nats_url, "laneway-sim", block_size=64
+        trace,
+        cluster.config.base_url,
+        cluster.nats_url,
+        "laneway-sim",
+        block_size=64,
+        progress=finished.append,
     )
     report = result.report
+    assert finished == list(range(1, 13))  # the progress callback: each finished request
     assert report["completed"] == len(trace) == 12
     assert report["failed"] == 0
     assert sum(report["worker_requests"].values()) == 12
