@@ -33,6 +33,7 @@ from schemas.events import (
     KvCleared,
     KvEvent,
     KvTransferred,
+    PlannerConfigured,
     PrefillCompleted,
     RequestAccepted,
     RequestCancelled,
@@ -134,6 +135,15 @@ ROLE_MOVES: Channel[RolesRebalanced] = Channel(
     CONTROL,
     "the capacity loop's moves between the pools (workers take roles from etcd); replayable",
 )
+PLANNER_SETTINGS: Channel[PlannerConfigured] = Channel(
+    "lw.ctl.planner",
+    (PlannerConfigured,),
+    ("planner",),
+    ("replay", "operators"),
+    "confirmed",
+    CONTROL,
+    "each replica's settings at start: with its decisions, what a replay needs to decide again",
+)
 
 CHANNELS: tuple[Channel[Any], ...] = (
     ACCEPTED,
@@ -145,6 +155,7 @@ CHANNELS: tuple[Channel[Any], ...] = (
     TOKEN_DELTAS,
     LOAD_REPORTS,
     ROLE_MOVES,
+    PLANNER_SETTINGS,
 )
 STREAM_SUBJECTS = stream_subjects(CHANNELS)
 # Streams an earlier version declared, deleted where they still exist: token deltas were kept
@@ -185,6 +196,7 @@ class Subjects:
     all_kv = KV_EVENTS.every
     all_load = LOAD_REPORTS.every
     roles_rebalanced = ROLE_MOVES.subject
+    planner_configured = PLANNER_SETTINGS.subject
     # Decisions, prefill completions and hand-off arrivals: the whole routes stream.
     all_routes: Topic[RouteDecided | PrefillCompleted | KvTransferred] = view(
         "lw.route.>", ROUTE, TRANSFERRED

@@ -29,8 +29,16 @@ def _candidate_cost(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def _same_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """A version that only added fields with defaults (what a replay of it cannot know)."""
+    return raw
+
+
 # (type, version) -> function that turns that version's payload into version + 1.
-UPCASTERS: dict[tuple[str, int], Upcaster] = {("RouteDecided", 1): _candidate_cost}
+UPCASTERS: dict[tuple[str, int], Upcaster] = {
+    ("RouteDecided", 1): _candidate_cost,
+    ("RouteDecided", 2): _same_fields,
+}
 
 _EVENT: TypeAdapter[Event] = TypeAdapter(Event)
 _CURRENT_VERSION: dict[str, int] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -84,13 +84,24 @@ class RequestAccepted(Envelope):
 
 
 class RouteCandidate(Frozen):
-    """One worker the planner weighed, with the inputs of its cost."""
+    """One worker the planner weighed: everything the planner knew of it (so that the decision can
+    be made again from the event alone), and the cost it came to."""
 
     worker_id: str
     cached_blocks: int = Field(ge=0, description="leading prompt blocks already in its cache")
-    running: int = Field(ge=0, description="requests it is running (reported + in flight)")
-    waiting: int = Field(ge=0, description="requests queued on it")
+    running: int = Field(ge=0, description="requests it is running, as last reported")
+    waiting: int = Field(ge=0, description="requests queued on it, as last reported")
     kv_usage: float = Field(ge=0.0, le=1.0, description="fraction of its KV blocks in use")
+    in_flight: int = Field(
+        default=0, ge=0, description="requests this planner routed there that have not ended"
+    )
+    waiting_prefill_tokens: int = Field(
+        default=0, ge=0, description="prompt tokens queued there, routes since the report included"
+    )
+    block_size: int = Field(default=16, gt=0, description="tokens per KV block")
+    kv_capacity_tokens: int = Field(default=0, ge=0, description="its KV cache size in tokens")
+    owns_session: bool = Field(default=False, description="it owns the request's session")
+    kv_handoff: bool = Field(default=False, description="it can send or take a prompt's KV")
     cost: float = Field(description="policy cost; the lowest wins")
     predicted_queue_ms: float | None = Field(
         default=None, description="predicted wait behind work queued there, milliseconds"
@@ -121,8 +132,9 @@ class RouteDecided(Envelope):
     to the prefill worker, which computes the prompt and hands its KV to ``worker_id``."""
 
     type: Literal["RouteDecided"] = "RouteDecided"
-    # 2: a candidate's `score` is called `cost`, as the policies call it.
-    schema_version: int = 2
+    # 2: a candidate's `score` is called `cost`, as the policies call it. 3: a candidate carries
+    # all the planner knew of the worker, and the decision its policy's turn.
+    schema_version: int = 3
     worker_id: str = Field(description="worker that generates the answer (decodes)")
     policy: str = Field(description="routing policy that decided")
     reason: str = Field(description="why this worker, in words")
@@ -130,6 +142,9 @@ class RouteDecided(Envelope):
     spec: RequestSpec
     prefill: PrefillPlacement | None = Field(
         default=None, description="the disaggregation decision; None: no prefill pool to weigh"
+    )
+    policy_turn: int = Field(
+        default=0, ge=0, description="the policy's rotation counter before deciding (tie-breaks)"
     )
 
 
@@ -297,6 +312,18 @@ class RolesRebalanced(Envelope):
     reason: str
 
 
+class PlannerConfigured(Envelope):
+    """A planner replica started with these settings: with a ``RouteDecided`` from it (same
+    ``source``), what it takes to make that decision again."""
+
+    type: Literal["PlannerConfigured"] = "PlannerConfigured"
+    policy: str = Field(description="routing policy")
+    seed: int = Field(description="seed of the policy's random draws")
+    kv: dict[str, Any] = Field(description="the kv policy's settings, by name")
+    disagg: dict[str, Any] = Field(description="the disaggregation settings, by name")
+    version: str = Field(description="Laneway version that decided")
+
+
 Event = Annotated[
     RequestAccepted
     | RouteDecided
@@ -311,7 +338,8 @@ Event = Annotated[
     | KvBlocksRemoved
     | KvCleared
     | WorkerLoadReported
-    | RolesRebalanced,
+    | RolesRebalanced
+    | PlannerConfigured,
     Field(discriminator="type"),
 ]
 TerminalEvent = RequestFinished | RequestFailed | RequestCancelled

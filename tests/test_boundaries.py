@@ -22,7 +22,7 @@ BROKER = frozenset({"bus", "nats", "aetcd", "faststream"})
 # engine with its scheduler, the shared libraries, and the event schemas.
 CORE_FILES = [
     *(f"services/planner/{name}.py" for name in ("policy", "kv_policy", "disagg", "decision")),
-    *(f"services/planner/{name}.py" for name in ("capacity", "cluster")),
+    *(f"services/planner/{name}.py" for name in ("capacity", "cluster", "replay", "policies")),
     "services/kv_indexer/index.py",
 ]
 CORE_TREES = ["services/engine", "services/common", "schemas"]

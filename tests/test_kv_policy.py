@@ -69,8 +69,14 @@ def test_short_prompts_skip_the_index() -> None:
 
 def test_softmax_temperature_spreads_near_ties() -> None:
     policy = KvAware(KvSettings(temperature=50.0), seed=1)
-    picks = Counter(policy.choose(request(), [view("a"), view("b")]).worker_id for _ in range(40))
+    requests = [dataclasses.replace(request(), request_id=f"r{i}") for i in range(40)]
+    picks = Counter(policy.choose(r, [view("a"), view("b")]).worker_id for r in requests)
     assert set(picks) == {"a", "b"}
+    # A decision's draw depends on the seed and the request alone: deciding again agrees.
+    again = KvAware(KvSettings(temperature=50.0), seed=1)
+    assert [again.choose(r, [view("a"), view("b")]).worker_id for r in requests[::-1]] == [
+        policy.choose(r, [view("a"), view("b")]).worker_id for r in requests[::-1]
+    ]
 
 
 def test_a_burst_on_one_prefix_spreads_once_its_owner_saturates(tmp_path: Path) -> None:

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from infra.bench.metrics import (
     PoolUsage,
     ReplayResult,
@@ -43,6 +45,7 @@ from services.planner.policy import Policy, RouteRequest, WorkerView
 from services.worker.stream import RequestStream
 
 _ARRIVAL, _STEP_END, _KV_ARRIVED, _PLAN = 0, 1, 2, 3
+_FIELDS: TypeAdapter[dict[str, Any]] = TypeAdapter(dict[str, Any])
 # Arrivals between two calls of the progress callback: off the per-event path.
 _PROGRESS_EVERY = 64
 # Suffix of the id a request has on the prefill worker that computes its prompt.
@@ -72,13 +75,7 @@ class _Worker:
 def decision_record(request_id: str, decision: Decision) -> dict[str, Any]:
     """A decision as ``laneway bench --decisions`` writes it: the fields live ``RouteDecided``
     events carry, named alike."""
-    fields = decision.route_fields()
-    return {
-        "request_id": request_id,
-        **fields,
-        "candidates": [c.model_dump(mode="json") for c in decision.candidates],
-        "prefill": decision.prefill.model_dump(mode="json") if decision.prefill else None,
-    }
+    return {"request_id": request_id, **_FIELDS.dump_python(decision.route_fields(), mode="json")}
 
 
 class OfflineReplay:

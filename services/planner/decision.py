@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from schemas.events import PrefillPlacement, RouteCandidate
+from schemas.events import PrefillPlacement, RouteCandidate, RouteDecided
 from services.planner.disagg import DisaggSettings, pick_decoder, plan_prefill
 from services.planner.kv_policy import KvAware
 from services.planner.policy import Choice, Policy, RouteRequest, WorkerView
@@ -43,6 +43,8 @@ class Decision:
     # Uncached prompt tokens that now queue where the prompt is prefilled: the planner counts
     # them there until a load report includes them.
     queued_tokens: int
+    # The policy's turn before it decided: with the inputs, all it takes to decide again.
+    policy_turn: int = 0
 
     @property
     def prefill_worker_id(self) -> str | None:
@@ -56,6 +58,7 @@ class Decision:
             "reason": self.reason,
             "candidates": self.candidates,
             "prefill": self.prefill,
+            "policy_turn": self.policy_turn,
         }
 
 
@@ -63,6 +66,7 @@ def decide(policy: Policy, disagg: DisaggSettings, inputs: DecisionInputs) -> De
     """Pick the decode worker, then whether the prompt is prefilled there or on a prefill
     worker; a remotely prefilled request decodes where its tokens will come soonest."""
     request, decoders = inputs.request, inputs.decoders
+    turn = policy.turn
     choice = policy.choose(request, decoders)
     worker_id, reason = choice.worker_id, choice.reason
     placement = _place_prefill(policy, disagg, inputs, _view(decoders, worker_id))
@@ -75,9 +79,45 @@ def decide(policy: Policy, disagg: DisaggSettings, inputs: DecisionInputs) -> De
         worker_id=worker_id,
         policy=policy.name,
         reason=reason,
-        candidates=tuple(_candidate(c, choice) for c in decoders),
+        candidates=tuple(_candidate(c, choice, inputs) for c in decoders),
         prefill=placement,
         queued_tokens=_queued_tokens(inputs, worker_id, placement),
+        policy_turn=turn,
+    )
+
+
+def inputs_of(event: RouteDecided) -> DecisionInputs:
+    """The inputs a recorded decision was made from, as its event carries them."""
+    spec = event.spec
+    request = RouteRequest(
+        event.request_id or "",
+        len(spec.prompt_token_ids),
+        spec.block_hashes,
+        event.session_id,
+        spec.sampling.max_tokens,
+    )
+    prefillers = event.prefill.candidates if event.prefill is not None else ()
+    weighed = (*event.candidates, *prefillers)
+    return DecisionInputs(
+        request,
+        [_view_of(c) for c in event.candidates],
+        [_view_of(c) for c in prefillers],
+        frozenset(c.worker_id for c in weighed if c.kv_handoff),
+    )
+
+
+def _view_of(candidate: RouteCandidate) -> WorkerView:
+    return WorkerView(
+        worker_id=candidate.worker_id,
+        running=candidate.running,
+        waiting=candidate.waiting,
+        kv_usage=candidate.kv_usage,
+        in_flight=candidate.in_flight,
+        cached_blocks=candidate.cached_blocks,
+        waiting_prefill_tokens=candidate.waiting_prefill_tokens,
+        block_size=candidate.block_size,
+        kv_capacity_tokens=candidate.kv_capacity_tokens,
+        owns_session=candidate.owns_session,
     )
 
 
@@ -98,15 +138,19 @@ def _place_prefill(
     if disagg.mode == "never" or not isinstance(policy, KvAware) or not inputs.prefillers:
         return None
     request = inputs.request
-    # A one-token answer has nothing to decode after a hand-off.
-    if request.max_tokens <= 1 or decode.worker_id not in inputs.handoff:
-        local = policy.predict(request, decode).cost
-        return PrefillPlacement(prefill_worker_id=None, local_ms=local, reason="no hand-off")
-    plan = plan_prefill(policy, request, decode, inputs.prefillers, disagg)
     candidates = []
     for worker in inputs.prefillers:
         p = policy.predict(request, worker)
-        candidates.append(_route_candidate(worker, p.cost, p.queue_ms, p.prefill_ms))
+        candidates.append(_route_candidate(worker, inputs, p.cost, p.queue_ms, p.prefill_ms))
+    # A one-token answer has nothing to decode after a hand-off.
+    if request.max_tokens <= 1 or decode.worker_id not in inputs.handoff:
+        return PrefillPlacement(
+            prefill_worker_id=None,
+            local_ms=policy.predict(request, decode).cost,
+            reason="no hand-off",
+            candidates=tuple(candidates),
+        )
+    plan = plan_prefill(policy, request, decode, inputs.prefillers, disagg)
     return PrefillPlacement(
         prefill_worker_id=plan.prefill_worker,
         local_ms=plan.local_ms,
@@ -131,20 +175,30 @@ def _view(workers: Sequence[WorkerView], worker_id: str) -> WorkerView:
     return next(w for w in workers if w.worker_id == worker_id)
 
 
-def _candidate(view: WorkerView, choice: Choice) -> RouteCandidate:
+def _candidate(view: WorkerView, choice: Choice, inputs: DecisionInputs) -> RouteCandidate:
     queue_ms, prefill_ms = choice.predictions.get(view.worker_id, (None, None))
-    return _route_candidate(view, choice.costs[view.worker_id], queue_ms, prefill_ms)
+    return _route_candidate(view, inputs, choice.costs[view.worker_id], queue_ms, prefill_ms)
 
 
 def _route_candidate(
-    view: WorkerView, cost: float, queue_ms: float | None, prefill_ms: float | None
+    view: WorkerView,
+    inputs: DecisionInputs,
+    cost: float,
+    queue_ms: float | None,
+    prefill_ms: float | None,
 ) -> RouteCandidate:
     return RouteCandidate(
         worker_id=view.worker_id,
         cached_blocks=view.cached_blocks,
-        running=max(view.running, view.in_flight),
+        running=view.running,
         waiting=view.waiting,
         kv_usage=min(1.0, view.kv_usage),
+        in_flight=view.in_flight,
+        waiting_prefill_tokens=view.waiting_prefill_tokens,
+        block_size=view.block_size,
+        kv_capacity_tokens=view.kv_capacity_tokens,
+        owns_session=view.owns_session,
+        kv_handoff=view.worker_id in inputs.handoff,
         cost=cost,
         predicted_queue_ms=queue_ms,
         predicted_prefill_ms=prefill_ms,

@@ -12,12 +12,11 @@ recomputing the prefix elsewhere.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.perf_model import PerfModel, perf_model
-from services.planner.policy import Choice, RouteRequest, WorkerView
+from services.planner.policy import Choice, RouteRequest, WorkerView, decision_rng
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +67,8 @@ class KvAware:
     def __init__(self, settings: KvSettings | None = None, seed: int = 0) -> None:
         self.settings = settings or KvSettings()
         self._perf: PerfModel = perf_model(self.settings.perf_model)
-        self._rng = random.Random(seed)
-        self._turn = 0
+        self._seed = seed
+        self.turn = 0
 
     def wants_overlap(self, request: RouteRequest) -> bool:
         """Short prompts outside a session go down the cheap path, with no index query."""
@@ -80,7 +79,7 @@ class KvAware:
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Choice:
         if request.session_id is None and self._short(request):
-            return self._two_choices(workers)
+            return self._two_choices(request, workers)
         predictions = {w.worker_id: self.predict(request, w) for w in workers}
         costs = {w.worker_id: predictions[w.worker_id].cost + self._held_kv_ms(w) for w in workers}
         best = self._cheapest(costs, workers)
@@ -94,7 +93,7 @@ class KvAware:
         elif owner is not None:
             reason = "session owner and lowest predicted TTFT"
         elif self.settings.temperature > 0:
-            best = self._softmax(costs)
+            best = self._softmax(request, costs)
             reason = "softmax over predicted TTFT"
         top = predictions[best]
         cached = next(w.cached_blocks for w in workers if w.worker_id == best)
@@ -114,8 +113,8 @@ class KvAware:
             (w.load, w.kv_usage, w.worker_id) for w in workers if costs[w.worker_id] <= low
         )
         least = [name for load, usage, name in tied if (load, usage) == tied[0][:2]]
-        self._turn += 1
-        return least[self._turn % len(least)]
+        self.turn += 1
+        return least[self.turn % len(least)]
 
     def predict(self, request: RouteRequest, worker: WorkerView) -> Prediction:
         cached = min(worker.cached_blocks * worker.block_size, request.prompt_tokens - 1)
@@ -160,15 +159,15 @@ class KvAware:
             ms += self._perf.step_ms(rest, decoding, worker.kv_usage)
         return ms
 
-    def _two_choices(self, workers: Sequence[WorkerView]) -> Choice:
+    def _two_choices(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Choice:
         ordered = sorted(workers, key=lambda w: w.worker_id)
-        pair = self._rng.sample(ordered, min(2, len(ordered)))
+        pair = decision_rng(self._seed, request).sample(ordered, min(2, len(ordered)))
         pick = min(pair, key=lambda w: (w.load, w.worker_id))
         costs = {w.worker_id: float(w.load) for w in ordered}
         return Choice(pick.worker_id, costs, "short prompt: less loaded of two random workers")
 
-    def _softmax(self, costs: dict[str, float]) -> str:
+    def _softmax(self, request: RouteRequest, costs: dict[str, float]) -> str:
         low = min(costs.values())
         names = sorted(costs)
         weights = [math.exp(-(costs[w] - low) / self.settings.temperature) for w in names]
-        return self._rng.choices(names, weights)[0]
+        return decision_rng(self._seed, request).choices(names, weights)[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from importlib.metadata import version
 
 from pydantic import Field
 
@@ -11,6 +12,7 @@ from bus.client import Bus
 from bus.registry import LeasedKey, SessionStore, assign_roles, connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
+from bus.topology import Subjects
 from observability.tracing import setup_tracing
 from schemas.events import new_id
 from services.common.kv_transfer import KvTransferModel
@@ -20,6 +22,7 @@ from services.planner.disagg import DisaggMode, DisaggSettings
 from services.planner.handlers import Planner
 from services.planner.kv_policy import KvSettings
 from services.planner.policies import make_policy
+from services.planner.replay import configured
 
 _KV = KvSettings()
 _DISAGG = DisaggSettings()
@@ -101,6 +104,19 @@ def main() -> None:
         await bus.ensure_streams()
         etcd = connect_etcd(settings.etcd_endpoints)
         policy = make_policy(settings.policy, settings.seed, settings.kv())
+        source = f"planner/{settings.instance_id}"
+        # Its decisions can be made again only with the settings they were made with.
+        await bus.publish(
+            Subjects.planner_configured,
+            configured(
+                source,
+                settings.policy,
+                settings.seed,
+                settings.kv(),
+                settings.disagg_settings(),
+                version("laneway"),
+            ),
+        )
         sessions = SessionStore(etcd, settings.session_ttl_s) if settings.policy == "kv" else None
         planner = Planner(
             bus,
@@ -120,7 +136,7 @@ def main() -> None:
                 leadership,
                 lambda roles: assign_roles(etcd, roles),
                 bus.publish,
-                f"planner/{settings.instance_id}",
+                source,
             )
             tasks.append(asyncio.create_task(capacity.run()))
 

@@ -57,8 +57,18 @@ class Choice:
     predictions: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
+def decision_rng(seed: int, request: RouteRequest) -> random.Random:
+    """The randomness of one decision: drawn from the seed and the request alone, so that a
+    replay of the decision draws the same whatever was decided before it."""
+    return random.Random(f"{seed}/{request.request_id}")
+
+
 class Policy(Protocol):
     name: str
+    # Decisions the policy has rotated through: the one state a decision depends on besides its
+    # inputs (round robin and tie-breaks turn on it). Each decision records it, and a replay sets
+    # it back to that before deciding again.
+    turn: int
 
     def wants_overlap(self, request: RouteRequest) -> bool:
         """Whether deciding this request needs per-worker prefix overlap (an index query)."""
@@ -74,12 +84,12 @@ class RoundRobin:
         return False
 
     def __init__(self) -> None:
-        self._next = 0
+        self.turn = 0
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Choice:
         ordered = sorted(workers, key=lambda w: w.worker_id)
-        pick = ordered[self._next % len(ordered)]
-        self._next += 1
+        pick = ordered[self.turn % len(ordered)]
+        self.turn += 1
         costs = {w.worker_id: 0.0 if w is pick else 1.0 for w in ordered}
         return Choice(pick.worker_id, costs, "next in rotation")
 
@@ -91,11 +101,12 @@ class RandomChoice:
         return False
 
     def __init__(self, seed: int = 0) -> None:
-        self._rng = random.Random(seed)
+        self._seed = seed
+        self.turn = 0
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Choice:
         ordered = sorted(workers, key=lambda w: w.worker_id)
-        pick = self._rng.choice(ordered)
+        pick = decision_rng(self._seed, request).choice(ordered)
         costs = {w.worker_id: 0.0 if w is pick else 1.0 for w in ordered}
         return Choice(pick.worker_id, costs, "uniformly random")
 
@@ -107,13 +118,13 @@ class LeastLoaded:
         return False
 
     def __init__(self) -> None:
-        self._turn = 0
+        self.turn = 0
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Choice:
         costs = {w.worker_id: w.load + w.kv_usage for w in workers}
         best = min(costs.values())
         tied = sorted(w for w, s in costs.items() if s == best)
         # Rotate among equals so that an idle cluster is not filled from one end.
-        pick = tied[self._turn % len(tied)]
-        self._turn += 1
+        pick = tied[self.turn % len(tied)]
+        self.turn += 1
         return Choice(pick, costs, f"least loaded ({best:g} requests + KV usage)")

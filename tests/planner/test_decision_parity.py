@@ -1,7 +1,7 @@
 """The live planner and the offline replay decide alike: one recorded sequence of decision inputs,
 taken from an offline replay, is played to the live planner's handlers over a real NATS and etcd
 (the same registrations, load reports, overlaps and finished requests), and every decision it
-publishes equals the offline one, field for field."""
+publishes equals the offline one, field for field; each can be made again from its event alone."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from services.planner.disagg import DisaggSettings
 from services.planner.handlers import Planner
 from services.planner.kv_policy import KvAware, KvSettings
 from services.planner.policy import WorkerView
+from services.planner.replay import differences, redecide
 from tests.helpers import eventually
 
 CONFIG = SimConfig(block_size=64, num_gpu_blocks=512, max_num_seqs=8)
@@ -130,6 +131,10 @@ async def test_live_and_offline_decide_alike_field_for_field(
             live = await eventually(partial(published.get, event_id), timeout=10)
             assert {k: getattr(live, k) for k in offline.route_fields()} == offline.route_fields()
             open_routes[live.worker_id].append(inputs.request.request_id)
+        # Each published decision carries all it was made from: deciding again from the event
+        # alone, off the bus, gives it back term for term.
+        for event in published.values():
+            assert differences(event, redecide(event, _policy(), DISAGG)) == []
     finally:
         watch.cancel()
         for lease in leases:

@@ -1,0 +1,98 @@
+"""Deciding a recorded request again: a ``RouteDecided`` event carries every input of its decision
+and the policy's turn, so the current code can make the same decision from the event alone, and
+say which of the recorded terms it no longer reproduces."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+from schemas.events import PlannerConfigured, RouteCandidate, RouteDecided
+from services.common.kv_transfer import KvTransferModel
+from services.planner.decision import Decision, decide, inputs_of
+from services.planner.disagg import DisaggSettings
+from services.planner.kv_policy import KvSettings
+from services.planner.policies import make_policy
+from services.planner.policy import Policy
+
+_D = TypeVar("_D")
+
+
+def configured(
+    source: str, policy: str, seed: int, kv: KvSettings, disagg: DisaggSettings, version: str
+) -> PlannerConfigured:
+    """The record of a planner replica's settings, published when it starts."""
+    return PlannerConfigured(
+        source=source,
+        policy=policy,
+        seed=seed,
+        kv=dataclasses.asdict(kv),
+        disagg=dataclasses.asdict(disagg),
+        version=version,
+    )
+
+
+def settings_of(config: PlannerConfigured) -> tuple[Policy, DisaggSettings]:
+    """A fresh policy and the disaggregation settings of a recorded planner replica; settings
+    this code no longer has are left out, ones it has since added take their defaults."""
+    disagg = dict(config.disagg)
+    transfer = _known(KvTransferModel, disagg.pop("transfer", {}))
+    return (
+        make_policy(config.policy, config.seed, _known(KvSettings, config.kv)),
+        dataclasses.replace(_known(DisaggSettings, disagg), transfer=transfer),
+    )
+
+
+def _known(kind: type[_D], values: dict[str, Any]) -> _D:
+    names = {f.name for f in dataclasses.fields(kind)}  # type: ignore[arg-type]
+    return kind(**{k: v for k, v in values.items() if k in names})
+
+
+def redecide(event: RouteDecided, policy: Policy, disagg: DisaggSettings) -> Decision:
+    """The decision the current code makes from ``event``'s inputs, with the policy set to the
+    turn the recorded decision saw."""
+    policy.turn = event.policy_turn
+    return decide(policy, disagg, inputs_of(event))
+
+
+def differences(event: RouteDecided, decision: Decision) -> list[str]:
+    """What ``decision`` does not reproduce of the recorded one, one line a term, as
+    ``field: recorded -> now`` (candidates' terms as ``<worker>.<term>``); empty when identical."""
+    moved = [
+        f"{name}: {getattr(event, name)!r} -> {value!r}"
+        for name, value in decision.route_fields().items()
+        if name not in ("candidates", "prefill") and getattr(event, name) != value
+    ]
+    moved += _candidate_terms("", event.candidates, decision.candidates)
+    recorded, now = event.prefill, decision.prefill
+    if (recorded is None) != (now is None):
+        moved.append(f"prefill: {recorded!r} -> {now!r}")
+    elif recorded is not None and now is not None:
+        for name in ("prefill_worker_id", "local_ms", "remote_ms", "reason"):
+            if getattr(recorded, name) != getattr(now, name):
+                moved.append(
+                    f"prefill.{name}: {getattr(recorded, name)!r} -> {getattr(now, name)!r}"
+                )
+        moved += _candidate_terms("prefill.", recorded.candidates, now.candidates)
+    return moved
+
+
+def _candidate_terms(
+    prefix: str, recorded: tuple[RouteCandidate, ...], now: tuple[RouteCandidate, ...]
+) -> list[str]:
+    before = {c.worker_id: c.model_dump() for c in recorded}
+    after = {c.worker_id: c.model_dump() for c in now}
+    moved = (
+        [f"{prefix}candidates: {sorted(before)} -> {sorted(after)}"]
+        if before.keys() != after.keys()
+        else []
+    )
+    for worker_id in sorted(before.keys() & after.keys()):
+        old: dict[str, Any] = before[worker_id]
+        new: dict[str, Any] = after[worker_id]
+        moved += [
+            f"{prefix}{worker_id}.{term}: {old[term]!r} -> {new[term]!r}"
+            for term in old
+            if old[term] != new[term]
+        ]
+    return moved
