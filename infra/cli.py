@@ -53,9 +53,25 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="routing policy of the planner",
     )
     up.add_argument(
-        "--engine", choices=["sim", "torch", "trtllm"], default="sim", help="worker engine"
+        "--engine",
+        choices=["sim", "torch", "trtllm"],
+        default="sim",
+        help="worker engine; sim: modelled GPU time, real KV accounting, served as model "
+        "'laneway-sim', one token per UTF-8 byte of the prompt (its chat template included)",
     )
-    up.add_argument("--model", type=Path, help="torch engine: a Hugging Face layout model folder")
+    up.add_argument(
+        "--model",
+        type=Path,
+        help="torch and trtllm engines: a Hugging Face layout model folder, served under its "
+        "folder's name with its tokenizer (the sim takes none)",
+    )
+    up.add_argument(
+        "--max-model-len",
+        type=int,
+        help="most tokens, prompt and completion together, of one request (default: all the "
+        "engine holds: the model's max_position_embeddings and the KV pool; the sim's KV pool, "
+        "num_gpu_blocks x block_size)",
+    )
     bench.add_perf_model_argument(up)
     up.add_argument("--speedup", type=float, default=1.0, help="sim engine speed-up factor")
     up.add_argument("--state-dir", type=Path, default=Path(".state"), help="data and logs")
@@ -67,6 +83,11 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _engine_env(engine: str, model: Path | None) -> dict[str, str]:
     if engine == "sim":
+        if model is not None:
+            raise SystemExit(
+                "laneway up: --model is for --engine torch or trtllm; the sim engine serves "
+                "'laneway-sim' and counts one token per UTF-8 byte"
+            )
         return {}
     if model is None or not (model / "config.json").exists():
         raise SystemExit(f"laneway up: --engine {engine} needs --model DIR with a config.json")
@@ -81,6 +102,15 @@ def _engine_env(engine: str, model: Path | None) -> dict[str, str]:
         "LANEWAY_MAX_NUM_SEQS": "32",
         "LANEWAY_MAX_NUM_BATCHED_TOKENS": "2048",
     }
+
+
+def _context_env(max_model_len: int | None) -> dict[str, str]:
+    # Unset, each worker registers what its engine holds and the ingress follows the workers.
+    if max_model_len is None:
+        return {}
+    if max_model_len < 1:
+        raise SystemExit("laneway up: --max-model-len must be positive")
+    return {"LANEWAY_MAX_MODEL_LEN": str(max_model_len)}
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -111,6 +141,7 @@ def _up(args: argparse.Namespace) -> int:
                 "LANEWAY_DISAGG": args.disagg,
                 "LANEWAY_AUTOSCALE": str(args.autoscale).lower(),
                 **_engine_env(args.engine, args.model),
+                **_context_env(args.max_model_len),
             },
         )
     )

@@ -165,8 +165,10 @@ async def test_unknown_model_is_404(client: openai.AsyncOpenAI) -> None:
 
 async def test_prompt_too_long_is_rejected(client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        await client.completions.create(model=MODEL, prompt="x" * 40000, max_tokens=1)
+        # Past what a default sim worker holds: 16,384 KV blocks of 16 tokens.
+        await client.completions.create(model=MODEL, prompt="x" * 262_144, max_tokens=1)
     assert err.value.code == "context_length_exceeded"
+    assert "maximum context length is 262144 tokens" in err.value.message
 
 
 async def test_client_disconnect_cancels_the_request(

@@ -210,6 +210,18 @@ def test_a_request_the_engine_can_never_serve_is_refused_and_changes_nothing(
     assert set(outputs) == {"ok"} and len(tokens_of(outputs["ok"])) == 2
 
 
+def test_a_request_of_max_model_len_tokens_is_served(new_engine: EngineFactory) -> None:
+    engine = new_engine()
+    # The pool (64 blocks of 4) is the bound here: the models have more positions.
+    assert engine.max_model_len == BLOCK * NUM_BLOCKS
+    longest = [3 + i % 290 for i in range(engine.max_model_len - 2)]
+    with pytest.raises(ValueError):
+        engine.add_request(make_request("over", [*longest, 3], max_tokens=3))
+    engine.add_request(make_request("longest", longest, max_tokens=2))
+    outputs = outputs_by_request(run_to_end(engine))
+    assert len(tokens_of(outputs["longest"])) == 2
+
+
 def test_kv_events_describe_the_cache_that_prefix_hits_come_from(
     new_engine: EngineFactory,
 ) -> None:

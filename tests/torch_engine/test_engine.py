@@ -219,8 +219,11 @@ def test_rejects_requests_it_cannot_serve(tiny_model_dir: Path) -> None:
         engine.add_request(make_request("b", [5, 300]))
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request(make_request("c", [5] * 30, max_tokens=10))
+    roomy = make_engine(tiny_model_dir, num_gpu_blocks=256)
     with pytest.raises(ValueError, match="positions"):
-        make_engine(tiny_model_dir).add_request(make_request("d", [5] * 500, max_tokens=20))
+        roomy.add_request(make_request("d", [5] * 500, max_tokens=20))
+    # What it declares is the tighter of its KV pool and its model's positions.
+    assert (engine.max_model_len, roomy.max_model_len) == (8 * engine.block_size, 512)
 
 
 def test_step_reports_measured_time_and_prefill(tiny_model_dir: Path) -> None:

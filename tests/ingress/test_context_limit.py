@@ -1,0 +1,86 @@
+"""The ingress's context limit follows the workers' registrations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from schemas.messages import WorkerRegistration
+from services.common.tokenizer import ByteTokenizer
+from services.ingress.context_limit import WorkerContextLimit
+from services.ingress.errors import InvalidRequest
+from services.ingress.intake import Intake
+from services.ingress.openai_models import parse_completion_request
+from services.ingress.settings import IngressApiSettings
+
+
+def registration(worker_id: str, max_model_len: int | None) -> WorkerRegistration:
+    return WorkerRegistration(
+        worker_id=worker_id,
+        role="both",
+        engine="sim",
+        model="laneway-sim",
+        block_size=16,
+        kv_blocks_total=10,
+        max_num_seqs=4,
+        max_model_len=max_model_len,
+        pid=1,
+    )
+
+
+async def limit_of(*workers: WorkerRegistration) -> WorkerContextLimit:
+    limit = WorkerContextLimit()
+    await limit.on_workers({w.worker_id: w for w in workers})
+    return limit
+
+
+def intake(limit: WorkerContextLimit, **settings: Any) -> Intake:
+    return Intake(ByteTokenizer(), IngressApiSettings(instance_id="i", **settings), limit)
+
+
+def body(prompt_len: int, max_tokens: int | None = None) -> bytes:
+    fields: dict[str, Any] = {"model": "laneway-sim", "prompt": "x" * prompt_len}
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    return orjson.dumps(fields)
+
+
+async def test_the_smallest_registered_limit_holds() -> None:
+    limit = await limit_of(registration("a", 50_000), registration("b", 40_000))
+    assert limit.tokens == 40_000
+    spec = intake(limit).spec(parse_completion_request(body(39_000)))
+    # The default completion shrinks to the room the context leaves.
+    assert spec.sampling.max_tokens == 256
+    assert intake(limit).spec(parse_completion_request(body(39_900))).sampling.max_tokens == 100
+    with pytest.raises(InvalidRequest) as refused:
+        intake(limit).spec(parse_completion_request(body(39_999, max_tokens=2)))
+    assert refused.value.code == "context_length_exceeded"
+    assert "maximum context length is 40000 tokens" in refused.value.message
+
+
+async def test_a_setting_only_lowers_the_workers_limit() -> None:
+    limit = await limit_of(registration("a", 50_000))
+    low = intake(limit, max_model_len=100)
+    with pytest.raises(InvalidRequest):
+        low.spec(parse_completion_request(body(100, max_tokens=1)))
+    high = intake(limit, max_model_len=1_000_000)
+    with pytest.raises(InvalidRequest):
+        high.spec(parse_completion_request(body(50_000, max_tokens=1)))
+
+
+async def test_no_known_limit_takes_the_request() -> None:
+    # Before any worker registered one, or only old records without one.
+    limit = await limit_of(registration("old", None))
+    assert limit.tokens is None
+    spec = intake(limit).spec(parse_completion_request(body(100_000)))
+    assert spec.sampling.max_tokens == 256
+
+
+async def test_the_last_known_limit_stands_while_no_worker_is_registered() -> None:
+    limit = await limit_of(registration("a", 1_000))
+    await limit.on_workers({})
+    assert limit.tokens == 1_000
+    await limit.on_workers({"b": registration("b", 2_000)})
+    assert limit.tokens == 2_000
