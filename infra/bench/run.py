@@ -258,7 +258,6 @@ def _live(
 ) -> ReplayResult:
     prefill = args.prefill_workers
     decode = args.decode_workers if args.decode_workers is not None else args.workers - prefill
-    longest = max(r.input_length + r.output_length for r in trace)
     with tempfile.TemporaryDirectory(prefix="laneway-bench-") as state:
         cluster = LocalCluster(
             ClusterConfig(
@@ -278,7 +277,6 @@ def _live(
                     "LANEWAY_NUM_GPU_BLOCKS": str(args.num_gpu_blocks),
                     "LANEWAY_MAX_NUM_SEQS": str(args.max_num_seqs),
                     "LANEWAY_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
-                    "LANEWAY_MAX_MODEL_LEN": str(longest),
                     "LANEWAY_REQUEST_TIMEOUT_S": "36000",
                 },
             )
