@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
+import re
 import socket
 from pathlib import Path
 
@@ -33,18 +35,36 @@ def check_port_free(host: str, port: int, what: str, flag: str) -> None:
 
 
 def log_cause(log: Path) -> str | None:
-    """The cause a child left at the end of its log: the service runner's fatal line if there is
-    one, else the last line (a server's own fatal message), cut to fit one line."""
+    """The cause a child left at the end of its log, in one line: the service runner's fatal
+    line if there is one, else the exception of the last Python traceback, else the last line (a
+    server's own fatal message)."""
     try:
-        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+        lines = log.read_text(errors="replace").splitlines()
     except OSError:
         return None
-    lines = [line for line in lines if line]
-    if not lines:
-        return None
     fatal = [line for line in lines if line.startswith(FATAL_PREFIX)]
-    cause = fatal[-1].removeprefix(FATAL_PREFIX) if fatal else _plain(lines[-1])
+    if fatal:
+        cause = fatal[-1].removeprefix(FATAL_PREFIX)
+    else:
+        cause = _exception(lines) or _plain(next((ln for ln in reversed(lines) if ln.strip()), ""))
+    cause = " ".join(cause.split())
+    if not cause:
+        return None
     return cause if len(cause) <= _MAX_CAUSE else cause[: _MAX_CAUSE - 1] + "…"
+
+
+def _exception(lines: list[str]) -> str | None:
+    # What follows the last traceback's frames (indented) is the exception and its message.
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")]
+    if not starts:
+        return None
+    rest = lines[starts[-1] + 1 :]
+    message = list(itertools.dropwhile(lambda line: line.startswith(" "), rest))
+    if not message:
+        return None
+    # A qualified name says nothing the class name does not (pydantic_core._pydantic_core.X).
+    message[0] = re.sub(r"^[\w.]+\.(\w+)", r"\1", message[0])
+    return " ".join(message)
 
 
 def _plain(line: str) -> str:
