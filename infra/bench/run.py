@@ -303,6 +303,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"laneway bench: no trace at {args.trace} (give one with --trace)", file=sys.stderr)
         return 2
     trace = load_trace(args.trace, args.format, args.speedup, args.limit)
+    # Made now, not after minutes of replay: an output under a folder not yet made (the README's
+    # /tmp/laneway/…) must not lose the run.
+    for output in (args.json, args.decisions, args.plot):
+        if output is not None:
+            output.parent.mkdir(parents=True, exist_ok=True)
     policies = args.policy or list(POLICY_NAMES)
     results: dict[str, ReplayResult] = {}
     for policy in policies:

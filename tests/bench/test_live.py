@@ -52,7 +52,9 @@ async def test_live_replay_completes_every_request(
 
 
 def test_bench_command_writes_table_json_and_plot(small_trace: Path, tmp_path: Path) -> None:
-    out, png, why = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "why.jsonl"
+    # In folders not made yet, as the README's /tmp/laneway/… may be.
+    made_later = tmp_path / "not" / "made"
+    out, png, why = made_later / "bench.json", made_later / "bench.png", tmp_path / "why.jsonl"
     run = subprocess.run(
         [
             sys.executable,
