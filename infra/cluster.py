@@ -23,7 +23,7 @@ import httpx
 
 from bus.registry import PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
 from infra.embedded import EmbeddedServer, die_with_parent, start_etcd, start_nats
-from infra.startup import StartupError, check_port_free, log_cause
+from infra.startup import StartupError, check_port_free, check_reachable, log_cause
 from infra.statedir import StateDir
 
 logger = logging.getLogger(__name__)
@@ -103,12 +103,17 @@ class LocalCluster:
             raise
 
     def _check_ports(self) -> None:
-        """Before anything starts: a port in use is one line naming it, not a child's death."""
+        """Before anything starts: a port in use, or a server given that does not answer, is one
+        line naming it, not a child's death or a wait until the start times out."""
         cfg = self.config
         check_port_free(cfg.http_host, cfg.http_port, "HTTP", "--port")
-        if cfg.nats_port and not cfg.nats_url:
+        if cfg.nats_url:
+            check_reachable(cfg.nats_url, 4222, "NATS", "--nats-url")
+        elif cfg.nats_port:
             check_port_free("127.0.0.1", cfg.nats_port, "NATS", "--nats-port")
-        if cfg.etcd_port and not cfg.etcd_endpoints:
+        if cfg.etcd_endpoints:
+            check_reachable(cfg.etcd_endpoints, 2379, "etcd", "--etcd-endpoints")
+        elif cfg.etcd_port:
             check_port_free("127.0.0.1", cfg.etcd_port, "etcd", "--etcd-port")
 
     def _plan_services(self) -> None:

@@ -70,7 +70,7 @@ def wait_for_port(
             cause = log_cause(log) if log else None
             raise StartupError(
                 f"{what} exited with code {proc.returncode} while starting"
-                + (f": {cause}" if cause else "")
+                + (f": {cause} (log: {log})" if cause else "")
             )
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):

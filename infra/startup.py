@@ -9,6 +9,7 @@ import json
 import re
 import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from bus.runtime import FATAL_PREFIX
 
@@ -32,6 +33,21 @@ def check_port_free(host: str, port: int, what: str, flag: str) -> None:
                 f"cannot listen on the {what} port {host}:{port} ({exc.strerror or exc}): "
                 f"{hint}pass another {flag}"
             ) from None
+
+
+def check_reachable(addresses: str, default_port: int, what: str, flag: str) -> None:
+    """A server given by the user (``nats://host:port`` or ``host:port``, comma-separated) must
+    answer at one of its addresses, or the services would wait for it until the start times out."""
+    causes = []
+    for address in addresses.split(","):
+        parts = urlsplit(address.strip() if "://" in address else "//" + address.strip())
+        try:
+            port = parts.port or default_port
+            socket.create_connection((parts.hostname or "127.0.0.1", port), timeout=2).close()
+            return
+        except (OSError, ValueError) as exc:
+            causes.append(f"{address.strip()}: {getattr(exc, 'strerror', None) or exc}")
+    raise StartupError(f"cannot reach {what} ({'; '.join(causes)}): start it or fix {flag}")
 
 
 def log_cause(log: Path) -> str | None:

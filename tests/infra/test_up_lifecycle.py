@@ -84,6 +84,13 @@ def test_up_on_a_taken_nats_port_says_so_in_one_line(tmp_path: Path, taken_port:
     assert _nothing_started(tmp_path)
 
 
+def test_up_with_a_nats_that_does_not_answer_says_so_in_one_line(tmp_path: Path) -> None:
+    nowhere = f"nats://127.0.0.1:{free_port()}"
+    line = _refusal(free_port(), tmp_path, "--nats-url", nowhere)
+    assert nowhere in line and "--nats-url" in line
+    assert _nothing_started(tmp_path)
+
+
 def test_up_on_a_state_dir_in_use_names_its_owner(tmp_path: Path) -> None:
     owner = launch(free_port(), tmp_path)
     try:
