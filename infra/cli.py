@@ -76,7 +76,10 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--speedup", type=float, default=1.0, help="sim engine speed-up factor")
     up.add_argument("--state-dir", type=Path, default=Path(".state"), help="data and logs")
     up.add_argument(
-        "--trace-exporter", default="none", help="where spans go: none, console, otlp or file:PATH"
+        "--trace-exporter",
+        default="none",
+        help="where spans go: none, console (each service's log in STATE_DIR/logs, batched for "
+        "up to 5 s), otlp (OTEL_EXPORTER_OTLP_ENDPOINT) or file:PATH (JSON lines)",
     )
     up.set_defaults(func=_up)
 
