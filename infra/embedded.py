@@ -40,7 +40,7 @@ def find_binary(name: str) -> str:
         return str(candidate)
     found = shutil.which(name)
     if found is None:
-        raise FileNotFoundError(f"{name} not found: install the project (make run / make test)")
+        raise StartupError(f"{name} not found: install the project (make run / make test)")
     return found
 
 

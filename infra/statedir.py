@@ -15,6 +15,8 @@ from infra.startup import StartupError
 
 LOCK_FILE = "laneway.lock"
 PIDS_FILE = "pids.json"
+# The embedded servers' data folders in the state dir (``infra.embedded``).
+DATA = ("nats", "etcd")
 # How long leftovers get to go after SIGTERM before they are killed.
 _LEFTOVER_GRACE_S = 5.0
 
@@ -95,7 +97,7 @@ class StateDir:
     def _servers_on_our_data(self) -> set[int]:
         # Embedded servers name their data folder on their command line; this also finds those
         # of a run that recorded nothing (killed while starting, or from before this file).
-        ours = {str(self.path / "nats"), str(self.path / "etcd")}
+        ours = {str(root / data) for root in (self.path, self.path.resolve()) for data in DATA}
         found: set[int] = set()
         for proc in Path("/proc").glob("[0-9]*"):
             try:
