@@ -4,14 +4,18 @@ a start that cannot happen says why in one line and leaves nothing behind."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from bus.runtime import FATAL_PREFIX
 from infra.cluster import ClusterConfig, LocalCluster
 from infra.embedded import free_port
 from infra.startup import StartupError
@@ -114,3 +118,19 @@ def test_a_service_failing_to_start_is_one_line_naming_it(tmp_path: Path) -> Non
     assert "lease_ttl_s" in message
     assert not any(alive(pid) for pid in cluster.pids().values())
     assert _nothing_started(tmp_path)
+
+
+def test_an_ingress_on_a_taken_port_ends_with_one_fatal_line(taken_port: int) -> None:
+    # What `laneway up` reports should the port be taken between its check and the ingress.
+    env = {**os.environ, "LANEWAY_PORT": str(taken_port)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.ingress"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"{FATAL_PREFIX}OSError: cannot listen on 127.0.0.1:{taken_port}: Address already in use"
+    ]
