@@ -31,6 +31,8 @@ def run_service(main: ServiceMain, log_level: str = "INFO") -> None:
         level=log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    last_error = _LastError()
+    logging.getLogger().addHandler(last_error)
 
     async def runner() -> None:
         stop = asyncio.Event()
@@ -59,9 +61,9 @@ def run_service(main: ServiceMain, log_level: str = "INFO") -> None:
     try:
         asyncio.run(runner())
     except SystemExit as exc:
-        # A library that gives up exits (uvicorn does, having logged why just before).
+        # A library that gives up exits (uvicorn does), having logged why just before.
         if exc.code not in (None, 0):
-            _fatal(f"exited with code {exc.code}; the lines above say why")
+            _fatal(f"{last_error.message or 'exited'} (exit code {exc.code})")
         raise
     except Exception as exc:
         # The environment's refusals (a port taken, a server not there) need no traceback;
@@ -70,6 +72,15 @@ def run_service(main: ServiceMain, log_level: str = "INFO") -> None:
             logger.exception("service failed")
         _fatal(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
+
+
+class _LastError(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.message = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.message = record.getMessage()
 
 
 def _fatal(cause: str) -> None:

@@ -134,3 +134,24 @@ def test_an_ingress_on_a_taken_port_ends_with_one_fatal_line(taken_port: int) ->
     assert proc.stderr.strip().splitlines() == [
         f"{FATAL_PREFIX}OSError: cannot listen on 127.0.0.1:{taken_port}: Address already in use"
     ]
+
+
+EXITING_SERVICE = """
+import logging, sys
+from bus.runtime import run_service
+
+async def main(stop):
+    logging.getLogger("some.library").error("the cause, logged")
+    sys.exit(3)  # as uvicorn gives up
+
+run_service(main)
+"""
+
+
+def test_a_service_a_library_exits_ends_with_the_error_it_logged() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", EXITING_SERVICE], capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 3
+    assert proc.stderr.strip().splitlines()[-1] == f"{FATAL_PREFIX}the cause, logged (exit code 3)"
+    assert "Traceback" not in proc.stderr
