@@ -15,10 +15,12 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import BadRequestError, NotFoundError
+from opentelemetry import context as otel_context
 from pydantic import BaseModel, ValidationError
 
 from bus.channels import Consumer, Topic
 from bus.topology import RETIRED_STREAMS, STREAM_SUBJECTS
+from observability.tracing import context_of_headers, trace_headers
 from schemas.codec import decode_as, decode_event, encode
 from schemas.events import Envelope, Event
 
@@ -210,7 +212,10 @@ class Bus:
         return found.data
 
     async def request(self, subject: str, query: BaseModel, reply: type[R], timeout: float) -> R:
-        msg = await self._nc.request(subject, encode(query), timeout=timeout)
+        """Ask and wait for the answer; the active span's trace goes along in the headers."""
+        msg = await self._nc.request(
+            subject, encode(query), timeout=timeout, headers=trace_headers() or None
+        )
         return decode_as(reply, msg.data)
 
     async def serve(
@@ -221,14 +226,18 @@ class Bus:
         *,
         queue: str,
     ) -> None:
-        """Answer requests on ``subject``; replicas in one queue group share the load."""
+        """Answer requests on ``subject``; replicas in one queue group share the load. The
+        handler runs in the trace of the asker (its headers), so its spans join that trace."""
 
         async def on_msg(msg: Msg) -> None:
+            token = otel_context.attach(context_of_headers(msg.headers))
             try:
                 answer = await handler(decode_as(query, msg.data))
             except ValidationError:
                 log.exception("bad query on %s", subject)
                 return
+            finally:
+                otel_context.detach(token)
             await msg.respond(encode(answer))
 
         self._subs.append(await self._nc.subscribe(subject, queue=queue, cb=on_msg))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from opentelemetry import context as otel_context
@@ -47,12 +47,14 @@ class JsonLinesSpanExporter(SpanExporter):
                     {
                         "name": span.name,
                         "service": span.resource.attributes.get("service.name"),
+                        "instance": span.resource.attributes.get("service.instance.id"),
                         "trace_id": f"{ctx.trace_id:032x}" if ctx else None,
                         "span_id": f"{ctx.span_id:016x}" if ctx else None,
                         "parent_id": f"{parent.span_id:016x}" if parent else None,
                         "start_ns": span.start_time,
                         "end_ns": span.end_time,
                         "attributes": dict(span.attributes or {}),
+                        "links": [f"{link.context.span_id:016x}" for link in span.links],
                     }
                 )
             )
@@ -109,4 +111,18 @@ def context_of(event: Envelope) -> otel_context.Context:
     carrier = {"traceparent": event.trace.traceparent}
     if event.trace.tracestate:
         carrier["tracestate"] = event.trace.tracestate
-    return _PROPAGATOR.extract(carrier)
+    return context_of_headers(carrier)
+
+
+def trace_headers() -> dict[str, str]:
+    """The active span's context as W3C ``traceparent``/``tracestate`` headers (empty outside a
+    span): a query is no event and has no envelope, so its trace rides in the NATS headers."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return carrier
+
+
+def context_of_headers(headers: Mapping[str, str] | None) -> otel_context.Context:
+    """The trace context that message ``headers`` carry (an empty one if none): never the
+    receiver's own, so unrelated work is not parented to whatever span happens to be active."""
+    return _PROPAGATOR.extract(dict(headers or {}), context=otel_context.Context())

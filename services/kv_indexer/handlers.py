@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import xxhash
+from opentelemetry import trace
 
 from schemas.events import KvEvent, RouteDecided
 from schemas.messages import (
@@ -29,6 +30,7 @@ class Indexer:
         # folded (the fold stays pure) but never offered to the planner, and purged once known.
         self._live: set[str] = set()
         self._seen_live = False
+        self._tracer = trace.get_tracer("laneway.kv_indexer")
 
     async def on_kv(self, event: KvEvent, position: int) -> None:
         self.index.apply(event)
@@ -43,14 +45,19 @@ class Indexer:
             self.predicted.routed(remote, event.spec.block_hashes, now)
 
     async def on_query(self, query: OverlapQuery) -> OverlapReply:
-        overlaps = self.index.overlaps(query.block_hashes)
-        for worker_id, depth in self.predicted.overlaps(
-            query.block_hashes, time.monotonic()
-        ).items():
-            overlaps[worker_id] = max(depth, overlaps.get(worker_id, 0))
-        if self._seen_live:
-            overlaps = {w: n for w, n in overlaps.items() if w in self._live}
-        return OverlapReply(overlaps=overlaps, indexed_blocks=self.index.size)
+        # A child of the asking planner's route span (the query's headers carry its trace).
+        with self._tracer.start_as_current_span("kv_indexer.overlap") as span:
+            overlaps = self.index.overlaps(query.block_hashes)
+            for worker_id, depth in self.predicted.overlaps(
+                query.block_hashes, time.monotonic()
+            ).items():
+                overlaps[worker_id] = max(depth, overlaps.get(worker_id, 0))
+            if self._seen_live:
+                overlaps = {w: n for w, n in overlaps.items() if w in self._live}
+            span.set_attribute("laneway.query_blocks", len(query.block_hashes))
+            span.set_attribute("laneway.best_overlap", max(overlaps.values(), default=0))
+            span.set_attribute("laneway.workers_overlapping", len(overlaps))
+            return OverlapReply(overlaps=overlaps, indexed_blocks=self.index.size)
 
     async def on_state(self, query: IndexStateQuery) -> IndexState:
         pairs = sorted(

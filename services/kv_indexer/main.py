@@ -13,6 +13,7 @@ from bus.registry import connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
 from bus.topology import INDEX_SNAPSHOT_NAME, INDEX_SNAPSHOTS, Subjects
+from observability.tracing import setup_tracing
 from schemas.events import new_id
 from schemas.messages import IndexStateQuery, OverlapQuery
 from services.kv_indexer.handlers import Indexer
@@ -54,6 +55,7 @@ def main() -> None:
     settings = IndexerSettings()
 
     async def serve(stop: asyncio.Event) -> None:
+        setup_tracing("laneway-kv-indexer", settings.instance_id, settings.trace_exporter)
         bus = await Bus.connect(settings.nats_url, f"kv-indexer-{settings.instance_id}")
         await bus.ensure_streams()
         etcd = connect_etcd(settings.etcd_endpoints)

@@ -8,6 +8,10 @@ import asyncio
 import logging
 import time
 
+from opentelemetry import trace
+from opentelemetry.trace import Link, Span
+
+from observability.tracing import context_of
 from schemas.events import PrefillCompleted, RouteDecided
 from services.engine.continuation import continuation
 from services.worker.driver import EngineDriver
@@ -32,14 +36,23 @@ class DecodeSide:
         self._driver = driver
         self._outputs = outputs
         self._background = background
+        self._tracer = trace.get_tracer("laneway.worker")
+
+    def _child(self, name: str, state: Active, links: list[Link] | None = None) -> Span:
+        return self._tracer.start_span(
+            name, context=trace.set_span_in_context(state.span), links=links
+        )
 
     def await_prefill(self, request_id: str, state: Active, event: RouteDecided) -> None:
         placement = event.prefill
         assert placement is not None and placement.prefill_worker_id is not None
         me = self._outputs.worker_id
         cached = next((c.cached_blocks for c in event.candidates if c.worker_id == me), 0)
-        state.awaiting = Awaiting(placement.prefill_worker_id, cached)
         timeout = self._receiver.deadline_s(placement)
+        wait = self._child("worker.kv_wait", state)
+        wait.set_attribute("laneway.prefill_worker_id", placement.prefill_worker_id)
+        wait.set_attribute("laneway.timeout_s", timeout)
+        state.awaiting = Awaiting(placement.prefill_worker_id, cached, wait)
         state.awaiting.timer = self._background.spawn(self._deadline(request_id, timeout))
 
     def on_prefilled(self, event: PrefillCompleted) -> None:
@@ -52,6 +65,7 @@ class DecodeSide:
         if event.error is not None or event.first_token_id is None:
             self._fall_back(request_id, state, f"remote prefill failed: {event.error}")
             return
+        awaiting.settle("prefilled")
         awaiting.receiving = True
         if awaiting.timer is not None:
             awaiting.timer.cancel()
@@ -60,19 +74,28 @@ class DecodeSide:
     async def _receive(self, request_id: str, state: Active, event: PrefillCompleted) -> None:
         started = time.monotonic()
         cached = state.awaiting.cached_blocks if state.awaiting is not None else 0
+        # Receiving and importing, in this request's trace, linked to the sender's span.
+        sender = trace.get_current_span(context_of(event)).get_span_context()
+        span = self._child("worker.kv_receive", state, [Link(sender)] if sender.is_valid else None)
+        span.set_attribute("laneway.prefill_worker_id", event.worker_id)
         try:
             data = await self._receiver.receive(event, cached, len(state.spec.prompt_token_ids))
         except ValueError as err:
+            span.set_attribute("laneway.failed", str(err))
+            span.end()
             if self._requests.active.get(request_id) is state:
                 self._fall_back(request_id, state, f"KV hand-off failed: {err}")
             return
+        span.set_attribute("laneway.kv_bytes", len(data))
         if self._requests.active.get(request_id) is not state:  # cancelled meanwhile
+            span.set_attribute("laneway.cancelled", True)
+            span.end()
             return
         state.awaiting = None
         state.prefilled_by = event.worker_id
         self._outputs.kv_transferred(
             self._receiver.transferred(
-                event, self._outputs.worker_id, self._outputs.source, state.span, started
+                event, self._outputs.worker_id, self._outputs.source, span, started
             )
         )
         assert event.first_token_id is not None
@@ -85,17 +108,22 @@ class DecodeSide:
         )
         await self._requests.output(resumed.first)
         if resumed.rest is None or request_id not in self._requests.active:
+            span.end()
             return  # the first token was the last
         portable = self._driver.portable
         hashes = event.block_hashes
 
         def adopt() -> bool:
+            # An engine op: the receive span ends once the KV is in the engine (or refused).
             try:
                 if portable is not None:
                     portable.import_prefix(hashes, data)
-            except Exception:  # unusable KV costs a local prefill, never the request
+            except Exception as err:  # unusable KV costs a local prefill, never the request
                 log.exception("KV import of %s failed; prefilling locally", request_id)
+                span.set_attribute("laneway.failed", f"KV import failed: {err}")
                 return False
+            finally:
+                span.end()
             return portable is not None
 
         await self._requests.admit(resumed.rest, adopt, resumed.handed_off_tokens)
@@ -110,8 +138,10 @@ class DecodeSide:
     def _fall_back(self, request_id: str, state: Active, why: str) -> None:
         log.warning("request %s: %s; prefilling locally", request_id, why)
         state.span.set_attribute("laneway.handoff_fallback", why)
-        if state.awaiting is not None and state.awaiting.timer is not None:
-            state.awaiting.timer.cancel()
+        if state.awaiting is not None:
+            state.awaiting.settle(why)
+            if state.awaiting.timer is not None:
+                state.awaiting.timer.cancel()
         state.awaiting = None
         self._receiver.blobs.drop(request_id)
         self._background.spawn(

@@ -51,40 +51,49 @@ class KvSender:
         self._block_size = block_size
 
     async def hand_off(
-        self, request_id: str, job: PrefillJob, output: RequestOutput, data: bytes
+        self, request_id: str, job: PrefillJob, output: RequestOutput, data: bytes, span: Span
     ) -> None:
-        """``data``: the prompt's KV as the engine exported it (empty: the engine models KV)."""
+        """``data``: the prompt's KV as the engine exported it (empty: the engine models KV);
+        ``span``: the send's, ended once ``PrefillCompleted`` is out."""
         to = job.decode_worker_id
         payload = None
-        if data:
-            payload = await send_blob(
-                self._bus.publish_bytes, Subjects.kv_handoff(to), request_id, data
+        span.set_attribute("laneway.kv_bytes", len(data))
+        try:
+            if data:
+                payload = await send_blob(
+                    self._bus.publish_bytes, Subjects.kv_handoff(to), request_id, data
+                )
+            cached = output.cached_tokens or 0
+            finish: FinishReason | None = "stop" if output.finish_reason == "stop" else None
+            prompt_tokens = len(job.block_hashes) * self._block_size
+            await self._publish(
+                request_id,
+                job,
+                span,
+                prefilled_tokens=max(0, prompt_tokens - cached),
+                cached_tokens=cached,
+                first_token_id=output.new_token_ids[-1],
+                finish_reason=finish,
+                block_hashes=job.block_hashes,
+                payload=payload,
             )
-        cached = output.cached_tokens or 0
-        finish: FinishReason | None = "stop" if output.finish_reason == "stop" else None
-        prompt_tokens = len(job.block_hashes) * self._block_size
-        await self._publish(
-            request_id,
-            job,
-            prefilled_tokens=max(0, prompt_tokens - cached),
-            cached_tokens=cached,
-            first_token_id=output.new_token_ids[-1],
-            finish_reason=finish,
-            block_hashes=job.block_hashes,
-            payload=payload,
-        )
+        finally:
+            span.end()
 
     async def failed(self, request_id: str, job: PrefillJob, message: str) -> None:
         """Tell the decode worker at once, so that it prefills locally without waiting."""
-        await self._publish(request_id, job, prefilled_tokens=0, error=message)
+        await self._publish(request_id, job, job.span, prefilled_tokens=0, error=message)
 
-    async def _publish(self, request_id: str, job: PrefillJob, **fields: object) -> None:
+    async def _publish(
+        self, request_id: str, job: PrefillJob, span: Span, **fields: object
+    ) -> None:
+        """``span``: what the decode side's receiving links back to."""
         event = PrefillCompleted(
             event_id=f"prefilled-{request_id}",
             source=self._source,
             request_id=request_id,
             session_id=job.session_id,
-            trace=trace_context(job.span),
+            trace=trace_context(span),
             worker_id=self._worker_id,
             decode_worker_id=job.decode_worker_id,
             **fields,
@@ -170,14 +179,22 @@ class PrefillSide:
         """Runs between steps, so the prompt's blocks are still cached when they are exported."""
         portable = self._driver.portable
         assert portable is not None
+        # The hand-off's own time (export, chunks, announcement), apart from the prefill's.
+        send = self._tracer.start_span(
+            "worker.kv_send", context=trace.set_span_in_context(job.span)
+        )
+        send.set_attribute("laneway.request_id", request_id)
+        send.set_attribute("laneway.decode_worker_id", job.decode_worker_id)
         try:
             _, data = await self._driver.call(lambda: portable.export_prefix(job.block_hashes))
         except Exception as err:  # export is best effort: the decode worker then prefills
             log.exception("KV export of %s failed", request_id)
+            send.set_attribute("laneway.failed", f"KV export failed: {err}")
+            send.end()
             self.failed(request_id, job, f"KV export failed: {err}")
             return
         job.span.end()
-        self._background.spawn(self._sender.hand_off(request_id, job, output, data))
+        self._background.spawn(self._sender.hand_off(request_id, job, output, data, send))
 
     def failed(self, request_id: str, job: PrefillJob, message: str) -> None:
         self._driver.abort(request_id)

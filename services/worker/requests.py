@@ -38,9 +38,17 @@ class Awaiting:
     prefill_worker_id: str
     # Leading prompt blocks this worker cached when the planner decided.
     cached_blocks: int
+    # The wait's span, from the decision to the prefill worker's answer (or giving up on it).
+    span: Span
     timer: asyncio.Task[None] | None = None
     # The KV is on its way in: the deadline no longer applies.
     receiving: bool = False
+
+    def settle(self, outcome: str) -> None:
+        """End the wait, once, saying how it ended."""
+        if self.span.is_recording():
+            self.span.set_attribute("laneway.outcome", outcome)
+            self.span.end()
 
 
 @dataclass
@@ -211,6 +219,7 @@ class Requests:
 
     def _terminal(self, state: Active, event: TerminalEvent) -> None:
         if state.awaiting is not None:
+            state.awaiting.settle(event.type)
             if state.awaiting.timer is not None:
                 state.awaiting.timer.cancel()
             self._blobs.drop(event.request_id or "")
