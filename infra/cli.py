@@ -10,9 +10,11 @@ import sys
 import threading
 from pathlib import Path
 
+from infra import record_export
 from infra.bench import engine_bench
 from infra.bench import run as bench
 from infra.cluster import ClusterConfig, LocalCluster
+from infra.recording import RecordingError
 from infra.startup import StartupError
 from services.planner.policies import POLICY_NAMES
 
@@ -185,14 +187,30 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.set_defaults(func=_make_tiny_model)
     bench.add_parser(sub)
-    for command in sub.choices.values():
+    record_export.add_parser(sub)
+    for command in _leaf_parsers(sub):
         command.formatter_class = _DefaultsFormatter
     return parser
 
 
+def _leaf_parsers(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> list[argparse.ArgumentParser]:
+    """Every command's parser, and a command's own commands' (`record export`) in its place."""
+    leaves = []
+    for command in sub.choices.values():
+        nested = [a for a in command._actions if isinstance(a, argparse._SubParsersAction)]
+        leaves += [p for n in nested for p in _leaf_parsers(n)] or [command]
+    return leaves
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except RecordingError as err:
+        print(f"laneway: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ _EVENT: TypeAdapter[Event] = TypeAdapter(Event)
 _CURRENT_VERSION: dict[str, int] = {}
 
 
-def _current_version(event_type: str) -> int:
+def current_version(event_type: str) -> int:
     if not _CURRENT_VERSION:
         for model in Envelope.__subclasses__():
             fields = model.model_fields
@@ -61,7 +61,7 @@ def decode_event(data: bytes) -> Event:
     raw: dict[str, Any] = orjson.loads(data)
     event_type = raw.get("type", "")
     version = int(raw.get("schema_version", 1))
-    while version < _current_version(event_type):
+    while version < current_version(event_type):
         raw = UPCASTERS[(event_type, version)](raw)
         version += 1
         raw["schema_version"] = version

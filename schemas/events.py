@@ -69,11 +69,21 @@ class RequestSpec(Frozen):
 
     model: str = Field(description="served model name the client asked for")
     prompt_token_ids: TokenIds = Field(description="tokenized prompt, chat template applied")
+    prompt_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="prompt length where `prompt_token_ids` were withheld (a redacted recording)",
+    )
     block_size: int = Field(gt=0, description="tokens per block used for `block_hashes`")
     block_hashes: BlockHashes = Field(description="chained hashes of the prompt's full blocks")
     sampling: SamplingParams
     reply_to: str = Field(description="ingress instance that streams the answer to the client")
     deadline: datetime = Field(description="UTC time after which the client is no longer waiting")
+
+    @property
+    def prompt_length(self) -> int:
+        """Tokens in the prompt, whether or not its ids are here."""
+        return len(self.prompt_token_ids) if self.prompt_tokens is None else self.prompt_tokens
 
 
 class RequestAccepted(Envelope):

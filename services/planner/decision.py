@@ -91,7 +91,7 @@ def inputs_of(event: RouteDecided) -> DecisionInputs:
     spec = event.spec
     request = RouteRequest(
         event.request_id or "",
-        len(spec.prompt_token_ids),
+        spec.prompt_length,
         spec.block_hashes,
         event.session_id,
         spec.sampling.max_tokens,

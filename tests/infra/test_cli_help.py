@@ -12,9 +12,17 @@ from services.common.perf_model import PERF_MODEL_NAMES
 from services.planner.policies import POLICY_NAMES
 
 
-def _commands() -> dict[str, argparse.ArgumentParser]:
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(sub.choices)
+def _commands(
+    parser: argparse.ArgumentParser | None = None, prefix: str = ""
+) -> dict[str, argparse.ArgumentParser]:
+    """Every command by its name, a command's own commands as `record export`."""
+    parser = parser or build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    commands: dict[str, argparse.ArgumentParser] = {}
+    for name, command in sub.choices.items():
+        nested = any(isinstance(a, argparse._SubParsersAction) for a in command._actions)
+        commands |= _commands(command, f"{prefix}{name} ") if nested else {prefix + name: command}
+    return commands
 
 
 def _help(command: str) -> str:
@@ -62,7 +70,7 @@ def test_bench_shows_defaults_and_choices() -> None:
 
 def test_every_flag_of_every_command_says_what_it_does() -> None:
     commands = _commands()
-    assert set(commands) == {"up", "bench", "bench-engine", "make-tiny-model"}
+    assert set(commands) == {"up", "bench", "bench-engine", "make-tiny-model", "record export"}
     for name, command in commands.items():
         assert [a.dest for a in command._actions if not a.help] == [], name
         assert "(default:" in command.format_help(), name
@@ -73,7 +81,7 @@ def test_laneway_help_names_every_command(capsys: pytest.CaptureFixture[str]) ->
         main(["--help"])
     assert exited.value.code == 0
     text = capsys.readouterr().out
-    assert all(name in text for name in _commands())
+    assert all(name.split()[0] in text for name in _commands())
     assert "COMMAND --help" in text
 
 

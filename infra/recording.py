@@ -1,0 +1,267 @@
+"""Recordings: a time window of a cluster's log in one portable file, and the log read back.
+
+A recording is JSON Lines (gzip-compressed when its name ends in ``.gz``): a header line, then one
+line per stored message with its stream, stream sequence number, subject and stream timestamp.
+``laneway record export`` writes one; ``laneway explain``, ``laneway replay`` and ``laneway bench
+--trace`` read one. Anything that cannot be read is a :class:`RecordingError` whose text is one
+line, for the command line to print as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib.metadata import version
+from pathlib import Path
+from typing import IO, Any, Literal, cast
+
+import nats
+import orjson
+from nats.aio.client import Client as NatsClient
+from nats.errors import Error as NatsError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+from pydantic import ValidationError
+
+from bus.topology import CONTROL, KV, LOAD, REQUESTS, ROUTES, STREAM_SUBJECTS
+from schemas.codec import current_version, decode_event
+from schemas.events import Event, PrefillCompleted, RequestAccepted, RouteDecided, new_id
+
+FORMAT_VERSION = 1
+HEADER_KEY = "laneway_recording"
+# In the order a reader folds them: the requests, then what was decided and what followed.
+STREAMS = (REQUESTS, ROUTES, KV, LOAD, CONTROL)
+_FETCH_BATCH = 2000
+_FETCH_TIMEOUT_S = 5.0
+
+
+class RecordingError(Exception):
+    """A recording (or the log) that cannot be read; ``str()`` is one line that says why."""
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One stored message: where the log holds it, when the stream stored it, the event."""
+
+    stream: str
+    seq: int
+    subject: str
+    time: datetime
+    event: Event
+
+
+@dataclass(frozen=True)
+class Window:
+    """The time window a recording was asked for; None: open on that side."""
+
+    since: datetime | None = None
+    until: datetime | None = None
+
+
+def redacted(event: Event) -> Event:
+    """The event without prompt text: token ids dropped, their count, block hashes and
+    everything else kept."""
+    if isinstance(event, RequestAccepted | RouteDecided):
+        spec = event.spec.model_copy(
+            update={"prompt_token_ids": (), "prompt_tokens": event.spec.prompt_length}
+        )
+        return event.model_copy(update={"spec": spec})
+    if isinstance(event, PrefillCompleted) and event.first_token_id is not None:
+        return event.model_copy(update={"first_token_id": None})
+    return event
+
+
+def _iso(at: datetime | None) -> str | None:
+    return None if at is None else at.isoformat()
+
+
+def write_recording(
+    path: Path, recorded: Sequence[Recorded], redact: bool, window: Window = Window()
+) -> None:
+    versions: dict[str, int] = {}
+    for r in recorded:
+        versions[r.event.type] = max(versions.get(r.event.type, 0), r.event.schema_version)
+    header = {
+        HEADER_KEY: FORMAT_VERSION,
+        "laneway_version": version("laneway"),
+        "created": datetime.now(UTC).isoformat(),
+        "since": _iso(window.since),
+        "until": _iso(window.until),
+        "redacted": redact,
+        "schema_versions": versions,
+    }
+    with _open(path, "wb") as out:
+        out.write(orjson.dumps(header) + b"\n")
+        for r in recorded:
+            event = redacted(r.event) if redact else r.event
+            line = {
+                "stream": r.stream,
+                "seq": r.seq,
+                "subject": r.subject,
+                "time": r.time.isoformat(),
+                "event": event.model_dump(mode="json"),
+            }
+            out.write(orjson.dumps(line) + b"\n")
+
+
+def _open(path: Path, mode: Literal["rb", "wb"]) -> IO[bytes]:
+    if path.suffix == ".gz":
+        return cast(IO[bytes], gzip.open(path, mode))
+    return path.open(mode)
+
+
+def read_recording(path: Path) -> list[Recorded]:
+    """Every message of a recording, in file order, events upcast to the current schemas."""
+    try:
+        with _open(path, "rb") as handle:
+            data = handle.read()
+    except FileNotFoundError:
+        raise RecordingError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise RecordingError(f"{path}: a folder, not a recording") from None
+    except EOFError:
+        raise RecordingError(f"{path}: truncated (the compressed stream ends early)") from None
+    except (OSError, zlib.error) as err:
+        raise RecordingError(f"{path}: cannot be read ({err})") from None
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    elif lines:
+        # Every line a writer finishes ends in a newline: without one the file was cut short.
+        raise RecordingError(f"{path}:{len(lines)}: truncated (the last line is incomplete)")
+    if not lines:
+        raise RecordingError(f"{path}: empty, not a recording")
+    _check_header(path, lines[0])
+    return [_message(path, n, line) for n, line in enumerate(lines[1:], 2)]
+
+
+def _check_header(path: Path, line: bytes) -> None:
+    try:
+        header = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        header = None
+    if not isinstance(header, dict) or HEADER_KEY not in header:
+        raise RecordingError(f"{path}: not a Laneway recording (no header line)")
+    if header[HEADER_KEY] != FORMAT_VERSION:
+        raise RecordingError(
+            f"{path}: recording format {header[HEADER_KEY]!r}; this Laneway reads format "
+            f"{FORMAT_VERSION}"
+        )
+    versions = header.get("schema_versions")
+    if not isinstance(versions, dict):
+        raise RecordingError(f"{path}:1: the header has no schema_versions")
+    for event_type, schema in versions.items():
+        _check_version(f"{path}:1", event_type, schema)
+
+
+def _check_version(where: str, event_type: str, schema: Any) -> None:
+    if not isinstance(schema, int) or schema > current_version(event_type):
+        raise RecordingError(
+            f"{where}: {event_type} schema version {schema!r} is newer than this Laneway reads "
+            f"({current_version(event_type)}); read it with the Laneway that wrote it"
+        )
+
+
+def _message(path: Path, n: int, line: bytes) -> Recorded:
+    where = f"{path}:{n}"
+    try:
+        raw = orjson.loads(line)
+        event_raw = raw["event"]
+        _check_version(where, event_raw["type"], event_raw.get("schema_version", 1))
+        return Recorded(
+            stream=str(raw["stream"]),
+            seq=int(raw["seq"]),
+            subject=str(raw["subject"]),
+            time=datetime.fromisoformat(raw["time"]),
+            event=decode_event(orjson.dumps(event_raw)),
+        )
+    except orjson.JSONDecodeError as err:
+        raise RecordingError(f"{where}: corrupt JSON ({err})") from None
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise RecordingError(f"{where}: not a valid event ({field}: {first['msg']})") from None
+    except (KeyError, TypeError, ValueError) as err:
+        raise RecordingError(
+            f"{where}: not a recorded message ({type(err).__name__}: {err})"
+        ) from None
+
+
+async def read_log(
+    nats_url: str, since: datetime | None = None, until: datetime | None = None
+) -> list[Recorded]:
+    """Every message the streams hold from ``since`` to ``until``, each stream up to where it
+    ended when the read began (a busy cluster cannot keep the read going)."""
+    try:
+        nc = await nats.connect(nats_url, name="laneway-record", max_reconnect_attempts=0)
+    except (OSError, NatsError) as err:
+        raise RecordingError(f"cannot reach NATS at {nats_url} ({err})") from None
+    try:
+        out: list[Recorded] = []
+        for stream in STREAMS:
+            out += await _read_stream(nc, stream.name, STREAM_SUBJECTS[stream], since, until)
+        return out
+    finally:
+        await nc.close()
+
+
+async def _read_stream(
+    nc: NatsClient,
+    name: str,
+    subjects: Sequence[str],
+    since: datetime | None,
+    until: datetime | None,
+) -> list[Recorded]:
+    js = nc.jetstream()
+    try:
+        info = await js.stream_info(name)
+    except NotFoundError:
+        return []  # a cluster that never wrote this stream
+    if info.state.messages == 0:
+        return []
+    last = info.state.last_seq
+    # An ephemeral consumer of our own, read without acks and deleted when done.
+    consumer = f"laneway-record-{new_id()}"
+    await js.add_consumer(
+        name,
+        ConsumerConfig(
+            name=consumer,
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.ALL if since is None else DeliverPolicy.BY_START_TIME,
+            opt_start_time=since,
+            filter_subjects=list(subjects),
+            inactive_threshold=60.0,
+        ),
+    )
+    sub = await js.pull_subscribe_bind(consumer, stream=name)
+    out: list[Recorded] = []
+    try:
+        pending = (await sub.consumer_info()).num_pending
+        while pending:
+            for msg in await sub.fetch(min(_FETCH_BATCH, pending), timeout=_FETCH_TIMEOUT_S):
+                meta = msg.metadata
+                seq = meta.sequence.stream
+                if seq > last or (until is not None and meta.timestamp > until):
+                    return out
+                event = _decoded(msg.data, name, seq)
+                out.append(Recorded(name, seq, msg.subject, meta.timestamp, event))
+                pending = meta.num_pending
+    finally:
+        await sub.unsubscribe()
+        with contextlib.suppress(NotFoundError):
+            await js.delete_consumer(name, consumer)
+    return out
+
+
+def _decoded(data: bytes, stream: str, seq: int) -> Event:
+    try:
+        event = decode_event(data)
+    except (ValidationError, ValueError) as err:
+        first = str(err).splitlines()[0]
+        raise RecordingError(f"{stream} #{seq}: not a Laneway event ({first})") from None
+    _check_version(f"{stream} #{seq}", event.type, event.schema_version)
+    return event
