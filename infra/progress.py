@@ -25,7 +25,8 @@ def _duration(seconds: float) -> str:
 
 class Progress:
     """``done`` of ``total`` units of ``label``'s work; a context manager that marks all of it
-    done when its block ends without an exception."""
+    done when its block ends without an exception. The clock runs from construction, or from a
+    first ``update(0)`` when the work starts later."""
 
     def __init__(
         self,
@@ -68,6 +69,8 @@ class Progress:
         self._done = max(self._done, min(done, self._total))
         now = self._clock()
         if self._shown is None:
+            if done == 0:
+                self._started = now
             due = True
         elif self._tty:
             due = now - self._shown_at >= _REDRAW_S

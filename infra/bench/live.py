@@ -173,6 +173,8 @@ async def replay_live(
     ) as http:
         t0 = time.monotonic()
         finished = 0
+        if progress is not None:
+            progress(finished)  # after the cluster's start-up: the ETA counts the replay alone
 
         async def fire(i: int) -> str | None:
             nonlocal finished

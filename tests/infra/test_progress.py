@@ -71,3 +71,13 @@ def test_a_failed_run_does_not_claim_to_be_done() -> None:
         progress.update(3)
         raise RuntimeError("boom")
     assert out.getvalue().splitlines()[-1].startswith("replay: 3/10 (30%)")
+
+
+def test_the_clock_starts_at_a_first_update_of_nothing_done() -> None:
+    out, clock = io.StringIO(), _Clock()
+    progress = Progress("live", 10, out, clock=clock)
+    clock.now = 20.0  # a cluster starting: not the work's time
+    progress.update(0)
+    clock.now = 25.0
+    progress.update(5)
+    assert out.getvalue().splitlines()[-1] == "live: 5/10 (50%), 0:05 elapsed, ETA 0:05"
