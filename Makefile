@@ -20,10 +20,19 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# A real OTLP backend for the tracing tests (tests/observability/test_otlp.py): Arize Phoenix,
+# as the standard OpenTelemetry Collector ships on neither PyPI nor Debian. A virtualenv of its
+# own, since it pins its own versions of packages Laneway depends on.
+PHOENIX := $(VENV)/phoenix/.installed
+$(PHOENIX): | $(BIN)/python
+	$(PYTHON) -m venv $(VENV)/phoenix
+	$(VENV)/phoenix/bin/pip install -q arize-phoenix==20.26.1
+	touch $(PHOENIX)
+
 run: $(STAMP) ## install and start the whole local cluster on http://127.0.0.1:8000/v1
 	$(BIN)/laneway up
 
-test: $(STAMP) ## install and run the test suite (starts its own NATS and etcd)
+test: $(STAMP) $(PHOENIX) ## install and run the test suite (starts its own NATS, etcd, OTLP backend)
 	$(BIN)/pytest -q
 
 test-pure: $(STAMP) ## only the tests that start no servers or processes
