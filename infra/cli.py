@@ -14,6 +14,7 @@ from infra import record_export
 from infra.bench import engine_bench
 from infra.bench import run as bench
 from infra.cluster import ClusterConfig, LocalCluster
+from infra.debug import explain, replay
 from infra.recording import RecordingError
 from infra.startup import StartupError
 from services.planner.policies import POLICY_NAMES
@@ -188,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_make_tiny_model)
     bench.add_parser(sub)
     record_export.add_parser(sub)
+    explain.add_parser(sub)
+    replay.add_parser(sub)
     for command in _leaf_parsers(sub):
         command.formatter_class = _DefaultsFormatter
     return parser

@@ -1,0 +1,236 @@
+"""What if another policy had routed the recorded arrivals: the log's requests replayed through
+the offline simulator under it, beside the figures the live run measured.
+
+Both sides count alike, as `laneway bench` does: TTFT and E2E from the request's arrival (its
+``RequestAccepted``) to its first and last token, ITL over every gap between consecutive tokens
+(the workers' histograms), the hit rate over the prompt tokens of completed requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from infra.bench import run as bench
+from infra.bench.metrics import ReplayResult, summary
+from infra.bench.offline import OfflineReplay
+from infra.bench.traces import TRACE_BLOCK_SIZE, TraceRequest
+from infra.debug.log import LogIndex, RequestLog
+from infra.progress import Progress
+from infra.recording import RecordingError
+from schemas.events import RequestFinished
+from schemas.latency import LatencyHistogram
+from services.engine.sim import SimConfig
+from services.planner.policies import POLICY_NAMES
+from services.planner.replay import settings_of
+
+_SIM = SimConfig()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--policy",
+        choices=POLICY_NAMES,
+        help="what if this policy had routed the recorded arrivals (the offline simulator)",
+    )
+    parser.add_argument(
+        "--workers", type=int, help="what-if: decode workers (default: as many as recorded)"
+    )
+    parser.add_argument(
+        "--prefill-workers", type=int, help="what-if: prefill workers (default: as recorded)"
+    )
+    parser.add_argument(
+        "--disagg",
+        choices=["never", "always", "auto"],
+        help="what-if: remote prefill never, always or when it pays (default: as recorded)",
+    )
+    parser.add_argument("--seed", type=int, help="what-if: policy seed (default: as recorded)")
+    bench.add_perf_model_argument(parser)
+    parser.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        help="what-if: KV blocks per worker (default: the recorded workers' KV capacity)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=_SIM.max_num_seqs, help="what-if: requests in a batch"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=_SIM.max_num_batched_tokens,
+        help="what-if: tokens in a step",
+    )
+    parser.add_argument("--plot", type=Path, help="what-if: write a PNG comparing both here")
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    # {"settings", "recorded", "what_if"}: the settings simulated, and a report for each side.
+    report: dict[str, dict[str, Any]]
+    recorded_ttft_ms: list[float]
+    simulated: ReplayResult
+
+
+def what_if(log: LogIndex, args: argparse.Namespace) -> WhatIf:
+    routed = log.routed()
+    if not routed:
+        raise RecordingError("no routing decision in this log: nothing to compare")
+    first = routed[0].route
+    assert first is not None
+    config = log.config_of(first)
+    if config is None:
+        raise RecordingError(f"no PlannerConfigured for {first.source}: its settings are unknown")
+    recorded, recorded_ttft = recorded_report(list(log.requests.values()))
+    trace = trace_of(log)
+    decoders, prefillers = _pools(routed)
+    block_size = first.spec.block_size
+    capacity = max(c.kv_capacity_tokens for c in first.candidates)
+    settings: dict[str, Any] = {
+        "recorded_policy": first.policy,
+        "policy": args.policy,
+        "workers": decoders if args.workers is None else args.workers,
+        "prefill_workers": _prefill_pool(args, prefillers),
+        "seed": config.seed if args.seed is None else args.seed,
+        "block_size": block_size,
+        "num_gpu_blocks": args.num_gpu_blocks or max(1, capacity // block_size),
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "perf_model": args.perf_model,
+    }
+    policy, disagg = settings_of(
+        config.model_copy(update={"policy": args.policy, "seed": settings["seed"]})
+    )
+    disagg = dataclasses.replace(disagg, mode=args.disagg or disagg.mode)
+    settings["disagg"] = disagg.mode
+    try:
+        sim = SimConfig(
+            block_size=block_size,
+            num_gpu_blocks=settings["num_gpu_blocks"],
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            perf_model=args.perf_model,
+        )
+        replay = OfflineReplay(
+            trace,
+            policy,
+            settings["workers"],
+            sim,
+            prefill_workers=settings["prefill_workers"],
+            disagg=disagg,
+        )
+    except ValueError as err:
+        raise RecordingError(f"cannot simulate these settings: {err}") from None
+    with Progress(f"what-if {args.policy}", len(trace)) as progress:
+        replay.progress = progress.update
+        result = replay.run()
+    report = {"settings": settings, "recorded": recorded, "what_if": result.report}
+    return WhatIf(report, recorded_ttft, result)
+
+
+def _prefill_pool(args: argparse.Namespace, recorded: int) -> int:
+    if args.prefill_workers is not None:
+        return int(args.prefill_workers)
+    # Only the kv policy's cost model places prefills: under another, the pool would idle.
+    return recorded if args.policy == "kv" else 0
+
+
+def _pools(routed: list[RequestLog]) -> tuple[int, int]:
+    """The decode and prefill pool sizes most decisions saw (a death or a role move changes
+    them for a while)."""
+    sizes: Counter[tuple[int, int]] = Counter()
+    for log in routed:
+        route = log.route
+        assert route is not None
+        prefill = route.prefill.candidates if route.prefill is not None else ()
+        sizes[len(route.candidates), len(prefill)] += 1
+    return sizes.most_common(1)[0][0]
+
+
+def trace_of(log: LogIndex) -> list[TraceRequest]:
+    """The recorded arrivals as a trace: arrival, prompt and output lengths, and the prompt's
+    512-token trace blocks named so that requests sharing one share its id.
+
+    A trace block is named by the chained hash of its first engine block, which stands for the
+    whole prompt before it: two prompts that agree up to a trace block and on its first engine
+    block get the same id (a conversation's next turn extends the block its last turn ended in).
+    """
+    accepted = sorted(
+        (log.accepted for log in log.requests.values() if log.accepted is not None),
+        key=lambda event: event.occurred_at,
+    )
+    ids: dict[int, int] = {}
+    out: list[TraceRequest] = []
+    for i, event in enumerate(accepted):
+        spec = event.spec
+        if TRACE_BLOCK_SIZE % spec.block_size:
+            raise RecordingError(
+                f"block size {spec.block_size} does not divide the trace's {TRACE_BLOCK_SIZE}"
+            )
+        per = TRACE_BLOCK_SIZE // spec.block_size
+        chunks = -(-spec.prompt_length // TRACE_BLOCK_SIZE)
+        hash_ids = []
+        for k in range(chunks):
+            head = spec.block_hashes[k * per] if k * per < len(spec.block_hashes) else None
+            # A trace block without a whole engine block is this request's alone.
+            key = head if head is not None else -(i * 1024 + k + 1)
+            hash_ids.append(ids.setdefault(key, len(ids)))
+        terminal = log.requests[event.request_id or ""].terminal
+        output = spec.sampling.max_tokens
+        if isinstance(terminal, RequestFinished):
+            output = terminal.usage.completion_tokens
+        arrival = (event.occurred_at - accepted[0].occurred_at).total_seconds()
+        out.append(TraceRequest(arrival, spec.prompt_length, max(1, output), tuple(hash_ids), i))
+    return out
+
+
+def recorded_report(logs: list[RequestLog]) -> tuple[dict[str, Any], list[float]]:
+    """The live run's figures, shaped like one policy of `laneway bench --json`, and its TTFTs."""
+    ttft: list[float] = []
+    e2e: list[float] = []
+    tpot: list[float] = []
+    gaps = LatencyHistogram()
+    prompt = cached = 0
+    served: Counter[str] = Counter()
+    times: list[datetime] = []
+    requests = 0
+    for log in logs:
+        if log.accepted is None:
+            continue
+        requests += 1
+        arrived = log.accepted.occurred_at
+        times.append(arrived)
+        end = log.terminal
+        if not isinstance(end, RequestFinished):
+            continue
+        times.append(end.occurred_at)
+        # The worker times first and last token from when it received the route.
+        after_route = (end.occurred_at - arrived).total_seconds() * 1000 - end.e2e_ms
+        ttft.append(max(0.0, after_route) + end.ttft_ms)
+        e2e.append(max(0.0, after_route) + end.e2e_ms)
+        if end.usage.completion_tokens > 1:
+            tpot.append((end.e2e_ms - end.ttft_ms) / (end.usage.completion_tokens - 1))
+        gaps.merge(end.token_gaps)
+        prompt += end.usage.prompt_tokens
+        cached += end.usage.cached_tokens
+        served[end.worker_id] += 1
+    # A histogram has percentiles, not the mean.
+    itl: dict[str, float | None] = {"mean": None}
+    itl |= {f"p{q}": gaps.percentile(q) for q in (50, 95, 99)}
+    report = {
+        "requests": requests,
+        "completed": len(ttft),
+        "failed": requests - len(ttft),
+        "prefix_hit_rate": cached / prompt if prompt else 0.0,
+        "ttft_ms": summary(ttft),
+        "itl_ms": itl,
+        "tpot_ms": summary(tpot),
+        "e2e_ms": summary(e2e),
+        "worker_requests": dict(sorted(served.items())),
+        "duration_s": (max(times) - min(times)).total_seconds() if times else 0.0,
+    }
+    return report, ttft
