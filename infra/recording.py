@@ -196,14 +196,30 @@ async def read_log(
 ) -> list[Recorded]:
     """Every message the streams hold from ``since`` to ``until``, each stream up to where it
     ended when the read began (a busy cluster cannot keep the read going)."""
+    causes: list[str] = []
+
+    async def failed(err: Exception) -> None:
+        causes.append(getattr(err, "strerror", None) or str(err))
+
     try:
-        nc = await nats.connect(nats_url, name="laneway-record", max_reconnect_attempts=0)
+        nc = await nats.connect(
+            nats_url,
+            name="laneway-record",
+            allow_reconnect=False,
+            max_reconnect_attempts=1,
+            connect_timeout=2,
+            error_cb=failed,
+        )
     except (OSError, NatsError) as err:
-        raise RecordingError(f"cannot reach NATS at {nats_url} ({err})") from None
+        cause = causes[-1] if causes else str(err)
+        raise RecordingError(f"cannot reach NATS at {nats_url} ({cause})") from None
     try:
         out: list[Recorded] = []
         for stream in STREAMS:
-            out += await _read_stream(nc, stream.name, STREAM_SUBJECTS[stream], since, until)
+            try:
+                out += await _read_stream(nc, stream.name, STREAM_SUBJECTS[stream], since, until)
+            except NatsError as err:
+                raise RecordingError(f"reading {stream.name} failed ({err})") from None
         return out
     finally:
         await nc.close()

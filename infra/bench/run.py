@@ -60,7 +60,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bench = sub.add_parser("bench", help="replay a request trace through routing policies")
     bench.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file")
     bench.add_argument(
-        "--format", choices=["mooncake", "azure"], help="trace format (default: by extension)"
+        "--format",
+        choices=["mooncake", "azure", "recording"],
+        help="trace format (default: by extension, a `laneway record export` by its header line)",
     )
     bench.add_argument(
         "--policy", action="append", choices=list(POLICY_NAMES), help="repeatable (default: all)"

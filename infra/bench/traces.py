@@ -1,24 +1,31 @@
-"""Request traces: the Mooncake JSONL and Azure 2023 CSV formats, and the prompts they imply.
+"""Request traces: the Mooncake JSONL and Azure 2023 CSV formats, Laneway recordings, and the
+prompts they imply.
 
 A Mooncake trace names each 512-token block of a prompt by a hash id; equal ids mean equal
-blocks. The tokens of a block are made up deterministically from its id, as printable ASCII, so
-that the byte-level tokenizer maps the prompt's text back to the very same tokens in live mode.
+blocks. A recording names each engine block of a prompt by its chained hash, so equal ids there
+mean equal prefixes. The tokens of a block are made up deterministically from its id, as
+printable ASCII, so that the byte-level tokenizer maps the prompt's text back to the very same
+tokens in live mode.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import itertools
 import json
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Literal, overload
 
+from infra.recording import HEADER_KEY, Recorded, RecordingError, read_recording
 from schemas.block_hash import ROOT_HASH, hash_block
+from schemas.events import RequestAccepted, RequestFinished
 
-TraceFormat = Literal["mooncake", "azure"]
+TraceFormat = Literal["mooncake", "azure", "recording"]
 TRACE_BLOCK_SIZE = 512
 # 64 printable characters: a token never is a control byte or a multi-byte UTF-8 sequence.
 _ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789 .,;"[:64]
@@ -30,9 +37,11 @@ class TraceRequest:
     arrival_s: float
     input_length: int
     output_length: int
-    # Mooncake: ids of the prompt's 512-token blocks. Empty: a prompt shared with nobody.
+    # Ids of the prompt's blocks of ``block_unit`` tokens. Empty: a prompt shared with nobody.
     hash_ids: tuple[int, ...]
     index: int
+    # Tokens each hash id names: Mooncake's 512, a recording's engine block size.
+    block_unit: int = TRACE_BLOCK_SIZE
 
 
 def block_tokens(hash_id: int, length: int = TRACE_BLOCK_SIZE) -> bytes:
@@ -47,15 +56,23 @@ def block_tokens(hash_id: int, length: int = TRACE_BLOCK_SIZE) -> bytes:
 
 
 class SyntheticPrompt(Sequence[int]):
-    """A prompt made of trace blocks, materialized only where the engine looks at it, optionally
-    followed by ``tail`` tokens (a prefill worker's first token, when a decode worker resumes)."""
+    """A prompt made of trace blocks of ``unit`` tokens, materialized only where the engine looks
+    at it, optionally followed by ``tail`` tokens (a prefill worker's first token, when a decode
+    worker resumes)."""
 
-    __slots__ = ("_ids", "_length", "_tail")
+    __slots__ = ("_ids", "_length", "_tail", "_unit")
 
-    def __init__(self, hash_ids: tuple[int, ...], length: int, tail: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        hash_ids: tuple[int, ...],
+        length: int,
+        tail: tuple[int, ...] = (),
+        unit: int = TRACE_BLOCK_SIZE,
+    ) -> None:
         self._ids = hash_ids
         self._length = length
         self._tail = tail
+        self._unit = unit
 
     def __len__(self) -> int:
         return self._length + len(self._tail)
@@ -74,8 +91,8 @@ class SyntheticPrompt(Sequence[int]):
                 raise IndexError(index)
             if index >= self._length:
                 return self._tail[index - self._length]
-            block = block_tokens(self._ids[index // TRACE_BLOCK_SIZE])
-            return block[index % TRACE_BLOCK_SIZE]
+            block = block_tokens(self._ids[index // self._unit], self._unit)
+            return block[index % self._unit]
         start, stop, step = index.indices(len(self))
         if step != 1:
             return list(self)[index]
@@ -85,10 +102,11 @@ class SyntheticPrompt(Sequence[int]):
         return [*head, *self._tail[max(0, start - self._length) : stop - self._length]]
 
     def _blocks(self, start: int, stop: int) -> bytes:
+        unit = self._unit
         out = bytearray()
-        for k in range(start // TRACE_BLOCK_SIZE, -(-stop // TRACE_BLOCK_SIZE)):
-            out += block_tokens(self._ids[k])
-        skip = start - (start // TRACE_BLOCK_SIZE) * TRACE_BLOCK_SIZE
+        for k in range(start // unit, -(-stop // unit)):
+            out += block_tokens(self._ids[k], unit)
+        skip = start - (start // unit) * unit
         return bytes(out[skip : skip + stop - start])
 
     def tokens(self) -> bytes:
@@ -102,15 +120,14 @@ class SyntheticPrompt(Sequence[int]):
 class PromptFactory:
     """Prompts and their chained block hashes for trace requests, at one engine block size.
 
-    Hashes are memoized per (parent, trace block): conversations repeat their history, and
-    a trace block's sub-blocks hash the same wherever the same prefix precedes them.
+    Hashes are memoized per (parent, chunk of trace blocks), a chunk being the fewest trace blocks
+    that end on an engine block's end: conversations repeat their history, and a chunk's engine
+    blocks hash the same wherever the same prefix precedes them.
     """
 
     def __init__(self, block_size: int) -> None:
-        if TRACE_BLOCK_SIZE % block_size:
-            raise ValueError(f"block size {block_size} must divide {TRACE_BLOCK_SIZE}")
         self.block_size = block_size
-        self._memo: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._memo: dict[tuple[int, int, tuple[int, ...]], tuple[int, ...]] = {}
 
     def ids_for(self, request: TraceRequest) -> tuple[int, ...]:
         if request.hash_ids:
@@ -120,37 +137,51 @@ class PromptFactory:
         return tuple(-(request.index * 1024 + k + 1) for k in range(blocks))
 
     def prompt(self, request: TraceRequest, tail: tuple[int, ...] = ()) -> SyntheticPrompt:
-        return SyntheticPrompt(self.ids_for(request), request.input_length, tail)
+        ids = self.ids_for(request)
+        return SyntheticPrompt(ids, request.input_length, tail, request.block_unit)
 
     def block_hashes(self, request: TraceRequest) -> tuple[int, ...]:
         ids = self.ids_for(request)
+        unit = request.block_unit
+        per_chunk = math.lcm(unit, self.block_size) // unit
         full_blocks = request.input_length // self.block_size
         hashes: list[int] = []
         parent = ROOT_HASH
-        for hash_id in ids:
+        for start in range(0, len(ids), per_chunk):
             if len(hashes) >= full_blocks:
                 break
-            key = (parent, hash_id)
+            key = (parent, unit, ids[start : start + per_chunk])
             subs = self._memo.get(key)
             if subs is None:
-                subs = self._sub_hashes(parent, hash_id)
+                subs = self._sub_hashes(*key)
                 self._memo[key] = subs
+            if not subs:
+                break
             hashes.extend(subs)
             parent = subs[-1]
         return tuple(hashes[:full_blocks])
 
-    def _sub_hashes(self, parent: int, hash_id: int) -> tuple[int, ...]:
-        tokens = block_tokens(hash_id)
+    def _sub_hashes(self, parent: int, unit: int, chunk: tuple[int, ...]) -> tuple[int, ...]:
+        tokens = b"".join(block_tokens(hash_id, unit) for hash_id in chunk)
         size = self.block_size
         out = []
-        for start in range(0, TRACE_BLOCK_SIZE, size):
+        for start in range(0, len(tokens) - size + 1, size):
             parent = hash_block(parent, tokens[start : start + size])
             out.append(parent)
         return tuple(out)
 
 
 def detect_format(path: Path) -> TraceFormat:
-    return "azure" if path.suffix.lower() == ".csv" else "mooncake"
+    """By the name (``.csv``: Azure; ``.gz``: a compressed recording), else by the first line."""
+    suffix = path.suffix.lower()
+    if suffix in (".csv", ".gz"):
+        return "azure" if suffix == ".csv" else "recording"
+    try:
+        with path.open("rb") as handle:
+            first = handle.readline(1 << 16)
+    except OSError:
+        return "mooncake"  # the loader says why it cannot be read
+    return "recording" if HEADER_KEY.encode() in first else "mooncake"
 
 
 def load_trace(
@@ -158,22 +189,66 @@ def load_trace(
 ) -> list[TraceRequest]:
     """Requests in arrival order; ``speedup`` divides the gaps between arrivals."""
     fmt = fmt or detect_format(path)
+    if fmt == "recording":
+        return recording_trace(read_recording(path), speedup, limit)
     rows = _mooncake(path) if fmt == "mooncake" else _azure(path)
+    trace = _trace(rows, speedup, limit)
+    if not trace:
+        raise ValueError(f"{path} holds no requests")
+    return trace
+
+
+def recording_trace(
+    recorded: Iterable[Recorded], speedup: float = 1.0, limit: int | None = None
+) -> list[TraceRequest]:
+    """A recording's requests as a trace: arrivals as the ingress accepted them, the prompt's
+    length and engine blocks (its hashes, so requests share exactly the blocks they shared), and
+    the output length it finished with (its ``max_tokens`` if it never finished)."""
+    trace = _trace(_recorded_rows(recorded), speedup, limit)
+    if not trace:
+        raise RecordingError("the recording holds no requests (no RequestAccepted)")
+    return trace
+
+
+def _trace(rows: Iterable[Row], speedup: float, limit: int | None) -> list[TraceRequest]:
     requests: list[TraceRequest] = []
-    for i, (arrival, inp, out, ids) in enumerate(rows):
+    for i, (arrival, inp, out, ids, unit) in enumerate(rows):
         if limit is not None and i >= limit:
             break
-        requests.append(TraceRequest(arrival / speedup, inp, max(1, out), ids, i))
-    if not requests:
-        raise ValueError(f"{path} holds no requests")
-    start = requests[0].arrival_s
-    return [
-        TraceRequest(r.arrival_s - start, r.input_length, r.output_length, r.hash_ids, r.index)
-        for r in requests
-    ]
+        requests.append(TraceRequest(arrival / speedup, inp, max(1, out), ids, i, unit))
+    start = requests[0].arrival_s if requests else 0.0
+    return [replace(r, arrival_s=r.arrival_s - start) for r in requests]
 
 
-Row = tuple[float, int, int, tuple[int, ...]]
+# Arrival (seconds), prompt tokens, output tokens, block ids, tokens per block id.
+Row = tuple[float, int, int, tuple[int, ...], int]
+
+
+def _recorded_rows(recorded: Iterable[Recorded]) -> Iterator[Row]:
+    accepted: dict[str, RequestAccepted] = {}
+    output: dict[str, int] = {}
+    for r in recorded:
+        event = r.event
+        if isinstance(event, RequestAccepted) and event.request_id:
+            accepted.setdefault(event.request_id, event)
+        elif isinstance(event, RequestFinished) and event.request_id:
+            output[event.request_id] = event.usage.completion_tokens
+    # Engine block hashes are chained (equal hash, equal prefix): each becomes one small id.
+    ids: dict[int, int] = {}
+    # Blocks without a hash (the partial last one) are each this request's alone.
+    unshared = itertools.count(-1, -1)
+    for event in sorted(accepted.values(), key=lambda e: e.occurred_at):
+        spec = event.spec
+        blocks = [ids.setdefault(h, len(ids)) for h in spec.block_hashes]
+        missing = -(-spec.prompt_length // spec.block_size) - len(blocks)
+        blocks += [next(unshared) for _ in range(missing)]
+        yield (
+            event.occurred_at.timestamp(),
+            spec.prompt_length,
+            output.get(event.request_id or "", spec.sampling.max_tokens),
+            tuple(blocks),
+            spec.block_size,
+        )
 
 
 def _mooncake(path: Path) -> Iterator[Row]:
@@ -188,6 +263,7 @@ def _mooncake(path: Path) -> Iterator[Row]:
                     int(row["input_length"]),
                     int(row["output_length"]),
                     tuple(int(h) for h in row.get("hash_ids", ())),
+                    TRACE_BLOCK_SIZE,
                 )
             except (KeyError, ValueError, TypeError) as err:
                 raise ValueError(f"{path}:{n}: not a Mooncake trace line ({err})") from None
@@ -203,6 +279,7 @@ def _azure(path: Path) -> Iterator[Row]:
                     int(row["ContextTokens"]),
                     int(row["GeneratedTokens"]),
                     (),
+                    TRACE_BLOCK_SIZE,
                 )
             except (KeyError, ValueError, TypeError) as err:
                 raise ValueError(f"{path}:{n}: not an Azure trace row ({err})") from None

@@ -13,6 +13,7 @@ import openai
 import orjson
 import pytest
 
+from infra.bench.traces import PromptFactory, load_trace
 from infra.cli import main
 from infra.cluster import LocalCluster
 from infra.recording import Recorded, read_log, read_recording
@@ -29,10 +30,10 @@ REQUESTS = 6
 def cluster(cluster_factory: ClusterFactory) -> LocalCluster:
     cluster = cluster_factory(workers=2)
     client = openai.OpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+    # Three conversations of two turns: each turn's prompt extends its conversation's last.
     for i in range(REQUESTS):
-        client.completions.create(
-            model=MODEL, prompt=f"request {i}: " + "a shared prefix " * 20, max_tokens=4
-        )
+        history = f"conversation {i % 3} about a long shared subject. " * 8 + "turn 1" * (i // 3)
+        client.completions.create(model=MODEL, prompt=history, max_tokens=4 + i)
     return cluster
 
 
@@ -113,3 +114,57 @@ def test_a_window_holds_only_its_messages(cluster: LocalCluster, tmp_path: Path)
     assert read_recording(out) == []
     assert main([*args, "--since", "-1h"]) == 0
     assert len(read_recording(out)) >= len(log)
+
+
+def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    return next(
+        (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def test_a_recording_is_a_trace_sharing_what_the_requests_shared(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    log = _finished(cluster)
+    out = tmp_path / "rec.jsonl"
+    assert (
+        main(["record", "export", "--nats-url", cluster.nats_url, "--redact", "-o", str(out)]) == 0
+    )
+    accepted = sorted(
+        (r.event for r in log if isinstance(r.event, RequestAccepted)), key=lambda e: e.occurred_at
+    )
+    finished = {r.event.request_id: r.event for r in log if isinstance(r.event, RequestFinished)}
+    trace = load_trace(out)
+    assert len(trace) == REQUESTS and trace[0].arrival_s == 0.0
+    block_size = accepted[0].spec.block_size
+    for request, event in zip(trace, accepted, strict=True):
+        since_first = (event.occurred_at - accepted[0].occurred_at).total_seconds()
+        assert request.arrival_s == pytest.approx(since_first, abs=1e-6)
+        assert request.input_length == event.spec.prompt_length
+        assert request.output_length == finished[event.request_id].usage.completion_tokens
+    # At the recording's block size and at a coarser one, two prompts share as many leading
+    # blocks as the live ones did.
+    for size in (block_size, 4 * block_size):
+        prompts = PromptFactory(size)
+        made = [prompts.block_hashes(r) for r in trace]
+        for a in range(REQUESTS):
+            assert len(made[a]) == accepted[a].spec.prompt_length // size
+            for b in range(REQUESTS):
+                live = _shared(accepted[a].spec.block_hashes, accepted[b].spec.block_hashes)
+                assert _shared(made[a], made[b]) == live * block_size // size, (a, b, size)
+    assert any(_shared(made[0], m) > 0 for m in made[1:]), "the conversations share blocks"
+
+
+def test_a_recording_replays_offline_through_laneway_bench(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    _finished(cluster)
+    recording = tmp_path / "rec.jsonl.gz"
+    assert main(["record", "export", "--nats-url", cluster.nats_url, "-o", str(recording)]) == 0
+    report = tmp_path / "bench.json"
+    args = ["bench", "--trace", str(recording), "--workers", "2", "--json", str(report)]
+    assert main([*args, "--policy", "kv", "--policy", "round_robin"]) == 0
+    reports = orjson.loads(report.read_bytes())
+    for policy in ("kv", "round_robin"):
+        assert reports[policy]["requests"] == reports[policy]["completed"] == REQUESTS
+    assert reports["kv"]["prefix_hit_rate"] > 0.0
