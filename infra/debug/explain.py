@@ -10,7 +10,7 @@ import sys
 from datetime import datetime, timedelta
 from typing import Any
 
-from infra.debug.log import LogIndex, RequestLog, add_source_arguments, load
+from infra.debug.log import LogIndex, RequestLog, add_source_arguments, bare_id, load
 from infra.recording import RecordingError
 from schemas.events import (
     Envelope,
@@ -56,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def main(args: argparse.Namespace) -> int:
     try:
-        log = load(args)
+        log = load(args, bare_id(args.request_id))
         explained = explain(log, args.request_id)
     except RecordingError as err:
         print(f"laneway explain: {err}", file=sys.stderr)

@@ -27,6 +27,13 @@ from schemas.events import (
 _ID_PREFIXES = ("chatcmpl-", "cmpl-")
 
 
+def bare_id(request_id: str) -> str:
+    """The request id without the prefix the OpenAI API puts before it."""
+    for prefix in _ID_PREFIXES:
+        request_id = request_id.removeprefix(prefix)
+    return request_id
+
+
 @dataclass(slots=True)
 class RequestLog:
     """What the log holds of one request."""
@@ -50,8 +57,7 @@ class LogIndex:
     def find(self, request_id: str) -> RequestLog | None:
         """The request with this id (the API's ``cmpl-`` prefix allowed), or the one request
         whose id starts with it."""
-        for prefix in _ID_PREFIXES:
-            request_id = request_id.removeprefix(prefix)
+        request_id = bare_id(request_id)
         found = self.requests.get(request_id)
         if found is not None:
             return found
@@ -111,12 +117,23 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", help="read the live cluster's log from this NATS instead")
 
 
-def load(args: argparse.Namespace) -> LogIndex:
-    """The log the command line names; RecordingError (one line) when it cannot be read."""
+def load(args: argparse.Namespace, *mentioning: str) -> LogIndex:
+    """The log the command line names; RecordingError (one line) when it cannot be read.
+
+    ``mentioning``: of a recording, only the messages whose line holds one of these strings (and
+    the planners' settings) need decoding; the others are left out of the index.
+    """
     if (args.recording is None) == (args.nats_url is None):
         raise RecordingError("give a RECORDING or --nats-url URL (one of them)")
     if args.recording is not None:
-        return index(read_recording(args.recording))
+        needles = [m.encode() for m in mentioning]
+        if needles:
+            needles.append(b'"PlannerConfigured"')
+
+        def keep(line: bytes) -> bool:
+            return any(needle in line for needle in needles)
+
+        return index(read_recording(args.recording, keep if needles else None))
     try:
         # nats-py retries a refused connection for ever: ask the socket first.
         check_reachable(args.nats_url, 4222, "NATS", "--nats-url")

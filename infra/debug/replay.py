@@ -37,10 +37,10 @@ def main(args: argparse.Namespace) -> int:
         if output is not None:
             output.parent.mkdir(parents=True, exist_ok=True)
     try:
-        log = load(args)
         if args.policy is not None:
-            return _what_if(log, args)
-        report = replay_all(log)
+            return _what_if(load(args, *whatif.EVENTS), args)
+        # Decisions carry their inputs: nothing else of the log needs decoding.
+        report = replay_all(load(args, '"RouteDecided"'))
     except RecordingError as err:
         print(f"laneway replay: {err}", file=sys.stderr)
         return 2

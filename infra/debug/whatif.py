@@ -30,6 +30,8 @@ from services.planner.policies import POLICY_NAMES
 from services.planner.replay import settings_of
 
 _SIM = SimConfig()
+# What the comparison reads of the log (as they appear in a recording's lines).
+EVENTS = ('"RequestAccepted"', '"RouteDecided"', '"RequestFinished"', '"RequestFailed"')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
