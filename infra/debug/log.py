@@ -50,6 +50,8 @@ class RequestLog:
 
 @dataclass(slots=True)
 class LogIndex:
+    # What was read, as it was read.
+    recorded: list[Recorded]
     requests: dict[str, RequestLog] = field(default_factory=dict)
     # Each planner replica's settings, by source, in the order they were recorded.
     configs: dict[str, list[PlannerConfigured]] = field(default_factory=dict)
@@ -82,7 +84,7 @@ def _decided_at(log: RequestLog) -> datetime:
 
 
 def index(recorded: list[Recorded]) -> LogIndex:
-    out = LogIndex()
+    out = LogIndex(recorded)
     for item in recorded:
         event = item.event
         if isinstance(event, PlannerConfigured):

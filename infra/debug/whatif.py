@@ -19,7 +19,7 @@ from typing import Any
 from infra.bench import run as bench
 from infra.bench.metrics import ReplayResult, summary
 from infra.bench.offline import OfflineReplay
-from infra.bench.traces import TRACE_BLOCK_SIZE, TraceRequest
+from infra.bench.traces import recording_trace
 from infra.debug.log import LogIndex, RequestLog
 from infra.progress import Progress
 from infra.recording import RecordingError
@@ -88,7 +88,7 @@ def what_if(log: LogIndex, args: argparse.Namespace) -> WhatIf:
     if config is None:
         raise RecordingError(f"no PlannerConfigured for {first.source}: its settings are unknown")
     recorded, recorded_ttft = recorded_report(list(log.requests.values()))
-    trace = trace_of(log)
+    trace = recording_trace(log.recorded)
     decoders, prefillers = _pools(routed)
     block_size = first.spec.block_size
     capacity = max(c.kv_capacity_tokens for c in first.candidates)
@@ -151,43 +151,6 @@ def _pools(routed: list[RequestLog]) -> tuple[int, int]:
         prefill = route.prefill.candidates if route.prefill is not None else ()
         sizes[len(route.candidates), len(prefill)] += 1
     return sizes.most_common(1)[0][0]
-
-
-def trace_of(log: LogIndex) -> list[TraceRequest]:
-    """The recorded arrivals as a trace: arrival, prompt and output lengths, and the prompt's
-    512-token trace blocks named so that requests sharing one share its id.
-
-    A trace block is named by the chained hash of its first engine block, which stands for the
-    whole prompt before it: two prompts that agree up to a trace block and on its first engine
-    block get the same id (a conversation's next turn extends the block its last turn ended in).
-    """
-    accepted = sorted(
-        (log.accepted for log in log.requests.values() if log.accepted is not None),
-        key=lambda event: event.occurred_at,
-    )
-    ids: dict[int, int] = {}
-    out: list[TraceRequest] = []
-    for i, event in enumerate(accepted):
-        spec = event.spec
-        if TRACE_BLOCK_SIZE % spec.block_size:
-            raise RecordingError(
-                f"block size {spec.block_size} does not divide the trace's {TRACE_BLOCK_SIZE}"
-            )
-        per = TRACE_BLOCK_SIZE // spec.block_size
-        chunks = -(-spec.prompt_length // TRACE_BLOCK_SIZE)
-        hash_ids = []
-        for k in range(chunks):
-            head = spec.block_hashes[k * per] if k * per < len(spec.block_hashes) else None
-            # A trace block without a whole engine block is this request's alone.
-            key = head if head is not None else -(i * 1024 + k + 1)
-            hash_ids.append(ids.setdefault(key, len(ids)))
-        terminal = log.requests[event.request_id or ""].terminal
-        output = spec.sampling.max_tokens
-        if isinstance(terminal, RequestFinished):
-            output = terminal.usage.completion_tokens
-        arrival = (event.occurred_at - accepted[0].occurred_at).total_seconds()
-        out.append(TraceRequest(arrival, spec.prompt_length, max(1, output), tuple(hash_ids), i))
-    return out
 
 
 def recorded_report(logs: list[RequestLog]) -> tuple[dict[str, Any], list[float]]:
