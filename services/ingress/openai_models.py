@@ -16,6 +16,10 @@ import orjson
 from services.ingress.errors import InvalidRequest
 
 MAX_STOP_SEQUENCES = 4
+# OpenAI's own limit on the messages of one chat.
+MAX_MESSAGES = 2048
+# Far more than any model's special tokens; the list travels with the request to its worker.
+MAX_STOP_TOKEN_IDS = 1024
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -146,6 +150,13 @@ def _messages(value: object) -> tuple[Message, ...]:
         raise _type_error("messages", "an array", value)
     if not value:
         raise InvalidRequest("'messages' must contain at least one message.", "messages")
+    if len(value) > MAX_MESSAGES:
+        raise InvalidRequest(
+            f"Invalid 'messages': array too long. Expected an array with maximum length "
+            f"{MAX_MESSAGES}, but got an array with length {len(value)} instead.",
+            "messages",
+            code="array_above_max_length",
+        )
     messages = []
     for i, item in enumerate(value):
         param = f"messages[{i}]"
@@ -261,6 +272,10 @@ def _int_list(data: dict[str, Any], name: str) -> tuple[int, ...]:
         return ()
     if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
         raise _type_error(name, "an array of token ids", value)
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            f"'{name}' accepts at most {MAX_STOP_TOKEN_IDS} token ids, got {len(value)}.", name
+        )
     return tuple(value)
 
 

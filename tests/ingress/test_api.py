@@ -11,7 +11,7 @@ from schemas.block_hash import chain_block_hashes
 from schemas.events import FailureCode
 from services.common.tokenizer import ByteTokenizer
 from services.ingress.main import IngressSettings
-from services.ingress.openai_models import Message
+from services.ingress.openai_models import MAX_MESSAGES, MAX_STOP_TOKEN_IDS, Message
 from services.ingress.settings import IngressApiSettings
 from tests.helpers import eventually
 from tests.ingress.fakes import Fail, Finish, Hang, Raise, Step, Tokens
@@ -267,6 +267,8 @@ BAD_CHAT = [
     (chat_body(logprobs=True), "logprobs"),
     (chat_body(user=7), "user"),
     (chat_body(stop_token_ids=[-1]), "stop_token_ids"),
+    (chat_body(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
+    (chat_body(messages=[{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)), "messages"),
     (chat_body(ignore_eos="no"), "ignore_eos"),
 ]
 
