@@ -44,9 +44,9 @@ def main(args: argparse.Namespace) -> int:
     except RecordingError as err:
         print(f"laneway replay: {err}", file=sys.stderr)
         return 2
-    print(render(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(render(report))
     return 1 if report["differing"] else 0
 
 
@@ -111,9 +111,9 @@ def _what_if(log: LogIndex, args: argparse.Namespace) -> int:
         f"disagg {settings['disagg']}, perf model {settings['perf_model']}"
     )
     reports = {recorded: result.report["recorded"], simulated: result.report["what_if"]}
-    print(format_table(reports))
     if args.json is not None:
         write_json(args.json, result.report)
+    print(format_table(reports))
     if args.plot is not None:
         # matplotlib takes a second to import: only when a plot is asked for.
         from infra.bench.plot import plot_reports
