@@ -267,7 +267,7 @@ def render(explained: dict[str, Any]) -> str:
         )
         lines.append(f"  {step['at_ms']:>+10.1f} ms  {step['time']}  {step['event']:<17} {details}")
     if explained["candidates"]:
-        lines += ["", "decode candidates (* chosen; the lowest cost wins)"]
+        lines += ["", "decode candidates (* chosen)"]
         lines += _table(explained["candidates"])
     prefill = explained["prefill"]
     if prefill is not None:
