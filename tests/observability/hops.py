@@ -7,6 +7,11 @@ from typing import Any
 
 Span = dict[str, Any]
 
+# Every prompt prefilled remotely, so that the trace has both sides of a hand-off; a prompt of
+# several KV blocks, so that the planner asks the kv-indexer.
+DISAGG = {"LANEWAY_DISAGG": "always"}
+PROMPT = "a prompt long enough for blocks " * 8
+
 # Each hop's span and the span it is a child of.
 PARENTS = {
     "ingress.request": None,

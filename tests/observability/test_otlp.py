@@ -19,8 +19,7 @@ import pytest
 from infra.embedded import die_with_parent, free_port, stop_process, wait_for_port
 from tests.conftest import ClusterFactory
 from tests.helpers import eventually
-from tests.observability.hops import check_hops, request_trace
-from tests.observability.test_spans import DISAGG, PROMPT
+from tests.observability.hops import DISAGG, PROMPT, check_hops, request_trace
 
 # Where the Makefile installs Phoenix: beside the project's packages, not among them (it pins
 # its own versions of what Laneway depends on).

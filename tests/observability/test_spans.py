@@ -11,11 +11,7 @@ import openai
 
 from tests.conftest import ClusterFactory
 from tests.helpers import eventually
-from tests.observability.hops import check_hops, request_trace
-
-# Every prompt prefilled remotely, so that the trace has both sides of a hand-off.
-DISAGG = {"LANEWAY_DISAGG": "always"}
-PROMPT = "a prompt long enough for blocks " * 8
+from tests.observability.hops import DISAGG, PROMPT, check_hops, request_trace
 
 
 async def test_every_hop_is_one_trace_with_the_right_parents(
