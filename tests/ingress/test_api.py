@@ -473,13 +473,20 @@ def test_settings_are_checked() -> None:
         IngressApiSettings(instance_id="i", block_size=0)
     with pytest.raises(ValueError):
         IngressApiSettings(instance_id="i", served_model_names=())
+    with pytest.raises(ValueError):
+        IngressApiSettings(instance_id="i", max_body_bytes=0)
 
 
 def test_process_settings_reach_the_api(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LANEWAY_SERVED_MODEL_NAMES", '["a", "b"]')
     monkeypatch.setenv("LANEWAY_BLOCK_SIZE", "64")
     monkeypatch.setenv("LANEWAY_REQUEST_TIMEOUT_S", "7")
+    monkeypatch.setenv("LANEWAY_MAX_BODY_BYTES", "1000")
     api = IngressSettings(instance_id="i").api()
     assert api == IngressApiSettings(
-        instance_id="i", served_model_names=("a", "b"), block_size=64, request_timeout_s=7
+        instance_id="i",
+        served_model_names=("a", "b"),
+        block_size=64,
+        request_timeout_s=7,
+        max_body_bytes=1000,
     )
