@@ -10,6 +10,8 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import openai
@@ -18,12 +20,14 @@ import pytest
 from infra.cli import main
 from infra.cluster import LocalCluster
 from infra.recording import Recorded, read_log, write_recording
-from schemas.events import RequestFinished
+from schemas.events import PlannerConfigured, RequestCancelled, RequestFinished
 from tests.conftest import ClusterFactory
 from tests.helpers import eventually
 
 MODEL = "laneway-sim"
 USERS, TURNS = 4, 3
+# The conversations' decisions, and the cancelled request's.
+DECISIONS = USERS * TURNS + 1
 ENV = {"LANEWAY_DISAGG": "auto", "LANEWAY_DISAGG_MIN_REMOTE_TOKENS": "0"}
 
 
@@ -43,6 +47,13 @@ def cluster(cluster_factory: ClusterFactory) -> LocalCluster:
     async def drive() -> None:
         client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
         await asyncio.gather(*(conversation(client, u) for u in range(USERS)))
+        # And one the client walks away from after its first token: the worker cancels it.
+        stream = await client.completions.create(
+            model=MODEL, prompt="a long answer, please", max_tokens=4000, stream=True
+        )
+        async for _ in stream:
+            break
+        await stream.close()
 
     asyncio.run(drive())
     return cluster
@@ -55,7 +66,8 @@ def log(cluster: LocalCluster) -> list[Recorded]:
 
         async def done() -> bool:
             got[:] = await read_log(cluster.nats_url)
-            return sum(isinstance(r.event, RequestFinished) for r in got) == USERS * TURNS
+            ended = Counter(r.event.type for r in got)
+            return ended["RequestFinished"] == USERS * TURNS and ended["RequestCancelled"] == 1
 
         await eventually(done)
         return got
@@ -112,9 +124,47 @@ def test_replay_makes_every_decision_again_identically(
     out = tmp_path / "replay.json"
     assert main(["replay", *source, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["decisions"] == report["identical"] == USERS * TURNS
+    assert report["decisions"] == report["identical"] == DECISIONS
     assert report["differing"] == []
-    assert f"{USERS * TURNS} identical" in capsys.readouterr().out
+    assert f"{DECISIONS} identical" in capsys.readouterr().out
+
+
+def test_replay_names_the_terms_a_change_moved(
+    log: list[Recorded], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The planner's settings changed as a code change would change them: every cost moves.
+    changed = []
+    for r in log:
+        if isinstance(r.event, PlannerConfigured):
+            kv = {**r.event.kv, "stall_weight": r.event.kv["stall_weight"] * 10 + 1}
+            r = replace(r, event=r.event.model_copy(update={"kv": kv}))
+        changed.append(r)
+    path, out = tmp_path / "changed.jsonl", tmp_path / "replay.json"
+    write_recording(path, changed, redact=False)
+    assert main(["replay", str(path), "--json", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert report["decisions"] == DECISIONS and report["differing"]
+    assert report["identical"] + len(report["differing"]) == DECISIONS
+    for diff in report["differing"]:
+        assert diff["request_id"] in {r.event.request_id for r in log}
+        assert any(term.endswith(".cost") for term in diff["moved"]), diff
+        assert all(": " in change and " -> " in change for change in diff["changes"])
+    assert f"{len(report['differing'])} differ" in capsys.readouterr().out
+
+
+def test_explain_tells_a_cancelled_request(
+    log: list[Recorded], recording: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cancelled = next(r.event for r in log if isinstance(r.event, RequestCancelled))
+    # As the API names it, and by a unique prefix of its id.
+    for given in (f"cmpl-{cancelled.request_id}", (cancelled.request_id or "")[:12]):
+        assert main(["explain", given, str(recording), "--json"]) == 0
+        explained = json.loads(capsys.readouterr().out)
+        assert explained["request_id"] == cancelled.request_id
+        events = [step["event"] for step in explained["timeline"]]
+        assert events[:2] == ["accepted", "routed"]
+        assert events[-2:] == ["cancel_requested", "cancelled"]
+        assert explained["timeline"][-1]["reason"] == cancelled.reason
 
 
 def test_what_if_puts_another_policy_beside_the_recorded_run(
@@ -126,7 +176,7 @@ def test_what_if_puts_another_policy_beside_the_recorded_run(
     report = json.loads(out.read_text())
     for side in ("recorded", "what_if"):
         figures = report[side]
-        assert figures["requests"] == figures["completed"] == USERS * TURNS
+        assert figures["requests"] == DECISIONS and figures["completed"] >= USERS * TURNS
         assert {"prefix_hit_rate", "ttft_ms", "itl_ms", "e2e_ms"} <= set(figures)
         assert figures["ttft_ms"]["p50"] > 0 and figures["e2e_ms"]["p95"] > 0
     assert report["recorded"]["prefix_hit_rate"] > 0
