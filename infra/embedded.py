@@ -115,14 +115,27 @@ class EmbeddedServer:
         stop_process(self.proc)
 
 
+NATS_MAX_PAYLOAD = 8 * 1024 * 1024
+
+
 def start_nats(
-    data_dir: Path, port: int | None = None, log_file: Path | None = None
+    data_dir: Path,
+    port: int | None = None,
+    log_file: Path | None = None,
+    max_payload: int = NATS_MAX_PAYLOAD,
 ) -> EmbeddedServer:
     port = port or free_port()
     store = data_dir / "nats"
     store.mkdir(parents=True, exist_ok=True)
+    # A request event carries its prompt's token ids: NATS's default 1 MiB would cut prompts
+    # at about 150k tokens, below what the engines hold.
+    config = data_dir / "nats.conf"
+    config.write_text(f"max_payload: {max_payload}\n")
     proc = _spawn(
-        [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
+        [
+            *(find_binary("nats-server"), "-c", str(config), "-a", "127.0.0.1"),
+            *("-p", str(port), "-js", "-sd", str(store)),
+        ],
         log_file,
     )
     wait_for_port(port, proc, "nats-server", 20, log_file)

@@ -171,6 +171,12 @@ async def test_prompt_too_long_is_rejected(client: openai.AsyncOpenAI) -> None:
     assert "maximum context length is 262144 tokens" in err.value.message
 
 
+async def test_a_prompt_past_natss_default_payload_is_served(client: openai.AsyncOpenAI) -> None:
+    # 200,000 token ids and their block hashes make a request event over NATS's default 1 MiB.
+    answer = await client.completions.create(model=MODEL, prompt="y" * 200_000, max_tokens=2)
+    assert answer.usage is not None and answer.usage.prompt_tokens == 200_000
+
+
 async def test_client_disconnect_cancels_the_request(
     client: openai.AsyncOpenAI, cluster: LocalCluster
 ) -> None:

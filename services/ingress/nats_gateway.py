@@ -5,22 +5,21 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from nats.errors import MaxPayloadError
 from opentelemetry import trace
 
 from bus.client import Bus
 from bus.topology import Subjects
 from observability.tracing import trace_context
+from schemas.codec import encode
 from schemas.events import (
     CancellationRequested,
     RequestAccepted,
-    RequestCancelled,
     RequestFailed,
-    RequestFinished,
     RequestSpec,
+    TerminalEvent,
 )
 from services.ingress.gateway import CancelReason, GatewayEvent
-
-_TERMINAL = (RequestFinished, RequestFailed, RequestCancelled)
 
 
 class NatsGateway:
@@ -50,24 +49,38 @@ class NatsGateway:
             span.set_attribute("laneway.request_id", request_id)
             span.set_attribute("laneway.prompt_tokens", len(spec.prompt_token_ids))
             try:
-                await self._bus.publish(
-                    Subjects.request_accepted,
-                    RequestAccepted(
-                        source=self._source,
-                        request_id=request_id,
-                        session_id=session_id,
-                        trace=trace_context(span),
-                        spec=spec,
-                    ),
+                accepted = RequestAccepted(
+                    source=self._source,
+                    request_id=request_id,
+                    session_id=session_id,
+                    trace=trace_context(span),
+                    spec=spec,
                 )
+                try:
+                    await self._bus.publish(Subjects.request_accepted, accepted)
+                except MaxPayloadError:
+                    # The engine could hold it, the bus cannot carry it: the client's to fix.
+                    yield self._too_large(accepted)
+                    return
                 while True:
                     event = await queue.get()
                     yield event
-                    if isinstance(event, _TERMINAL):
+                    if isinstance(event, TerminalEvent):
                         span.set_attribute("laneway.outcome", event.type)
                         return
             finally:
                 del self._streams[request_id]
+
+    def _too_large(self, accepted: RequestAccepted) -> RequestFailed:
+        limit = self._bus.nc.max_payload
+        return RequestFailed(
+            source=self._source,
+            request_id=accepted.request_id,
+            session_id=accepted.session_id,
+            code="invalid_request",
+            message=f"the request is {len(encode(accepted)):,} bytes as an event, more than the "
+            f"message bus carries ({limit:,}): send a shorter prompt",
+        )
 
     async def cancel(self, request_id: str, reason: CancelReason) -> None:
         await self._bus.publish(
