@@ -28,14 +28,17 @@ from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
 from bus.topology import CONTROL, KV, LOAD, REQUESTS, ROUTES, STREAM_SUBJECTS
-from schemas.codec import current_version, decode_event
+from schemas.codec import current_version, decode_event, event_from
 from schemas.events import Event, PrefillCompleted, RequestAccepted, RouteDecided, new_id
 
 FORMAT_VERSION = 1
 HEADER_KEY = "laneway_recording"
 # In the order a reader folds them: the requests, then what was decided and what followed.
 STREAMS = (REQUESTS, ROUTES, KV, LOAD, CONTROL)
+# A fetch asks for at most this many messages, and no more than this many bytes' worth of the
+# last batch's largest: nats-server drops a connection that has more than 64 MiB on its way.
 _FETCH_BATCH = 2000
+_FETCH_BYTES = 16 << 20
 _FETCH_TIMEOUT_S = 5.0
 
 
@@ -184,7 +187,7 @@ def _message(path: Path, n: int, line: bytes) -> Recorded:
             seq=int(raw["seq"]),
             subject=str(raw["subject"]),
             time=datetime.fromisoformat(raw["time"]),
-            event=decode_event(orjson.dumps(event_raw)),
+            event=event_from(event_raw),
         )
     except orjson.JSONDecodeError as err:
         raise RecordingError(f"{where}: corrupt JSON ({err})") from None
@@ -264,8 +267,12 @@ async def _read_stream(
     out: list[Recorded] = []
     try:
         pending = (await sub.consumer_info()).num_pending
+        batch = 1
         while pending:
-            for msg in await sub.fetch(min(_FETCH_BATCH, pending), timeout=_FETCH_TIMEOUT_S):
+            msgs = await sub.fetch(min(batch, pending), timeout=_FETCH_TIMEOUT_S)
+            largest = max(len(m.data) for m in msgs)
+            batch = max(1, min(_FETCH_BATCH, _FETCH_BYTES // max(1, largest)))
+            for msg in msgs:
                 meta = msg.metadata
                 seq = meta.sequence.stream
                 if seq > last or (until is not None and meta.timestamp > until):

@@ -58,7 +58,11 @@ def encode(model: BaseModel) -> bytes:
 
 def decode_event(data: bytes) -> Event:
     """Parse an event of any known type, upcasting it to the current schema version."""
-    raw: dict[str, Any] = orjson.loads(data)
+    return event_from(orjson.loads(data))
+
+
+def event_from(raw: dict[str, Any]) -> Event:
+    """An event from its JSON already parsed (a recording's line holds one), upcast likewise."""
     event_type = raw.get("type", "")
     version = int(raw.get("schema_version", 1))
     while version < current_version(event_type):
