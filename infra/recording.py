@@ -23,6 +23,7 @@ import nats
 import orjson
 from nats.aio.client import Client as NatsClient
 from nats.errors import Error as NatsError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
@@ -85,6 +86,8 @@ def _iso(at: datetime | None) -> str | None:
 def write_recording(
     path: Path, recorded: Sequence[Recorded], redact: bool, window: Window = Window()
 ) -> None:
+    """One file of ``recorded`` in their order; ``redact``: without prompt text (:func:`redacted`),
+    said so in the header."""
     versions: dict[str, int] = {}
     for r in recorded:
         versions[r.event.type] = max(versions.get(r.event.type, 0), r.event.schema_version)
@@ -269,7 +272,10 @@ async def _read_stream(
         pending = (await sub.consumer_info()).num_pending
         batch = 1
         while pending:
-            msgs = await sub.fetch(min(batch, pending), timeout=_FETCH_TIMEOUT_S)
+            try:
+                msgs = await sub.fetch(min(batch, pending), timeout=_FETCH_TIMEOUT_S)
+            except NatsTimeoutError:
+                return out  # what was pending aged out of the stream meanwhile
             largest = max(len(m.data) for m in msgs)
             batch = max(1, min(_FETCH_BATCH, _FETCH_BYTES // max(1, largest)))
             for msg in msgs:
