@@ -39,7 +39,7 @@ from schemas.events import (
 from schemas.messages import OverlapQuery, OverlapReply
 from tests.helpers import eventually
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def kv_event(seq: int, event_id: str | None = None) -> KvBlocksStored:

@@ -14,7 +14,7 @@ from collections import deque
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ROOT / "services"
 LIBRARIES = frozenset({"engine", "common"})
 BROKER = frozenset({"bus", "nats", "aetcd", "faststream"})

@@ -10,7 +10,7 @@ import openai
 from schemas.events import RequestFinished
 from tests.conftest import ClusterFactory
 from tests.helpers import eventually
-from tests.test_disagg_live import observe
+from tests.worker.test_disagg_live import observe
 
 MODEL = "laneway-sim"
 
