@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -13,3 +14,7 @@ class ServiceSettings(BaseSettings):
     # none | console | otlp | file:PATH (see observability.tracing)
     trace_exporter: str = "none"
     log_level: str = "INFO"
+    # The metrics port (/metrics, /healthz, /readyz: observability.metrics); 0 serves none.
+    # laneway up gives each service a free one; a pod sets it (and 0.0.0.0 for the host).
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=0, ge=0, le=65535)

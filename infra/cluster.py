@@ -23,6 +23,7 @@ import httpx
 
 from bus.registry import PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
 from infra.embedded import EmbeddedServer, die_with_parent, start_etcd, start_nats
+from infra.metrics_targets import assign_metrics_ports
 from infra.startup import StartupError, check_port_free, check_reachable, log_cause
 from infra.statedir import StateDir
 
@@ -57,6 +58,8 @@ class Service:
     module: str
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
+    # Where its /metrics, /healthz and /readyz answer (observability.metrics).
+    metrics_port: int = 0
 
 
 class LocalCluster:
@@ -71,6 +74,11 @@ class LocalCluster:
     @property
     def logs(self) -> Path:
         return self.config.state_dir / "logs"
+
+    @property
+    def prometheus_targets(self) -> Path:
+        """Every service's metrics port, as a Prometheus ``file_sd_configs`` file."""
+        return self.config.state_dir / "prometheus-targets.json"
 
     def start(self, timeout: float = 60.0) -> None:
         cfg = self.config
@@ -95,6 +103,7 @@ class LocalCluster:
                 self.etcd_endpoints = server.url
                 self.state.record(self.pids())
             self._plan_services()
+            assign_metrics_ports(self.services, self.prometheus_targets)
             for service in self.services:
                 self.spawn(service)
             self.wait_ready(timeout)

@@ -45,9 +45,11 @@ def create_app(
     tokenizer: Tokenizer,
     settings: IngressApiSettings,
     worker_limit: WorkerContextLimit | None = None,
+    metrics: IngressMetrics | None = None,
 ) -> Starlette:
-    """``worker_limit``: the context limit of the registered workers (none: only the settings')."""
-    metrics = IngressMetrics()
+    """``worker_limit``: the context limit of the registered workers (none: only the settings');
+    ``metrics``: where the app counts (none: a registry of its own, served at ``/metrics``)."""
+    metrics = metrics or IngressMetrics()
     intake = Intake(tokenizer, settings, worker_limit or WorkerContextLimit())
     endpoints = _Endpoints(settings, metrics)
 

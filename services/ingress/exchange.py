@@ -180,6 +180,7 @@ class Exchange:
             self._metrics.completed(
                 self._endpoint.name,
                 self._elapsed(),
+                self.ttft_s,
                 usage.prompt_tokens,
                 usage.cached_tokens,
                 usage.completion_tokens,

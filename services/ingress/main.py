@@ -17,12 +17,14 @@ from bus.client import Bus
 from bus.registry import connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
+from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
 from schemas.events import new_id
 from services.common.hf_tokenizer import HfTokenizer
 from services.common.tokenizer import ByteTokenizer, Tokenizer
 from services.ingress.api import create_app
 from services.ingress.context_limit import WorkerContextLimit
+from services.ingress.metrics import IngressMetrics
 from services.ingress.nats_gateway import NatsGateway
 from services.ingress.settings import IngressApiSettings
 
@@ -86,7 +88,12 @@ def main() -> None:
         etcd = connect_etcd(settings.etcd_endpoints)
         limit = WorkerContextLimit()
         watching = asyncio.create_task(watch_workers(etcd, limit.on_workers), name="worker-watch")
-        app = create_app(gateway, _tokenizer(settings.model_dir), settings.api(), limit)
+        metrics = IngressMetrics()
+        app = create_app(gateway, _tokenizer(settings.model_dir), settings.api(), limit, metrics)
+        # The API port has /metrics too; this port is the one every service has (probes).
+        probes = MetricsServer(metrics.registry)
+        await probes.start(settings.metrics_host, settings.metrics_port)
+        probes.ready_when("bus", lambda: bus.nc.is_connected)
         server = _Server(
             uvicorn.Config(
                 app,
@@ -101,6 +108,7 @@ def main() -> None:
         await stop.wait()
         server.should_exit = True
         await serving
+        await probes.close()
         watching.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watching

@@ -11,6 +11,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 CLIENT_CLOSED_STATUS = 499
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -42,6 +43,14 @@ class IngressMetrics:
             buckets=_E2E_BUCKETS,
             registry=self.registry,
         )
+        self._itl = Histogram(
+            "laneway_ingress_itl_seconds",
+            "Mean inter-token latency of each completed request of two tokens or more: "
+            "(E2E − TTFT) / (completion tokens − 1), seconds.",
+            ["endpoint"],
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
         self._prompt_tokens = Counter(
             "laneway_ingress_prompt_tokens",
             "Prompt tokens of completed requests.",
@@ -65,9 +74,17 @@ class IngressMetrics:
         self._ttft.labels(endpoint).observe(seconds)
 
     def completed(
-        self, endpoint: str, seconds: float, prompt: int, cached: int, completion: int
+        self,
+        endpoint: str,
+        seconds: float,
+        ttft_s: float | None,
+        prompt: int,
+        cached: int,
+        completion: int,
     ) -> None:
         self._e2e.labels(endpoint).observe(seconds)
+        if ttft_s is not None and completion > 1:
+            self._itl.labels(endpoint).observe((seconds - ttft_s) / (completion - 1))
         self._prompt_tokens.inc(prompt)
         self._cached_tokens.inc(cached)
         self._completion_tokens.inc(completion)

@@ -16,6 +16,7 @@ from schemas.messages import (
     WorkerRegistration,
 )
 from services.kv_indexer.index import PrefixIndex
+from services.kv_indexer.metrics import IndexerMetrics
 from services.kv_indexer.predicted import PredictedCache
 
 
@@ -31,10 +32,12 @@ class Indexer:
         self._live: set[str] = set()
         self._seen_live = False
         self._tracer = trace.get_tracer("laneway.kv_indexer")
+        self.metrics = IndexerMetrics(lambda: self.index)
 
     async def on_kv(self, event: KvEvent, position: int) -> None:
         self.index.apply(event)
         self.index.position = position
+        self.metrics.events.inc()
 
     async def on_route(self, event: RouteDecided) -> None:
         now = time.monotonic()
@@ -46,7 +49,10 @@ class Indexer:
 
     async def on_query(self, query: OverlapQuery) -> OverlapReply:
         # A child of the asking planner's route span (the query's headers carry its trace).
-        with self._tracer.start_as_current_span("kv_indexer.overlap") as span:
+        with (
+            self.metrics.query_seconds.time(),
+            self._tracer.start_as_current_span("kv_indexer.overlap") as span,
+        ):
             overlaps = self.index.overlaps(query.block_hashes)
             for worker_id, depth in self.predicted.overlaps(
                 query.block_hashes, time.monotonic()

@@ -13,6 +13,7 @@ from bus.registry import connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
 from bus.topology import INDEX_SNAPSHOT_NAME, INDEX_SNAPSHOTS, Subjects
+from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
 from schemas.events import new_id
 from schemas.messages import IndexStateQuery, OverlapQuery
@@ -39,6 +40,13 @@ async def _restore(bus: Bus) -> PrefixIndex:
     index = PrefixIndex.restore(data)
     log.info("restored the index at KV stream position %d (%d blocks)", index.position, index.size)
     return index
+
+
+async def _lag(bus: Bus, indexer: Indexer) -> None:
+    stream = Subjects.all_kv.stream
+    assert stream is not None
+    info = await bus.nc.jetstream().stream_info(stream.name)
+    indexer.metrics.lag.set(max(0, info.state.last_seq - indexer.index.position))
 
 
 async def _snapshot(bus: Bus, indexer: Indexer) -> None:
@@ -71,6 +79,9 @@ def main() -> None:
             indexer.on_state,
             queue=settings.instance_id,
         )
+        metrics = MetricsServer(indexer.metrics.registry)
+        await metrics.start(settings.metrics_host, settings.metrics_port)
+        metrics.ready_when("bus", lambda: bus.nc.is_connected)
         loop = asyncio.get_running_loop()
         next_purge = next_snapshot = loop.time()
         while not stop.is_set():
@@ -80,6 +91,10 @@ def main() -> None:
             # The replay delivers in stream order, so a gap still open now is an event that aged
             # out of the stream (or was lost): waiting for it would stall that worker forever.
             indexer.index.skip_gaps()
+            try:
+                await _lag(bus, indexer)
+            except Exception:  # NATS away for a moment: the gauge keeps its last value
+                log.debug("stream lag unknown", exc_info=True)
             if now >= next_purge:
                 indexer.purge_unknown()
                 next_purge = now + settings.purge_interval_s
@@ -89,6 +104,7 @@ def main() -> None:
                 except Exception:  # a missed snapshot only means a longer replay next start
                     log.warning("snapshot failed", exc_info=True)
                 next_snapshot = now + settings.snapshot_interval_s
+        await metrics.close()
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher

@@ -11,6 +11,8 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
+from prometheus_client import Counter
+
 from bus.channels import Topic
 from bus.registry import LeasedKey
 from bus.topology import Subjects
@@ -40,8 +42,11 @@ class CapacityLoop:
         assign_roles: AssignRoles,
         publish: Publish,
         source: str,
+        moves: Counter | None = None,
     ) -> None:
+        """``moves``: counts the workers moved, labelled by the pool they join."""
         self._planner = planner
+        self._moves = moves
         self._cluster = cluster
         self._leadership = leadership
         self._assign_roles = assign_roles
@@ -113,5 +118,7 @@ class CapacityLoop:
             reason=decision.reason,
         )
         await self._publish(Subjects.roles_rebalanced, event)
+        if self._moves is not None:
+            self._moves.labels(target).inc(len(moved))
         log.info("capacity: %s → %s for %s (%s)", source, target, moved, decision.reason)
         return event

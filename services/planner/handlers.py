@@ -28,6 +28,7 @@ from schemas.messages import OverlapQuery, OverlapReply, WorkerRegistration
 from services.planner.cluster import ClusterView, Routed
 from services.planner.decision import Decision, DecisionInputs, decide, rebind
 from services.planner.disagg import DisaggSettings
+from services.planner.metrics import PlannerMetrics
 from services.planner.policy import Policy, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class Planner:
         self._source = f"planner/{instance_id}"
         self._overlap_timeout_s = overlap_timeout_s
         self.cluster = ClusterView()
+        self.metrics = PlannerMetrics(self.cluster)
         self._tracer = trace.get_tracer("laneway.planner")
 
     async def attach(self, on_finished: Callable[[RequestFinished], None] | None = None) -> None:
@@ -78,7 +80,8 @@ class Planner:
             return
         with self._tracer.start_as_current_span("planner.route", context=context_of(event)) as span:
             span.set_attribute("laneway.request_id", event.request_id)
-            await self._route(event)
+            with self.metrics.decision_seconds.time():
+                await self._route(event)
 
     async def _route(self, event: RequestAccepted) -> None:
         assert event.request_id is not None
@@ -108,6 +111,7 @@ class Planner:
         decision = decide(self._policy, self._disagg, inputs)
         if self._sessions is not None and event.session_id is not None:
             decision = await self._bind_session(event.session_id, owner, decision, inputs)
+        self.metrics.decided(decision)
         worker_id, remote = decision.worker_id, decision.prefill_worker_id
         span = trace.get_current_span()
         span.set_attribute("laneway.worker_id", worker_id)
@@ -146,15 +150,18 @@ class Planner:
         chosen = decision.worker_id
         if owner is None:
             winner = await self._sessions.claim(session_id, chosen)
+            self.metrics.session_claims.labels("claimed" if winner == chosen else "lost").inc()
             if winner != chosen and any(c.worker_id == winner for c in inputs.decoders):
                 return rebind(
                     decision, inputs, winner, "session claimed by another planner replica first"
                 )
         elif owner != chosen:
             await self._sessions.move(session_id, chosen)
+            self.metrics.session_claims.labels("moved").inc()
         return decision
 
     async def _fail(self, event: RequestAccepted, code: FailureCode, message: str) -> None:
+        self.metrics.failures.labels(code).inc()
         await self._bus.publish(
             Subjects.request_terminal(event.spec.reply_to),
             RequestFailed(
@@ -178,8 +185,12 @@ class Planner:
                 timeout=self._overlap_timeout_s,
             )
         except Exception:  # no indexer, or too slow: route on load alone rather than stall
-            log.warning("overlap query failed after %.1f ms", (time.monotonic() - started) * 1e3)
+            elapsed = time.monotonic() - started
+            self.metrics.overlap_seconds.observe(elapsed)
+            self.metrics.overlap_failures.inc()
+            log.warning("overlap query failed after %.1f ms", elapsed * 1e3)
             return {}
+        self.metrics.overlap_seconds.observe(time.monotonic() - started)
         return reply.overlaps
 
     async def on_terminal(self, event: TerminalEvent) -> None:
@@ -195,6 +206,7 @@ class Planner:
         self._workers_changed.set()
         self._workers_changed = asyncio.Event()
         for request_id, route in lost.items():
+            self.metrics.failures.labels("worker_lost").inc()
             log.warning("worker %s lost with request %s in flight", route.worker_id, request_id)
             await self._bus.publish(
                 Subjects.request_terminal(route.reply_to),

@@ -13,6 +13,7 @@ from bus.registry import LeasedKey, SessionStore, assign_roles, connect_etcd, wa
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
 from bus.topology import Subjects
+from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
 from schemas.events import new_id
 from services.common.kv_transfer import KvTransferModel
@@ -137,14 +138,19 @@ def main() -> None:
                 lambda roles: assign_roles(etcd, roles),
                 bus.publish,
                 source,
+                planner.metrics.capacity_moves,
             )
             tasks.append(asyncio.create_task(capacity.run()))
 
+        metrics = MetricsServer(planner.metrics.registry)
+        await metrics.start(settings.metrics_host, settings.metrics_port)
         await planner.attach(capacity.on_finished if capacity is not None else None)
         presence = LeasedKey.planner(etcd, settings.instance_id, ttl_s=5)
         await presence.start()
+        metrics.ready_when("bus", lambda: bus.nc.is_connected)
         await stop.wait()
         await presence.stop()
+        await metrics.close()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -10,6 +10,7 @@ import time
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span
+from prometheus_client import Counter
 
 from observability.tracing import context_of
 from schemas.events import PrefillCompleted, RouteDecided
@@ -30,7 +31,10 @@ class DecodeSide:
         driver: EngineDriver,
         outputs: Outputs,
         background: Background,
+        handoffs: Counter,
     ) -> None:
+        """``handoffs``: counts the hand-offs received, by side and outcome."""
+        self._handoffs = handoffs
         self._requests = requests
         self._receiver = receiver
         self._driver = driver
@@ -93,6 +97,7 @@ class DecodeSide:
             return
         state.awaiting = None
         state.prefilled_by = event.worker_id
+        self._handoffs.labels("received", "ok").inc()
         self._outputs.kv_transferred(
             self._receiver.transferred(
                 event, self._outputs.worker_id, self._outputs.source, span, started
@@ -137,6 +142,7 @@ class DecodeSide:
 
     def _fall_back(self, request_id: str, state: Active, why: str) -> None:
         log.warning("request %s: %s; prefilling locally", request_id, why)
+        self._handoffs.labels("received", "failed").inc()
         state.span.set_attribute("laneway.handoff_fallback", why)
         if state.awaiting is not None:
             state.awaiting.settle(why)

@@ -24,8 +24,9 @@ class EngineDriver:
     def __init__(self, engine: Engine, speedup: float) -> None:
         self.engine = engine
         self._speedup = speedup
-        # Seconds spent stepping, for the load reports.
+        # Seconds spent stepping, for the load reports, and the last step's.
         self.busy_s = 0.0
+        self.last_step_s = 0.0
         self._ops: list[Callable[[], object]] = []
         # Requests the engine would not take, to fail from the event loop.
         self._refused: list[tuple[str, str]] = []
@@ -109,5 +110,6 @@ class EngineDriver:
             remaining = result.duration_s / self._speedup - (loop.time() - started)
             # Sleeping (even zero) also lets the bus deliver new routes between steps.
             await asyncio.sleep(max(0.0, remaining))
-            self.busy_s += loop.time() - started
+            self.last_step_s = loop.time() - started
+            self.busy_s += self.last_step_s
             await on_step(result)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
+from prometheus_client import Counter
 
 from bus.blobs import BlobAssembler, send_blob
 from bus.client import Bus
@@ -44,8 +45,12 @@ class PrefillJob:
 
 
 class KvSender:
-    def __init__(self, bus: Bus, worker_id: str, source: str, block_size: int) -> None:
+    def __init__(
+        self, bus: Bus, worker_id: str, source: str, block_size: int, handoffs: Counter
+    ) -> None:
+        """``handoffs``: counts the hand-offs sent, by side and outcome."""
         self._bus = bus
+        self._handoffs = handoffs
         self._worker_id = worker_id
         self._source = source
         self._block_size = block_size
@@ -77,11 +82,13 @@ class KvSender:
                 block_hashes=job.block_hashes,
                 payload=payload,
             )
+            self._handoffs.labels("sent", "ok").inc()
         finally:
             span.end()
 
     async def failed(self, request_id: str, job: PrefillJob, message: str) -> None:
         """Tell the decode worker at once, so that it prefills locally without waiting."""
+        self._handoffs.labels("sent", "failed").inc()
         await self._publish(request_id, job, job.span, prefilled_tokens=0, error=message)
 
     async def _publish(

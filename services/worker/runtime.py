@@ -10,10 +10,13 @@ import os
 import time
 from collections.abc import Callable, Coroutine
 
+from prometheus_client import CollectorRegistry
+
 from bus.client import Bus
 from bus.registry import LeasedKey, RoleChanged, connect_etcd, watch_role
 from bus.runtime import run_service
 from bus.topology import Subjects, worker_routes
+from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
 from schemas.events import Role
 from schemas.messages import WorkerRegistration
@@ -23,6 +26,7 @@ from services.worker.decode_side import DecodeSide
 from services.worker.driver import EngineDriver
 from services.worker.handlers import Handlers
 from services.worker.handoff import KvReceiver, KvSender, PrefillSide
+from services.worker.metrics import WorkerMetrics
 from services.worker.outputs import Background, Outputs
 from services.worker.requests import Requests
 from services.worker.settings import WorkerOptions, WorkerSettings, build_engine, worker_options
@@ -38,6 +42,7 @@ class Worker:
         self._opt = options
         self._background = Background()
         self._driver = EngineDriver(engine, options.speedup)
+        self.metrics = WorkerMetrics(lambda: self._driver.busy_s)
         self._outputs = Outputs(bus, options.worker_id, self._background)
         self._receiver = KvReceiver(
             engine.block_size,
@@ -46,11 +51,18 @@ class Worker:
             options.handoff_timeout_s,
             options.handoff_timeout_factor,
         )
-        sender = KvSender(bus, options.worker_id, self._outputs.source, engine.block_size)
+        sender = KvSender(
+            bus, options.worker_id, self._outputs.source, engine.block_size, self.metrics.handoffs
+        )
         prefill = PrefillSide(sender, self._driver, self._background)
         self._requests = Requests(self._driver, self._outputs, prefill, self._receiver.blobs)
         decode = DecodeSide(
-            self._requests, self._receiver, self._driver, self._outputs, self._background
+            self._requests,
+            self._receiver,
+            self._driver,
+            self._outputs,
+            self._background,
+            self.metrics.handoffs,
         )
         self._handlers = Handlers(
             options.worker_id,
@@ -62,6 +74,8 @@ class Worker:
         )
         self._reported_at = 0.0
         self._lease: LeasedKey | None = None
+        # In the pool: its lease taken and its routes consumed, until it stops.
+        self.serving = False
         # The role the capacity loop gave this worker, taken once in-flight work is done.
         self._next_role: Role | None = None
 
@@ -104,7 +118,9 @@ class Worker:
         if watch_role is not None:
             loops.append(asyncio.create_task(watch_role(self._on_role), name="role-watch"))
         log.info("worker %s (%s) ready", self._opt.worker_id, self._opt.role)
+        self.serving = True
         await stop.wait()
+        self.serving = False
         # Leave the pool first so that no new work is routed here, then let in-flight work end.
         await lease.stop()
         await self._drained(self._opt.drain_timeout_s)
@@ -149,6 +165,7 @@ class Worker:
     # -- each step, and the load ----------------------------------------------------------
 
     async def _on_step(self, result: StepResult) -> None:
+        self.metrics.step(result, self._driver.last_step_s)
         await self._requests.fail_refused()
         for output in result.outputs:
             await self._requests.output(output, stalled=result.prefill_tokens > 0)
@@ -166,6 +183,7 @@ class Worker:
     async def _report_load(self) -> None:
         self._reported_at = asyncio.get_running_loop().time()
         load = self._driver.engine.load()
+        self.metrics.load(load)
         await self._outputs.load(self._opt.role, load, self._driver.busy_s)
 
 
@@ -177,17 +195,24 @@ def worker_main(default_role: Role) -> None:
 
     async def main(stop: asyncio.Event) -> None:
         setup_tracing("laneway-worker", settings.worker_id, settings.trace_exporter)
+        # Up before the engine loads (a real model takes minutes): alive, not yet ready.
+        metrics = MetricsServer(CollectorRegistry())
+        await metrics.start(settings.metrics_host, settings.metrics_port)
         bus = await Bus.connect(settings.nats_url, f"worker-{settings.worker_id}")
         await bus.ensure_streams()
         etcd = connect_etcd(settings.etcd_endpoints)
         engine, tokenizer = build_engine(settings)
         worker = Worker(bus, engine, tokenizer, worker_options(settings, engine))
+        metrics.registry = worker.metrics.registry
+        metrics.ready_when("bus", lambda: bus.nc.is_connected)
+        metrics.ready_when("lease and engine", lambda: worker.serving)
         lease = LeasedKey.worker(etcd, worker.registration(), settings.lease_ttl_s)
         try:
             await worker.run(
                 lease, stop, lambda changed: watch_role(etcd, settings.worker_id, changed)
             )
         finally:
+            await metrics.close()
             await bus.close()
             await etcd.close()
 
