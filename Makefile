@@ -29,10 +29,16 @@ $(PHOENIX): | $(BIN)/python
 	$(VENV)/phoenix/bin/pip install -q arize-phoenix==20.26.1
 	touch $(PHOENIX)
 
+# A real Prometheus for tests/observability/test_prometheus.py: Debian's package, binary only
+# (the test runs it on a free loopback port with its own config; the packaged service is not used).
+PROMETHEUS := /usr/bin/prometheus
+$(PROMETHEUS):
+	command -v prometheus || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
+
 run: $(STAMP) ## install and start the whole local cluster on http://127.0.0.1:8000/v1
 	$(BIN)/laneway up
 
-test: $(STAMP) $(PHOENIX) ## install and run the test suite (starts its own NATS, etcd, OTLP backend)
+test: $(STAMP) $(PHOENIX) $(PROMETHEUS) ## install and run the test suite (starts its own NATS, etcd, OTLP backend, Prometheus)
 	$(BIN)/pytest -q
 
 test-pure: $(STAMP) ## only the tests that start no servers or processes
