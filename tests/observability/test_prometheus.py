@@ -16,6 +16,7 @@ import pytest
 
 from infra.cluster import LocalCluster
 from infra.embedded import free_port
+from observability.dashboard import PANELS, RATE
 from tests.conftest import ClusterFactory
 
 # Each a query that must come back with a value above zero after the requests below.
@@ -46,7 +47,9 @@ scrape_configs:
 @pytest.fixture
 def prometheus(tmp_path: Path, cluster: LocalCluster) -> Iterator[str]:
     binary = shutil.which("prometheus")
-    assert binary, "prometheus is not installed: `make test` installs it (apt-get install prometheus)"
+    assert binary, (
+        "prometheus is not installed: `make test` installs it (apt-get install prometheus)"
+    )
     config = tmp_path / "prometheus.yml"
     config.write_text(_config(cluster.prometheus_targets))
     address = f"127.0.0.1:{free_port()}"
@@ -84,6 +87,17 @@ def _api(base: str, path: str, **params: str) -> Any:
     except httpx.HTTPError:
         return None  # still starting
     return reply.json()["data"] if reply.status_code == 200 else None
+
+
+def test_prometheus_takes_every_dashboard_query(cluster: LocalCluster, prometheus: str) -> None:
+    # Grafana puts its own window in for $__rate_interval; any valid one will do here.
+    exprs = [expr.replace(RATE, "[1m]") for panel in PANELS for expr, _ in panel.queries]
+    _until(
+        "Prometheus up", time.monotonic() + 15, lambda: _api(prometheus, "/api/v1/query", query="1")
+    )
+    for expr in exprs:
+        reply = httpx.get(prometheus + "/api/v1/query", params={"query": expr}, timeout=2.0)
+        assert reply.json()["status"] == "success", (expr, reply.text)
 
 
 def _until(what: str, deadline: float, check: Any) -> Any:
