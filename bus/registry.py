@@ -9,7 +9,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
 
 import aetcd
 
@@ -17,6 +18,8 @@ from schemas.events import Role
 from schemas.messages import WorkerRegistration
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 WORKERS_PREFIX = b"/laneway/workers/"
 PLANNERS_PREFIX = b"/laneway/planners/"
@@ -132,11 +135,12 @@ async def watch_workers(client: aetcd.Client, on_change: WorkersChanged) -> None
     """Call ``on_change`` with the full live worker set now and after every change, forever.
 
     A broken watch (etcd restarting, a network blip) is re-established from a fresh snapshot,
-    so no change is missed for good.
+    so no change is missed for good. A value that is not a worker's registration is left out.
     """
+    skipped = Skipped("worker registration")
     while True:
         try:
-            await _watch_once(client, on_change)
+            await _watch_once(client, on_change, skipped)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -144,62 +148,141 @@ async def watch_workers(client: aetcd.Client, on_change: WorkersChanged) -> None
             await asyncio.sleep(1.0)
 
 
-async def _watch_once(client: aetcd.Client, on_change: WorkersChanged) -> None:
-    workers: dict[str, WorkerRegistration] = {}
+async def _watch_once(client: aetcd.Client, on_change: WorkersChanged, skipped: Skipped) -> None:
+    # By key, not by the id a value names: a delete names only its key.
+    workers: dict[bytes, WorkerRegistration] = {}
+
+    def put(key: bytes, value: bytes) -> None:
+        reg = skipped.parse(key, value, _registration)
+        if reg is None:
+            workers.pop(key, None)
+        else:
+            workers[key] = reg
+
     snapshot = await client.get_prefix(WORKERS_PREFIX)
     for kv in snapshot:
-        reg = WorkerRegistration.model_validate_json(kv.value)
-        workers[reg.worker_id] = reg
-    await on_change(dict(workers))
+        put(kv.key, kv.value)
+    await on_change({reg.worker_id: reg for reg in workers.values()})
     watch = await client.watch_prefix(WORKERS_PREFIX, start_revision=snapshot.header.revision + 1)
     async for event in watch:
-        worker_id = event.kv.key[len(WORKERS_PREFIX) :].decode()
         if event.kind == aetcd.EventKind.PUT:
-            workers[worker_id] = WorkerRegistration.model_validate_json(event.kv.value)
+            put(event.kv.key, event.kv.value)
         else:
-            workers.pop(worker_id, None)
-        await on_change(dict(workers))
+            skipped.forget(event.kv.key)
+            workers.pop(event.kv.key, None)
+        await on_change({reg.worker_id: reg for reg in workers.values()})
+
+
+def _registration(key: bytes, value: bytes) -> WorkerRegistration:
+    reg = WorkerRegistration.model_validate_json(value)
+    if key != WORKERS_PREFIX + reg.worker_id.encode():
+        raise ValueError(f"the registration of {reg.worker_id!r} is under another key")
+    return reg
+
+
+class Skipped:
+    """Values under a key we read that no reader here understands (a foreign tool's write, a
+    corrupted or older record): skipped, with one warning per key rather than one per read,
+    so that one bad key neither stops a watch nor floods the log."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._keys: set[bytes] = set()
+
+    def parse(self, key: bytes, value: bytes, parse: Callable[[bytes, bytes], T]) -> T | None:
+        try:
+            parsed = parse(key, value)
+        except ValueError as exc:  # pydantic's ValidationError and UnicodeDecodeError are too
+            if key not in self._keys:
+                self._keys.add(key)
+                log.warning(
+                    "skipping %s at %r (%d bytes): %s",
+                    self._what,
+                    key[:200],
+                    len(value),
+                    str(exc).splitlines()[0][:200],
+                )
+            return None
+        self.forget(key)  # a later bad value there is worth a warning again
+        return parsed
+
+    def forget(self, key: bytes) -> None:
+        self._keys.discard(key)
 
 
 SESSIONS_PREFIX = b"/laneway/sessions/"
 
 
+class SessionRefused(Exception):
+    """etcd will not store or read a session's binding, and asking again will not change that
+    (a key past its request limit, its space quota reached): the request must not be retried."""
+
+
+@contextlib.contextmanager
+def _refusals(session_id: str) -> Iterator[None]:
+    try:
+        yield
+    except (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError):
+        raise  # etcd away for now: a retry may find it back
+    except aetcd.exceptions.ClientError as exc:
+        raise SessionRefused(
+            f"etcd refused the binding of session {session_id[:64]!r}: {exc}"
+        ) from exc
+
+
 class SessionStore:
     """`sessions/<id>` → the worker that owns that conversation's cache, shared by every planner
     replica. A binding lives ``ttl_s`` after it was last set; an idle conversation's cache is
-    likely evicted by then anyway."""
+    likely evicted by then anyway. A binding that is no worker id is taken as no binding."""
 
     def __init__(self, client: aetcd.Client, ttl_s: int) -> None:
         self._client = client
         self._ttl_s = ttl_s
+        self._skipped = Skipped("session binding")
 
     @staticmethod
     def key(session_id: str) -> bytes:
         return SESSIONS_PREFIX + session_id.encode()
 
     async def owner(self, session_id: str) -> str | None:
-        found = await self._client.get(self.key(session_id))
-        return found.value.decode() if found is not None else None
+        key = self.key(session_id)
+        with _refusals(session_id):
+            found = await self._client.get(key)
+        return self._owner(key, found.value) if found is not None else None
 
     async def claim(self, session_id: str, worker_id: str) -> str:
         """Bind the session to ``worker_id`` unless a replica bound it first; returns the owner."""
         key = self.key(session_id)
         tx = self._client.transactions
-        lease = await self._client.lease(self._ttl_s)
-        won, responses = await self._client.transaction(
-            compare=[tx.create(key) == 0],
-            success=[tx.put(key, worker_id.encode(), lease=lease)],
-            failure=[tx.get(key)],
-        )
-        if won:
-            return worker_id
-        await lease.revoke()
+        with _refusals(session_id):
+            lease = await self._client.lease(self._ttl_s)
+            try:
+                won, responses = await self._client.transaction(
+                    compare=[tx.create(key) == 0],
+                    success=[tx.put(key, worker_id.encode(), lease=lease)],
+                    failure=[tx.get(key)],
+                )
+            except aetcd.exceptions.ClientError:
+                with contextlib.suppress(aetcd.exceptions.ClientError):
+                    await lease.revoke()
+                raise
+            if won:
+                return worker_id
+            await lease.revoke()
         ranges = responses[0] if responses else []
-        return ranges[0][0].decode() if ranges else worker_id
+        return (self._owner(key, ranges[0][0]) if ranges else None) or worker_id
 
     async def move(self, session_id: str, worker_id: str) -> None:
-        lease = await self._client.lease(self._ttl_s)
-        await self._client.put(self.key(session_id), worker_id.encode(), lease=lease)
+        with _refusals(session_id):
+            lease = await self._client.lease(self._ttl_s)
+            await self._client.put(self.key(session_id), worker_id.encode(), lease=lease)
+
+    def _owner(self, key: bytes, value: bytes) -> str | None:
+        return self._skipped.parse(key, value, _worker_id)
+
+
+def _worker_id(key: bytes, value: bytes) -> str:
+    return value.decode()
 
 
 def role_key(worker_id: str) -> bytes:
@@ -223,16 +306,19 @@ async def watch_role(client: aetcd.Client, worker_id: str, on_change: RoleChange
     """Call ``on_change`` with the role assigned to ``worker_id`` now (if any) and after every
     change, forever; a broken watch is re-established from a fresh read."""
     key = role_key(worker_id)
+    skipped = Skipped("role")
     while True:
         try:
             snapshot = await client.get_prefix(key)
             for kv in snapshot:
-                if kv.key == key:
-                    await on_change(_role(kv.value))
+                if kv.key == key and (role := skipped.parse(key, kv.value, _role)) is not None:
+                    await on_change(role)
             start = snapshot.header.revision + 1
             async for event in await client.watch(key, start_revision=start):
-                if event.kind == aetcd.EventKind.PUT:
-                    await on_change(_role(event.kv.value))
+                if event.kind != aetcd.EventKind.PUT:
+                    continue
+                if (role := skipped.parse(key, event.kv.value, _role)) is not None:
+                    await on_change(role)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -240,7 +326,7 @@ async def watch_role(client: aetcd.Client, worker_id: str, on_change: RoleChange
             await asyncio.sleep(1.0)
 
 
-def _role(value: bytes) -> Role:
+def _role(key: bytes, value: bytes) -> Role:
     role = value.decode()
     if role not in ("prefill", "decode", "both"):
         raise ValueError(f"unknown role {role!r}")
