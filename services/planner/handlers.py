@@ -11,7 +11,7 @@ from collections.abc import Callable
 from opentelemetry import trace
 
 from bus.client import Bus
-from bus.registry import SessionStore
+from bus.registry import SessionRefused, SessionStore
 from bus.topology import PLANNER_INTAKE, Subjects
 from observability.tracing import context_of, trace_context
 from schemas.events import (
@@ -81,7 +81,12 @@ class Planner:
         with self._tracer.start_as_current_span("planner.route", context=context_of(event)) as span:
             span.set_attribute("laneway.request_id", event.request_id)
             with self.metrics.decision_seconds.time():
-                await self._route(event)
+                try:
+                    await self._route(event)
+                except SessionRefused as refused:
+                    # Redelivering it would be refused again, each second until its deadline.
+                    log.warning("request %s failed: %s", event.request_id, refused)
+                    await self._fail(event, "invalid_request", str(refused))
 
     async def _route(self, event: RequestAccepted) -> None:
         assert event.request_id is not None

@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 
 import openai
 
 from bus.client import Bus
+from bus.registry import SessionStore, connect_etcd
 from bus.topology import Subjects
-from schemas.events import Event, RouteDecided
+from infra.embedded import EmbeddedServer
+from schemas.events import (
+    Event,
+    RequestAccepted,
+    RequestFailed,
+    RequestSpec,
+    RouteDecided,
+    SamplingParams,
+    utc_now,
+)
+from services.planner.handlers import Planner
+from services.planner.policies import make_policy
+from tests.bus.test_registry import registration
 from tests.conftest import ClusterFactory
+from tests.helpers import eventually
 
 
 async def test_ten_turns_stay_on_one_worker_across_two_planners(
@@ -44,3 +59,43 @@ async def test_ten_turns_stay_on_one_worker_across_two_planners(
         assert len({r.worker_id for r in mine}) == 1, [r.reason for r in mine]
     deciders = {r.source for r in routes}
     assert len(deciders) == 2, "both planner replicas should have routed some turns"
+
+
+async def test_a_session_etcd_refuses_fails_its_request_at_once(
+    nats_server: EmbeddedServer, etcd_server: EmbeddedServer
+) -> None:
+    """A session id too large for etcd used to be retried each second until its deadline."""
+    bus = await Bus.connect(nats_server.url, "test-refused-session")
+    await bus.ensure_streams()
+    etcd = connect_etcd(etcd_server.url)
+    planner = Planner(bus, make_policy("kv"), "refusing", sessions=SessionStore(etcd, ttl_s=30))
+    await planner.on_workers({"w": registration("w")})
+    ended: list[RequestFailed] = []
+
+    async def on_terminal(event: Event) -> None:
+        if isinstance(event, RequestFailed):
+            ended.append(event)
+
+    await bus.subscribe(Subjects.request_terminal("refused-reply"), on_terminal)
+    spec = RequestSpec(
+        model="m",
+        prompt_token_ids=(1, 2, 3),
+        block_size=16,
+        block_hashes=(),
+        sampling=SamplingParams(max_tokens=4),
+        reply_to="refused-reply",
+        deadline=utc_now() + timedelta(minutes=5),
+    )
+    accepted = RequestAccepted(
+        source="test", request_id="r-huge", session_id="s" * 2_000_000, spec=spec
+    )
+    try:
+        async with asyncio.timeout(10):
+            await planner.on_request(accepted)  # returns: nothing to redeliver
+        [failed] = await eventually(lambda: ended)
+        assert failed.request_id == "r-huge" and failed.code == "invalid_request"
+        assert "etcd refused" in failed.message and len(failed.message) < 1000
+        assert not planner.cluster.is_routed("r-huge")
+    finally:
+        await bus.close()
+        await etcd.close()
