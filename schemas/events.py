@@ -237,7 +237,9 @@ class RequestFinished(Envelope):
     )
 
 
-FailureCode = Literal["worker_lost", "engine_error", "no_worker", "invalid_request", "timeout"]
+FailureCode = Literal[
+    "worker_lost", "engine_error", "no_worker", "invalid_request", "timeout", "incomplete_stream"
+]
 
 
 class RequestFailed(Envelope):
@@ -247,6 +249,9 @@ class RequestFailed(Envelope):
     code: FailureCode
     message: str
     worker_id: str | None = None
+    completion_tokens: int = Field(
+        default=0, ge=0, description="tokens published for the request before it failed"
+    )
 
 
 class CancellationRequested(Envelope):

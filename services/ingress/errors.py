@@ -10,6 +10,7 @@ from schemas.events import RequestCancelled, RequestFailed
 _FAILURE_STATUS = {
     "no_worker": 503,
     "worker_lost": 502,
+    "incomplete_stream": 502,
     "engine_error": 500,
     "invalid_request": 400,
     "timeout": 504,

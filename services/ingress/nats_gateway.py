@@ -20,11 +20,15 @@ from schemas.events import (
     TerminalEvent,
 )
 from services.ingress.gateway import CancelReason, GatewayEvent
+from services.ingress.stream_order import StreamOrder
 
 
 class NatsGateway:
-    def __init__(self, bus: Bus, instance_id: str) -> None:
+    def __init__(self, bus: Bus, instance_id: str, completion_wait_s: float = 2.0) -> None:
+        """``completion_wait_s``: how long a terminal event waits for the tokens it counts that
+        have not arrived, before the request ends with an error instead."""
         self._bus = bus
+        self._completion_wait_s = completion_wait_s
         self._instance_id = instance_id
         self._source = f"ingress/{instance_id}"
         self._streams: dict[str, asyncio.Queue[GatewayEvent]] = {}
@@ -62,14 +66,34 @@ class NatsGateway:
                     # The engine could hold it, the bus cannot carry it: the client's to fix.
                     yield self._too_large(accepted)
                     return
-                while True:
-                    event = await queue.get()
+                order = StreamOrder()
+                while order.held is None:
+                    for event in order.take(await queue.get()):
+                        yield event
+                        if isinstance(event, TerminalEvent):
+                            span.set_attribute("laneway.outcome", event.type)
+                            return
+                # The terminal overtook tokens it counts: they are still on their way.
+                for event in await self._complete(queue, order):
                     yield event
-                    if isinstance(event, TerminalEvent):
-                        span.set_attribute("laneway.outcome", event.type)
-                        return
+                span.set_attribute("laneway.outcome", event.type)
             finally:
                 del self._streams[request_id]
+
+    async def _complete(
+        self, queue: asyncio.Queue[GatewayEvent], order: StreamOrder
+    ) -> list[GatewayEvent]:
+        """The rest of a request whose terminal is held: the missing tokens, then the terminal;
+        or, if they do not come in time, the tokens that did, then the incomplete answer's end.
+        The wait is bounded here, not around a yield, where it would cancel the caller's work."""
+        ready: list[GatewayEvent] = []
+        try:
+            async with asyncio.timeout(self._completion_wait_s):
+                while not ready or not isinstance(ready[-1], TerminalEvent):
+                    ready.extend(order.take(await queue.get()))
+        except TimeoutError:
+            ready.append(order.give_up(self._source))
+        return ready
 
     def _too_large(self, accepted: RequestAccepted) -> RequestFailed:
         limit = self._bus.nc.max_payload

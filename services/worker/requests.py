@@ -177,7 +177,13 @@ class Requests:
         self._driver.abort(request_id)
         state = self._end(request_id, "laneway.failed", message)
         self._terminal(
-            state, RequestFailed(**self._about(request_id, state), code=code, message=message)
+            state,
+            RequestFailed(
+                **self._about(request_id, state),
+                code=code,
+                message=message,
+                completion_tokens=state.stream.emitted,
+            ),
         )
 
     def prefill_failed(self, request_id: str, message: str) -> None:

@@ -348,6 +348,7 @@ async def test_context_length_exceeded(path: str, body: Any, param: str) -> None
     [
         ("no_worker", 503, "service_unavailable_error"),
         ("worker_lost", 502, "server_error"),
+        ("incomplete_stream", 502, "server_error"),
         ("engine_error", 500, "server_error"),
         ("invalid_request", 400, "invalid_request_error"),
     ],

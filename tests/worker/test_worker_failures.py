@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 from bus.client import Bus
@@ -16,6 +18,7 @@ from schemas.events import (
     RequestSpec,
     RouteDecided,
     SamplingParams,
+    TokensGenerated,
 )
 from services.common.perf_model import FixedPerf
 from services.common.tokenizer import ByteTokenizer
@@ -26,24 +29,25 @@ from tests.helpers import eventually
 
 
 class FlakyEngine(SimEngine):
-    """Fails its first step, then works."""
+    """Fails its step number ``fail_at`` (the first by default), then works."""
 
-    failed = False
+    fail_at = 1
+    steps = 0
 
     def step(self):  # type: ignore[no-untyped-def]
-        if not self.failed:
-            self.failed = True
+        self.steps += 1
+        if self.steps == self.fail_at:
             raise RuntimeError("device lost")
         return super().step()
 
 
-def route(request_id: str, worker_id: str) -> RouteDecided:
+def route(request_id: str, worker_id: str, max_tokens: int = 3) -> RouteDecided:
     spec = RequestSpec(
         model="m",
         prompt_token_ids=tuple(range(40)),
         block_size=16,
         block_hashes=(),
-        sampling=SamplingParams(max_tokens=3),
+        sampling=SamplingParams(max_tokens=max_tokens),
         reply_to="testingress",
         deadline=datetime(2100, 1, 1, tzinfo=UTC),
     )
@@ -58,32 +62,64 @@ def route(request_id: str, worker_id: str) -> RouteDecided:
     )
 
 
-async def test_a_failed_step_fails_its_requests_and_the_worker_serves_on(
-    bus: Bus, etcd_server: EmbeddedServer
-) -> None:
+@contextlib.asynccontextmanager
+async def flaky_worker(
+    bus: Bus, etcd_server: EmbeddedServer, fail_at: int
+) -> AsyncIterator[list[Event]]:
+    """A worker named ``flaky`` whose engine fails step ``fail_at``, publishing every token
+    batch and terminal to the ingress ``testingress``: the list they are collected in."""
     engine = FlakyEngine(SimConfig(block_size=16, num_gpu_blocks=64), FixedPerf(0.0, 0.0))
-    options = WorkerOptions("flaky", "both", "sim", "m", 1.0, 5, 1.0, 1.0)
+    engine.fail_at = fail_at
+    options = WorkerOptions("flaky", "both", "sim", "m", 1.0, 5, 1.0, 1.0, stream_interval_s=0)
     worker = Worker(bus, engine, ByteTokenizer(), options)
     etcd = connect_etcd(etcd_server.url)
     stop = asyncio.Event()
     running = asyncio.create_task(
         worker.run(LeasedKey.worker(etcd, worker.registration(), 5), stop)
     )
-    ends: list[Event] = []
+    published: list[Event] = []
 
     async def collect(event: Event) -> None:
-        ends.append(event)
+        published.append(event)
 
     await bus.subscribe(Subjects.request_terminal("testingress"), collect)
+    await bus.subscribe(Subjects.tokens("testingress"), collect)
     await asyncio.sleep(0.5)
-    await bus.publish(Subjects.route("flaky"), route("first", "flaky"))
-    await eventually(lambda: ends)
-    await bus.publish(Subjects.route("flaky"), route("second", "flaky"))
-    await eventually(lambda: len(ends) == 2)
-    stop.set()
-    await running
-    await etcd.close()
-    first, second = ends
+    try:
+        yield published
+    finally:
+        stop.set()
+        await running
+        await etcd.close()
+
+
+async def test_a_failed_step_fails_its_requests_and_the_worker_serves_on(
+    bus: Bus, etcd_server: EmbeddedServer
+) -> None:
+    async with flaky_worker(bus, etcd_server, fail_at=1) as published:
+
+        def ends() -> list[Event]:
+            return [e for e in published if not isinstance(e, TokensGenerated)]
+
+        await bus.publish(Subjects.route("flaky"), route("first", "flaky"))
+        await eventually(ends)
+        await bus.publish(Subjects.route("flaky"), route("second", "flaky"))
+        await eventually(lambda: len(ends()) == 2)
+    first, second = ends()
     assert isinstance(first, RequestFailed) and first.code == "engine_error"
     assert "device lost" in first.message
     assert isinstance(second, RequestFinished) and second.usage.completion_tokens == 3
+
+
+async def test_a_failure_after_tokens_went_out_counts_them(
+    bus: Bus, etcd_server: EmbeddedServer
+) -> None:
+    """The ingress waits for every token a terminal counts before it ends the stream."""
+    async with flaky_worker(bus, etcd_server, fail_at=3) as published:
+        await bus.publish(Subjects.route("flaky"), route("late", "flaky", max_tokens=10))
+        failed = await eventually(
+            lambda: next((e for e in published if isinstance(e, RequestFailed)), None)
+        )
+    sent = sum(len(e.token_ids) for e in published if isinstance(e, TokensGenerated))
+    assert failed.code == "engine_error"
+    assert failed.completion_tokens == sent > 0

@@ -1,0 +1,204 @@
+"""A request's tokens reach its client in order and whole: pure tests of the reordering, then the
+live gateway against a real nats-server with a worker that publishes out of order."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from bus.client import Bus
+from bus.topology import Subjects
+from schemas.events import (
+    RequestAccepted,
+    RequestCancelled,
+    RequestFailed,
+    RequestFinished,
+    RequestSpec,
+    SamplingParams,
+    TerminalEvent,
+    TokensGenerated,
+    Usage,
+)
+from services.ingress.gateway import GatewayEvent
+from services.ingress.nats_gateway import NatsGateway
+from services.ingress.stream_order import StreamOrder
+
+SOURCE = "worker/test"
+
+
+def batch(index: int, text: str, request_id: str = "r1") -> TokensGenerated:
+    return TokensGenerated(
+        source=SOURCE,
+        request_id=request_id,
+        worker_id="w0",
+        index=index,
+        token_ids=tuple(text.encode()),
+        text=text,
+    )
+
+
+def finished(completion_tokens: int, request_id: str = "r1") -> RequestFinished:
+    return RequestFinished(
+        source=SOURCE,
+        request_id=request_id,
+        worker_id="w0",
+        finish_reason="length",
+        usage=Usage(prompt_tokens=3, completion_tokens=completion_tokens),
+        ttft_ms=1.0,
+        e2e_ms=2.0,
+    )
+
+
+def replay(order: StreamOrder, arrivals: list[GatewayEvent]) -> list[GatewayEvent]:
+    return [event for arrived in arrivals for event in order.take(arrived)]
+
+
+def text_of(events: list[GatewayEvent]) -> str:
+    return "".join(e.text for e in events if isinstance(e, TokensGenerated))
+
+
+def test_in_order_events_pass_straight_through() -> None:
+    arrivals: list[GatewayEvent] = [batch(0, "a"), batch(1, "bcd"), batch(4, "ef"), finished(6)]
+    assert replay(StreamOrder(), arrivals) == arrivals
+
+
+def test_a_terminal_before_the_last_batch_waits_for_it() -> None:
+    order = StreamOrder()
+    first, last, end = batch(0, "abcd"), batch(4, "ef"), finished(6)
+    assert replay(order, [first, end]) == [first]
+    assert order.held is end
+    assert order.take(last) == [last, end]
+
+
+def test_batches_go_out_by_index_and_repeats_are_dropped() -> None:
+    order = StreamOrder()
+    arrivals: list[GatewayEvent] = [
+        batch(3, "de"),
+        batch(5, "f"),
+        batch(3, "de"),
+        finished(6),
+        batch(0, "abc"),
+        batch(0, "abc"),
+    ]
+    out = replay(order, arrivals)
+    assert text_of(out) == "abcdef"
+    assert isinstance(out[-1], RequestFinished) and len(out) == 4
+    assert order.delivered == 6
+
+
+def test_only_the_first_terminal_counts() -> None:
+    order = StreamOrder()
+    first, second, tokens = finished(2), finished(0), batch(0, "ab")
+    assert replay(order, [first, second, tokens]) == [tokens, first]
+
+
+@pytest.mark.parametrize(
+    "terminal",
+    [
+        RequestFailed(source=SOURCE, request_id="r1", code="engine_error", message="x"),
+        RequestCancelled(source=SOURCE, request_id="r1", reason="timeout"),
+    ],
+)
+def test_a_terminal_without_tokens_is_not_held(terminal: TerminalEvent) -> None:
+    assert StreamOrder().take(terminal) == (terminal,)
+
+
+def test_giving_up_on_an_answer_with_a_gap_is_an_error() -> None:
+    order = StreamOrder()
+    replay(order, [batch(0, "ab"), batch(4, "ef"), finished(6)])
+    ended = order.give_up("ingress/x")
+    assert isinstance(ended, RequestFailed)
+    assert ended.code == "incomplete_stream"
+    assert ended.completion_tokens == 2
+    assert "tokens 2–5" in ended.message
+
+
+def test_giving_up_on_a_failure_keeps_the_failure() -> None:
+    order = StreamOrder()
+    failure = RequestFailed(
+        source=SOURCE, request_id="r1", code="engine_error", message="x", completion_tokens=4
+    )
+    replay(order, [batch(0, "ab"), failure])
+    assert order.give_up("ingress/x") is failure
+
+
+# The live gateway: a fake worker answers each accepted request with a script of publishes.
+
+Script = list[tuple[str, GatewayEvent]]
+INGRESS = "ingress-order"
+
+
+def spec() -> RequestSpec:
+    return RequestSpec(
+        model="m",
+        prompt_token_ids=(1, 2, 3),
+        block_size=16,
+        block_hashes=(),
+        sampling=SamplingParams(max_tokens=6),
+        reply_to=INGRESS,
+        deadline=datetime.now(UTC) + timedelta(minutes=1),
+    )
+
+
+async def answer(bus: Bus, request_id: str, script: Script) -> list[GatewayEvent]:
+    """Submit ``request_id`` and answer it, once accepted, with ``script``: each token batch or
+    terminal published, flushed, and given time to be taken before the next goes out."""
+    gateway = NatsGateway(bus, INGRESS, completion_wait_s=0.3)
+    await gateway.start()
+    accepted = asyncio.Event()
+
+    async def on_accepted(event: RequestAccepted) -> None:
+        if event.request_id == request_id:
+            accepted.set()
+
+    await bus.subscribe(Subjects.request_accepted, on_accepted)
+
+    async def worker() -> None:
+        await accepted.wait()
+        for kind, event in script:
+            if kind == "tokens":
+                assert isinstance(event, TokensGenerated)
+                await bus.publish(Subjects.tokens(INGRESS), event)
+            else:
+                assert not isinstance(event, TokensGenerated)
+                await bus.publish(Subjects.request_terminal(INGRESS), event)
+            await bus.nc.flush()
+            await asyncio.sleep(0.05)
+
+    async def collect(events: AsyncIterator[GatewayEvent]) -> list[GatewayEvent]:
+        return [event async for event in events]
+
+    publishing = asyncio.create_task(worker())
+    received = await asyncio.wait_for(collect(gateway.submit(request_id, None, spec())), 5)
+    await publishing
+    return received
+
+
+async def test_the_last_batch_overtaken_by_the_terminal_still_reaches_the_client(
+    bus: Bus,
+) -> None:
+    script: Script = [
+        ("tokens", batch(0, "ab", "late")),
+        ("terminal", finished(6, "late")),
+        ("tokens", batch(2, "cd", "late")),
+        ("tokens", batch(2, "cd", "late")),
+        ("tokens", batch(4, "ef", "late")),
+    ]
+    received = await answer(bus, "late", script)
+    assert text_of(received) == "abcdef"
+    assert [type(e).__name__ for e in received][-1] == "RequestFinished"
+
+
+async def test_a_batch_that_never_comes_ends_the_stream_with_an_error(bus: Bus) -> None:
+    script: Script = [
+        ("tokens", batch(0, "ab", "gap")),
+        ("tokens", batch(4, "ef", "gap")),
+        ("terminal", finished(6, "gap")),
+    ]
+    received = await answer(bus, "gap", script)
+    assert text_of(received) == "ab"
+    ended = received[-1]
+    assert isinstance(ended, RequestFailed) and ended.code == "incomplete_stream"
