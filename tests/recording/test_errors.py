@@ -151,6 +151,7 @@ def test_the_cli_prints_one_line_and_exits_2(
     assert err.startswith("laneway: ") and err.count("\n") == 1 and "truncated" in err
 
 
+@pytest.mark.live  # runs `laneway` three times
 def test_the_cli_as_a_process(recording: Path, tmp_path: Path) -> None:
     _rewrite(recording, 0, {"laneway_recording": 7})
     for args, said in (
