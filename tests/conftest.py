@@ -3,9 +3,11 @@ with temporary data dirs; cluster tests run every service as its own OS process.
 
 A test that uses those servers is marked ``live`` here, whatever fixture chain brings them in,
 so ``pytest -m "not live"`` runs the pure tests alone; one that starts processes of its own
-(``laneway``, a service, a server binary) says ``live`` itself. ``slow`` and ``gpu`` tests run only when
-the ``-m`` expression names them (``-m gpu``, ``-m "slow and not live"``): a ``-m`` given on the
-command line replaces the one in ``addopts``, so their opt-in cannot live there."""
+(``laneway``, a service, a server binary) says ``live`` itself.
+
+``slow`` and ``gpu`` tests run only when the ``-m`` expression names them (``-m gpu``,
+``-m "slow and not live"``): a ``-m`` given on the command line replaces the one in ``addopts``,
+so their opt-in cannot live there."""
 
 from __future__ import annotations
 
