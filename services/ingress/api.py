@@ -33,6 +33,7 @@ from services.ingress.openai_models import (
     ParsedRequest,
     parse_chat_request,
     parse_completion_request,
+    session_id,
 )
 from services.ingress.responses import ChatFormat, CompletionFormat, Format, send_json
 from services.ingress.settings import IngressApiSettings
@@ -119,6 +120,7 @@ class _CompletionEndpoint:
         parsed: ParsedRequest | None = None
         try:
             parsed = self.parse(await read_json_body(request, self.max_body_bytes))
+            session = session_id(request.headers.get("x-session-id"), parsed.params.user)
             spec = self.intake.spec(parsed)
         except ClientDisconnect:
             self._done(scope, CLIENT_CLOSED_STATUS, received, parsed)
@@ -128,8 +130,7 @@ class _CompletionEndpoint:
             await send_json(send, error.status, error.body())
             return
         params = parsed.params
-        session_id = request.headers.get("x-session-id") or params.user
-        exchange = Exchange(self.endpoint, params, spec, session_id, received)
+        exchange = Exchange(self.endpoint, params, spec, session, received)
         self._done(scope, await exchange.run(receive, send), received, parsed, exchange)
 
     def _done(

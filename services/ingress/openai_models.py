@@ -16,6 +16,11 @@ import orjson
 from services.ingress.errors import InvalidRequest
 
 MAX_STOP_SEQUENCES = 4
+# Each stop string is matched against the text at every token, on the worker.
+MAX_STOP_CHARS = 1024
+# A session id (``user`` or the x-session-id header) is an etcd key and rides on every event of
+# its requests: a 900 KB one took etcd past its request limit.
+MAX_SESSION_ID_CHARS = 256
 # OpenAI's own limit on the messages of one chat.
 MAX_MESSAGES = 2048
 # Far more than any model's special tokens; the list travels with the request to its worker.
@@ -122,8 +127,10 @@ def _params(data: dict[str, Any], max_tokens: int | None) -> Params:
     if data.get("logprobs") not in (None, False):
         raise InvalidRequest("'logprobs' is not supported.", "logprobs")
     user = data.get("user")
-    if user is not None and not isinstance(user, str):
-        raise _type_error("user", "a string", user)
+    if user is not None:
+        if not isinstance(user, str):
+            raise _type_error("user", "a string", user)
+        _check_length("user", user, MAX_SESSION_ID_CHARS)
     temperature = _optional_number(data, "temperature", 1.0)
     if not 0.0 <= temperature <= 2.0:
         raise _range_error("temperature", "between 0 and 2", temperature)
@@ -215,10 +222,19 @@ def _prompt(value: object) -> str | tuple[int, ...]:
     )
 
 
+def session_id(header: str | None, user: str | None) -> str | None:
+    """The conversation a request belongs to: the x-session-id header, else ``user``."""
+    if header:
+        _check_length("x-session-id", header, MAX_SESSION_ID_CHARS)
+        return header
+    return user
+
+
 def _stop(value: object) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
+        _check_length("stop", value, MAX_STOP_CHARS)
         return (value,)
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise _type_error("stop", "a string or an array of strings", value)
@@ -226,7 +242,19 @@ def _stop(value: object) -> tuple[str, ...]:
         raise InvalidRequest(
             f"'stop' accepts at most {MAX_STOP_SEQUENCES} sequences, got {len(value)}.", "stop"
         )
+    for i, stop in enumerate(value):
+        _check_length(f"stop[{i}]", stop, MAX_STOP_CHARS)
     return tuple(value)
+
+
+def _check_length(param: str, value: str, limit: int) -> None:
+    if len(value) > limit:
+        raise InvalidRequest(
+            f"Invalid '{param}': string too long. Expected a string with maximum length "
+            f"{limit}, but got a string with length {len(value)} instead.",
+            param,
+            code="string_above_max_length",
+        )
 
 
 def _required(data: dict[str, Any], name: str) -> object:
