@@ -14,17 +14,16 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bus.client import Bus
-from bus.registry import WORKERS_PREFIX, connect_etcd
 from infra.cluster import ClusterConfig, LocalCluster
 from infra.embedded import EmbeddedServer, free_port, start_etcd, start_nats
-from schemas.messages import WorkerRegistration
+from tests.live import ClusterFactory
 
 # The fixtures that start real servers; a test using any of them, directly or through another
 # fixture, is live.
@@ -78,23 +77,6 @@ async def bus(nats_server: EmbeddedServer) -> AsyncIterator[Bus]:
     await client.ensure_streams()
     yield client
     await client.close()
-
-
-ClusterFactory = Callable[..., LocalCluster]
-
-
-async def registrations(etcd_endpoints: str) -> dict[str, WorkerRegistration]:
-    etcd = connect_etcd(etcd_endpoints)
-    try:
-        return {
-            reg.worker_id: reg
-            for reg in (
-                WorkerRegistration.model_validate_json(kv.value)
-                for kv in await etcd.get_prefix(WORKERS_PREFIX)
-            )
-        }
-    finally:
-        await etcd.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from infra.bench.live import replay_live
 from infra.bench.traces import load_trace
-from tests.conftest import ClusterFactory
+from tests.live import ClusterFactory
 
 pytestmark = pytest.mark.live  # every test here starts services or `laneway` itself
 

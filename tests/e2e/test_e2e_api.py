@@ -17,8 +17,8 @@ from schemas.block_hash import chain_block_hashes
 from schemas.events import Event, RequestCancelled
 from schemas.messages import OverlapQuery, OverlapReply
 from services.common.tokenizer import ByteTokenizer
-from tests.conftest import ClusterFactory
 from tests.helpers import eventually
+from tests.live import ClusterFactory
 
 MODEL = "laneway-sim"
 

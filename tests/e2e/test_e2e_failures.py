@@ -12,8 +12,8 @@ import openai
 from bus.client import Bus
 from bus.topology import Subjects
 from schemas.events import Event, RequestFailed, RouteDecided
-from tests.conftest import ClusterFactory, registrations
 from tests.helpers import eventually
+from tests.live import ClusterFactory, registrations
 
 MODEL = "laneway-sim"
 

@@ -10,7 +10,7 @@ import pytest
 
 from infra import cli
 from infra.cluster import ClusterConfig, LocalCluster
-from tests.conftest import ClusterFactory
+from tests.live import ClusterFactory
 
 MODEL = "laneway-sim"
 # 4096 blocks of 16 tokens: 65,536 tokens of context, twice the old fixed limit.

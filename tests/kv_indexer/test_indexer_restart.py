@@ -12,8 +12,8 @@ from bus.topology import Subjects
 from infra.bench.live import replay_live
 from infra.bench.traces import load_trace
 from schemas.messages import IndexState, IndexStateQuery
-from tests.conftest import ClusterFactory
 from tests.helpers import eventually
+from tests.live import ClusterFactory
 
 
 async def _state(bus: Bus, instance: str) -> IndexState:

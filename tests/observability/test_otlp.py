@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from infra.embedded import die_with_parent, free_port, stop_process, wait_for_port
-from tests.conftest import ClusterFactory
 from tests.helpers import eventually
+from tests.live import ClusterFactory
 from tests.observability.hops import DISAGG, PROMPT, check_hops, request_trace
 
 # Where the Makefile installs Phoenix: beside the project's packages, not among them (it pins

@@ -17,7 +17,7 @@ import pytest
 from infra.cluster import LocalCluster
 from infra.embedded import free_port
 from observability.dashboard import PANELS, RATE
-from tests.conftest import ClusterFactory
+from tests.live import ClusterFactory
 
 # Each a query that must come back with a value above zero after the requests below.
 QUERIES = (

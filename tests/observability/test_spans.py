@@ -9,8 +9,8 @@ from pathlib import Path
 
 import openai
 
-from tests.conftest import ClusterFactory
 from tests.helpers import eventually
+from tests.live import ClusterFactory
 from tests.observability.hops import DISAGG, PROMPT, check_hops, request_trace
 
 

@@ -16,8 +16,8 @@ from bus.client import Bus
 from bus.topology import Subjects
 from schemas.events import PlannerConfigured, RequestFailed, RolesRebalanced, RouteDecided
 from services.planner.replay import differences, redecide, settings_of
-from tests.conftest import ClusterFactory, registrations
 from tests.helpers import eventually
+from tests.live import ClusterFactory, registrations
 
 MODEL = "laneway-sim"
 USERS, TURNS = 25, 8

@@ -13,8 +13,8 @@ from bus.client import Bus
 from bus.topology import Subjects
 from schemas.events import PlannerConfigured, RouteDecided
 from services.planner.replay import differences, redecide, settings_of
-from tests.conftest import ClusterFactory
 from tests.helpers import eventually
+from tests.live import ClusterFactory
 
 MODEL = "laneway-sim"
 

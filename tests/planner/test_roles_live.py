@@ -12,8 +12,8 @@ from infra.bench.live import replay_live
 from infra.bench.traces import TraceRequest
 from schemas.events import Event, RolesRebalanced, TokensGenerated
 from schemas.messages import WorkerRegistration
-from tests.conftest import ClusterFactory
 from tests.helpers import eventually
+from tests.live import ClusterFactory
 
 OUTPUT_TOKENS = 60
 # Every prompt prefilled remotely; a TTFT target nothing can meet, so the loop moves a decode

@@ -23,8 +23,8 @@ from schemas.events import (
 from services.planner.handlers import Planner
 from services.planner.policies import make_policy
 from tests.bus.test_registry import registration
-from tests.conftest import ClusterFactory
 from tests.helpers import eventually
+from tests.live import ClusterFactory
 
 
 async def test_ten_turns_stay_on_one_worker_across_two_planners(

@@ -21,8 +21,8 @@ from infra.cli import main
 from infra.cluster import LocalCluster
 from infra.recording import Recorded, read_log, write_recording
 from schemas.events import PlannerConfigured, RequestCancelled, RequestFinished
-from tests.conftest import ClusterFactory
 from tests.helpers import eventually
+from tests.live import ClusterFactory
 
 MODEL = "laneway-sim"
 USERS, TURNS = 4, 3

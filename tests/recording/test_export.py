@@ -19,8 +19,8 @@ from infra.cluster import LocalCluster
 from infra.recording import Recorded, read_log, read_recording
 from schemas.events import RequestAccepted, RequestFinished, RouteDecided
 from services.planner.decision import inputs_of
-from tests.conftest import ClusterFactory
 from tests.helpers import eventually
+from tests.live import ClusterFactory
 
 MODEL = "laneway-sim"
 REQUESTS = 6

@@ -16,8 +16,8 @@ from bus.client import Bus
 from bus.topology import Subjects
 from infra.cli import _engine_env
 from schemas.events import Event, PrefillCompleted
-from tests.conftest import ClusterFactory
 from tests.helpers import eventually
+from tests.live import ClusterFactory
 
 
 @pytest.fixture(scope="module")

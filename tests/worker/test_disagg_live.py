@@ -6,45 +6,22 @@ from __future__ import annotations
 
 import os
 import signal
-from collections import defaultdict
 
 import openai
 
-from bus.client import Bus
-from bus.topology import Subjects
 from schemas.events import (
-    Event,
     KvTransferred,
     PrefillCompleted,
     RequestFinished,
     RouteDecided,
     TokensGenerated,
 )
-from tests.conftest import ClusterFactory, registrations
 from tests.helpers import eventually
+from tests.live import ClusterFactory, observe, registrations
 
 MODEL = "laneway-sim"
 # Every prompt prefilled remotely, with the sim's modelled link.
 ALWAYS = {"LANEWAY_DISAGG": "always", "LANEWAY_HANDOFF_TIMEOUT_S": "2"}
-
-
-class Observed:
-    def __init__(self) -> None:
-        self.events: dict[str, list[Event]] = defaultdict(list)
-
-    async def on_event(self, event: Event) -> None:
-        self.events[type(event).__name__].append(event)
-
-    def of(self, kind: type[Event], request_id: str) -> list[Event]:
-        return [e for e in self.events[kind.__name__] if e.request_id == request_id]
-
-
-async def observe(nats_url: str) -> tuple[Bus, Observed]:
-    bus = await Bus.connect(nats_url, "test-observer")
-    seen = Observed()
-    for subject in (Subjects.all_routes, Subjects.all_request_terminals, Subjects.tokens(">")):
-        await bus.subscribe(subject, seen.on_event)
-    return bus, seen
 
 
 async def test_a_remote_prefill_hands_its_kv_to_the_decode_worker(

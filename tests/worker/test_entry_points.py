@@ -3,7 +3,7 @@ pool runs its decode workers in role `both` (aggregated serving)."""
 
 from __future__ import annotations
 
-from tests.conftest import ClusterFactory, registrations
+from tests.live import ClusterFactory, registrations
 
 
 async def test_aggregated_workers_serve_both_roles(cluster_factory: ClusterFactory) -> None:

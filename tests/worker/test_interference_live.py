@@ -8,9 +8,8 @@ import asyncio
 import openai
 
 from schemas.events import RequestFinished
-from tests.conftest import ClusterFactory
 from tests.helpers import eventually
-from tests.worker.test_disagg_live import observe
+from tests.live import ClusterFactory, observe
 
 MODEL = "laneway-sim"
 

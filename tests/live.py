@@ -1,0 +1,51 @@
+"""Helpers for the live tests, beside the server fixtures in conftest: the cluster factory's type,
+the workers as etcd has them, and an observer of the cluster's events."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+from bus.client import Bus
+from bus.registry import WORKERS_PREFIX, connect_etcd
+from bus.topology import Subjects
+from infra.cluster import LocalCluster
+from schemas.events import Event
+from schemas.messages import WorkerRegistration
+
+ClusterFactory = Callable[..., LocalCluster]
+
+
+async def registrations(etcd_endpoints: str) -> dict[str, WorkerRegistration]:
+    etcd = connect_etcd(etcd_endpoints)
+    try:
+        return {
+            reg.worker_id: reg
+            for reg in (
+                WorkerRegistration.model_validate_json(kv.value)
+                for kv in await etcd.get_prefix(WORKERS_PREFIX)
+            )
+        }
+    finally:
+        await etcd.close()
+
+
+class Observed:
+    """The routes, terminal events and token deltas a cluster published, by event type."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[Event]] = defaultdict(list)
+
+    async def on_event(self, event: Event) -> None:
+        self.events[type(event).__name__].append(event)
+
+    def of(self, kind: type[Event], request_id: str) -> list[Event]:
+        return [e for e in self.events[kind.__name__] if e.request_id == request_id]
+
+
+async def observe(nats_url: str) -> tuple[Bus, Observed]:
+    bus = await Bus.connect(nats_url, "test-observer")
+    seen = Observed()
+    for subject in (Subjects.all_routes, Subjects.all_request_terminals, Subjects.tokens(">")):
+        await bus.subscribe(subject, seen.on_event)
+    return bus, seen
