@@ -10,8 +10,8 @@ import pytest
 
 from bus.registry import SESSIONS_PREFIX, connect_etcd
 from services.ingress.openai_models import MAX_SESSION_ID_CHARS, MAX_STOP_CHARS
-from tests.conftest import ClusterFactory
 from tests.ingress.helpers import chat_body, completion_body, harness
+from tests.live import ClusterFactory
 
 TOO_LONG = [
     (chat_body(user="u" * (MAX_SESSION_ID_CHARS + 1)), {}, "user", MAX_SESSION_ID_CHARS),
