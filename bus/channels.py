@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
-from nats.js.api import StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
 from schemas.events import Envelope
 
@@ -39,6 +39,9 @@ class Stream:
     # Keep only the newest message per subject (the latest load report of each worker).
     keep_last_per_subject: bool = False
     duplicate_window_s: float = 120.0
+    # Past this the oldest messages go, so that a burst fills the stream, not the server's disk
+    # or memory. The server reserves it up front: streams it cannot fit are refused. -1: none.
+    max_bytes: int = -1
 
     def config(self, subjects: list[str]) -> StreamConfig:
         return StreamConfig(
@@ -47,6 +50,8 @@ class Stream:
             storage=self.storage,
             max_age=self.max_age_s,
             max_msgs_per_subject=1 if self.keep_last_per_subject else -1,
+            max_bytes=self.max_bytes,
+            discard=DiscardPolicy.OLD,
             duplicate_window=min(self.duplicate_window_s, self.max_age_s),
         )
 

@@ -48,11 +48,15 @@ from schemas.events import (
 
 DAY_S = 24 * 3600.0
 
-REQUESTS = Stream("LW_REQUESTS", StorageType.FILE, DAY_S)
-ROUTES = Stream("LW_ROUTES", StorageType.FILE, DAY_S)
-KV = Stream("LW_KV", StorageType.FILE, DAY_S)
-LOAD = Stream("LW_LOAD", StorageType.MEMORY, 600.0, keep_last_per_subject=True)
-CONTROL = Stream("LW_CONTROL", StorageType.FILE, DAY_S)
+MIB = 1 << 20
+
+# Their byte limits together (1,088 MiB on file, 32 MiB in memory) fit the smallest store they
+# are deployed on: a 2 GiB volume, of which JetStream takes 75 %, and 256 MB of memory.
+REQUESTS = Stream("LW_REQUESTS", StorageType.FILE, DAY_S, max_bytes=384 * MIB)
+ROUTES = Stream("LW_ROUTES", StorageType.FILE, DAY_S, max_bytes=384 * MIB)
+KV = Stream("LW_KV", StorageType.FILE, DAY_S, max_bytes=256 * MIB)
+LOAD = Stream("LW_LOAD", StorageType.MEMORY, 600.0, keep_last_per_subject=True, max_bytes=32 * MIB)
+CONTROL = Stream("LW_CONTROL", StorageType.FILE, DAY_S, max_bytes=64 * MIB)
 
 ACCEPTED: Channel[RequestAccepted] = Channel(
     "lw.req.accepted",
