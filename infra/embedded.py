@@ -142,6 +142,17 @@ def start_nats(
     return EmbeddedServer("nats", proc, f"nats://127.0.0.1:{port}")
 
 
+# Every registration, role and session binding written is a revision: without compaction etcd
+# keeps each one and grows until its quota stops all writes (NOSPACE). Compacted to the last 5
+# minutes, it reuses the space. The quota raises the alarm well before a 1 GiB volume (the
+# deployed etcd's) fills beside the write-ahead log.
+ETCD_QUOTA_BYTES = 512 * 1024**2
+ETCD_LIMITS = (
+    *("--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m"),
+    *("--quota-backend-bytes", str(ETCD_QUOTA_BYTES)),
+)
+
+
 def start_etcd(
     data_dir: Path, port: int | None = None, log_file: Path | None = None
 ) -> EmbeddedServer:
@@ -168,6 +179,7 @@ def start_etcd(
             peer_url,
             "--initial-cluster",
             f"laneway={peer_url}",
+            *ETCD_LIMITS,
             "--log-level",
             "warn",
         ],
