@@ -7,7 +7,23 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
 
+from schemas.messages import WorkerRegistration
+
 T = TypeVar("T")
+
+
+def registration(worker_id: str) -> WorkerRegistration:
+    """A small sim worker's record, as etcd holds it."""
+    return WorkerRegistration(
+        worker_id=worker_id,
+        role="both",
+        engine="sim",
+        model="m",
+        block_size=16,
+        kv_blocks_total=10,
+        max_num_seqs=4,
+        pid=1,
+    )
 
 
 @overload

@@ -20,20 +20,7 @@ from bus.registry import (
 from infra.embedded import EmbeddedServer
 from schemas.events import Role
 from schemas.messages import WorkerRegistration
-from tests.helpers import eventually
-
-
-def registration(worker_id: str) -> WorkerRegistration:
-    return WorkerRegistration(
-        worker_id=worker_id,
-        role="both",
-        engine="sim",
-        model="m",
-        block_size=16,
-        kv_blocks_total=10,
-        max_num_seqs=4,
-        pid=1,
-    )
+from tests.helpers import eventually, registration
 
 
 async def test_watch_sees_registration_and_lease_expiry(etcd_server: EmbeddedServer) -> None:

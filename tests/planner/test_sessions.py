@@ -20,10 +20,9 @@ from schemas.events import (
     SamplingParams,
     utc_now,
 )
-from schemas.messages import WorkerRegistration
 from services.planner.handlers import Planner
 from services.planner.policies import make_policy
-from tests.helpers import eventually
+from tests.helpers import eventually, registration
 from tests.live import ClusterFactory
 
 
@@ -69,17 +68,7 @@ async def test_a_session_etcd_refuses_fails_its_request_at_once(
     await bus.ensure_streams()
     etcd = connect_etcd(etcd_server.url)
     planner = Planner(bus, make_policy("kv"), "refusing", sessions=SessionStore(etcd, ttl_s=30))
-    worker = WorkerRegistration(
-        worker_id="w",
-        role="both",
-        engine="sim",
-        model="m",
-        block_size=16,
-        kv_blocks_total=10,
-        max_num_seqs=4,
-        pid=1,
-    )
-    await planner.on_workers({"w": worker})
+    await planner.on_workers({"w": registration("w")})
     ended: list[RequestFailed] = []
 
     async def on_terminal(event: Event) -> None:
