@@ -43,10 +43,11 @@ class Stream:
     # or memory. The server reserves it up front: streams it cannot fit are refused. -1: none.
     max_bytes: int = -1
 
-    def config(self, subjects: list[str]) -> StreamConfig:
+    def config(self, subjects: list[str], replicas: int = 1) -> StreamConfig:
         return StreamConfig(
             name=self.name,
             subjects=subjects,
+            num_replicas=replicas,
             storage=self.storage,
             max_age=self.max_age_s,
             max_msgs_per_subject=1 if self.keep_last_per_subject else -1,

@@ -14,7 +14,12 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import (
+    BadRequestError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from opentelemetry import context as otel_context
 from pydantic import BaseModel, ValidationError
 
@@ -31,6 +36,9 @@ Q = TypeVar("Q", bound=BaseModel)
 R = TypeVar("R", bound=BaseModel)
 
 MSG_ID_HEADER = "Nats-Msg-Id"
+# How long a confirmed publish waits for a stream to answer: a cluster's new leader for it
+# (a server lost) is elected well within this; past it the publish fails.
+CONFIRM_WITHIN_S = 30.0
 
 
 def event_headers(event: Envelope) -> dict[str, str]:
@@ -62,17 +70,23 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str) -> Bus:
-        nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        """``url`` may list several servers of one cluster, comma-separated: the connection
+        moves to another (those listed, or those the cluster tells of) when its server goes."""
+        servers = [u.strip() for u in url.split(",") if u.strip()]
+        nc = await nats.connect(
+            servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5
+        )
         return cls(nc)
 
     @property
     def nc(self) -> NatsClient:
         return self._nc
 
-    async def ensure_streams(self) -> None:
-        """Create or update the streams; every service calls this, so start order is free."""
+    async def ensure_streams(self, replicas: int = 1) -> None:
+        """Create or update the streams, stored on ``replicas`` servers (an existing stream
+        moves to that count); every service calls this, so start order is free."""
         for stream, subjects in STREAM_SUBJECTS.items():
-            config = stream.config(subjects)
+            config = stream.config(subjects, replicas)
             try:
                 await self._js.add_stream(config)
             except BadRequestError:
@@ -87,9 +101,25 @@ class Bus:
         keeps a publisher's order)."""
         data = encode(event)
         if topic.delivery == "confirmed":
-            await self._js.publish(topic.subject, data, headers=event_headers(event))
+            await self._confirm(topic.subject, data, event_headers(event))
         else:
             await self._nc.publish(topic.subject, data, headers=event_headers(event))
+
+    async def _confirm(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        """A stream whose leader was on a server that went answers nothing until its others
+        elect one (seconds): the publish is repeated until then, and the message id has the
+        stream drop a copy it had stored unconfirmed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CONFIRM_WITHIN_S
+        while True:
+            try:
+                await self._js.publish(subject, data, headers=headers)
+                return
+            except (nats.errors.TimeoutError, NoStreamResponseError, ServiceUnavailableError):
+                if loop.time() > deadline:
+                    raise
+                log.warning("no confirmation from the stream of %s yet; publishing again", subject)
+                await asyncio.sleep(0.1)
 
     async def publish_bytes(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         """Core NATS, no stream: bulk data that is not an event (see :mod:`bus.blobs`)."""

@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
+
+# Supervisors (laneway up, the tests) fork servers while a client of theirs may be live; gRPC's
+# fork handlers, run in such a child before it execs, can crash it. Read when gRPC starts.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import aetcd
 
@@ -29,10 +34,106 @@ ROLES_PREFIX = b"/laneway/roles/"
 LEADER_KEY = b"/laneway/planner/leader"
 
 
-def connect_etcd(endpoints: str) -> aetcd.Client:
-    """``endpoints`` is ``host:port[,host:port…]``; aetcd talks to one member, the first."""
-    host, _, port = endpoints.split(",")[0].strip().removeprefix("http://").rpartition(":")
-    return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=5)
+def etcd_endpoints(endpoints: str) -> list[tuple[str, int]]:
+    """``host:port[,host:port…]`` (``http://`` allowed) as (host, port) pairs."""
+    found = []
+    for endpoint in endpoints.split(","):
+        host, _, port = endpoint.strip().removeprefix("http://").rpartition(":")
+        found.append((host or "127.0.0.1", int(port)))
+    return found
+
+
+def connect_etcd(endpoints: str) -> EtcdCluster:
+    return EtcdCluster(etcd_endpoints(endpoints))
+
+
+# A member that is down, or that has no leader to forward to, answers these (or nothing).
+_UNREACHABLE = (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError)
+
+
+class EtcdCluster(aetcd.Client):  # type: ignore[misc] # aetcd has no types
+    """An aetcd client over every member of a cluster: aetcd talks to one member, so a call that
+    cannot reach it (or that it cannot serve, having lost its leader) moves the client to the next
+    member and is retried there, for up to ``failover_s``.
+
+    A move closes the old connection, which ends its watches: watchers re-read their snapshot
+    and watch again from there (see ``watch_workers``). Leases live in the cluster, not in the
+    connection, so keep-alives carry on from whichever member the client is on.
+    """
+
+    def __init__(
+        self, endpoints: list[tuple[str, int]], timeout: int = 2, failover_s: float = 30.0
+    ) -> None:
+        # A short per-call timeout: a call stuck on a member whose leader died is retried
+        # well within a lease's TTL.
+        super().__init__(host=endpoints[0][0], port=endpoints[0][1], timeout=timeout)
+        self.endpoints = endpoints
+        self.at = 0
+        self._failover_s = failover_s
+        self._moving = asyncio.Lock()
+
+    async def move_on(self, failed_at: int) -> None:
+        """Leave member ``failed_at`` for the next one (unless another call already moved)."""
+        async with self._moving:
+            if self.at != failed_at:
+                return
+            self.at = (failed_at + 1) % len(self.endpoints)
+            self._host, self._port = self.endpoints[self.at]
+            log.warning(
+                "etcd member %s:%s unreachable; moving to %s:%s",
+                *self.endpoints[failed_at],
+                self._host,
+                self._port,
+            )
+            channel, watcher = self.channel, self._watcher
+            self._init_channel_attrs()
+            self._connected.clear()
+            await self.connect()
+            if watcher is not None:
+                await watcher.shutdown()
+            if channel is not None:
+                await channel.close()
+
+
+def _failing_over(call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    @functools.wraps(call)
+    async def retried(self: EtcdCluster, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._failover_s
+        tried = 0
+        while True:
+            at = self.at
+            try:
+                return await call(self, *args, **kwargs)
+            except aetcd.exceptions.ClientError as exc:
+                # A call cut off by another call's move is retried on the new member too.
+                if not isinstance(exc, _UNREACHABLE) and self.at == at:
+                    raise
+                if loop.time() > deadline:
+                    raise
+                tried += 1
+                await self.move_on(at)
+                if tried % len(self.endpoints) == 0:  # every member refused: wait for one
+                    await asyncio.sleep(0.2)
+
+    return retried
+
+
+for _name in (
+    "get",
+    "get_prefix",
+    "put",
+    "delete",
+    "delete_prefix",
+    "transaction",
+    "lease",
+    "revoke_lease",
+    "refresh_lease",
+    "get_lease_info",
+    "watch",
+    "watch_prefix",
+):
+    setattr(EtcdCluster, _name, _failing_over(getattr(aetcd.Client, _name)))
 
 
 class LeasedKey:

@@ -9,8 +9,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LANEWAY_", extra="ignore")
 
+    # Either may list a cluster's members, comma-separated; clients fail over between them.
     nats_url: str = "nats://127.0.0.1:4222"
     etcd_endpoints: str = "127.0.0.1:2379"
+    # Servers that store each stream: 1 on a single NATS, 3 on a cluster.
+    stream_replicas: int = Field(default=1, ge=1, le=5)
     # none | console | otlp | file:PATH (see observability.tracing)
     trace_exporter: str = "none"
     log_level: str = "INFO"

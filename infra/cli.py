@@ -36,6 +36,12 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
     up.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
     up.add_argument("--etcd-endpoints", help="use this etcd (host:port) instead of an embedded one")
+    up.add_argument(
+        "--ha",
+        action="store_true",
+        help="embed a 3-node JetStream cluster and a 3-member etcd cluster (streams on 3 "
+        "servers) instead of single nodes; services fail over between their members",
+    )
     up.add_argument("--nats-port", type=int, help="port of the embedded NATS (default: free)")
     up.add_argument("--etcd-port", type=int, help="port of the embedded etcd (default: free)")
     up.add_argument(
@@ -137,6 +143,7 @@ def _up(args: argparse.Namespace) -> int:
             etcd_endpoints=args.etcd_endpoints,
             nats_port=args.nats_port,
             etcd_port=args.etcd_port,
+            ha=args.ha,
             workers=args.workers,
             prefill_workers=args.prefill_workers,
             policy=args.policy,

@@ -22,7 +22,14 @@ from pathlib import Path
 import httpx
 
 from bus.registry import PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
-from infra.embedded import EmbeddedServer, die_with_parent, start_etcd, start_nats
+from infra.embedded import (
+    EmbeddedServer,
+    die_with_parent,
+    start_etcd,
+    start_etcd_cluster,
+    start_nats,
+    start_nats_cluster,
+)
 from infra.metrics_targets import assign_metrics_ports
 from infra.startup import StartupError, check_port_free, check_reachable, log_cause
 from infra.statedir import StateDir
@@ -44,6 +51,9 @@ class ClusterConfig:
     planners: int = 1
     indexers: int = 1
     policy: str = "kv"
+    # A 3-node JetStream cluster and a 3-member etcd cluster instead of single nodes (those not
+    # given by URL), every stream on 3 of the servers.
+    ha: bool = False
     # Extra LANEWAY_* settings for every service (perf model, speed-up, lease TTL, tracing, …).
     env: dict[str, str] = field(default_factory=dict)
 
@@ -93,15 +103,17 @@ class LocalCluster:
             self._check_ports()
             self.logs.mkdir(parents=True, exist_ok=True)
             if not cfg.nats_url:
-                server = start_nats(cfg.state_dir, cfg.nats_port, self.logs / "nats.log")
-                self.servers.append(server)
-                self.nats_url = server.url
-                self.state.record(self.pids())
+                self.nats_url = self._embed(
+                    start_nats_cluster(cfg.state_dir, self.logs)
+                    if cfg.ha
+                    else [start_nats(cfg.state_dir, cfg.nats_port, self.logs / "nats.log")]
+                )
             if not cfg.etcd_endpoints:
-                server = start_etcd(cfg.state_dir, cfg.etcd_port, self.logs / "etcd.log")
-                self.servers.append(server)
-                self.etcd_endpoints = server.url
-                self.state.record(self.pids())
+                self.etcd_endpoints = self._embed(
+                    start_etcd_cluster(cfg.state_dir, self.logs)
+                    if cfg.ha
+                    else [start_etcd(cfg.state_dir, cfg.etcd_port, self.logs / "etcd.log")]
+                )
             self._plan_services()
             assign_metrics_ports(self.services, self.prometheus_targets)
             for service in self.services:
@@ -110,6 +122,12 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+
+    def _embed(self, servers: list[EmbeddedServer]) -> str:
+        """Keep started servers for stopping; their URLs as the services take them."""
+        self.servers += servers
+        self.state.record(self.pids())
+        return ",".join(server.url for server in servers)
 
     def _check_ports(self) -> None:
         """Before anything starts: a port in use, or a server given that does not answer, is one
@@ -131,6 +149,7 @@ class LocalCluster:
             **cfg.env,
             "LANEWAY_NATS_URL": self.nats_url,
             "LANEWAY_ETCD_ENDPOINTS": self.etcd_endpoints,
+            **({"LANEWAY_STREAM_REPLICAS": "3"} if cfg.ha else {}),
         }
         self.services = [
             Service(

@@ -16,8 +16,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from infra.startup import StartupError, log_cause
@@ -28,9 +29,17 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: held together while they are picked, so that none is
+    handed out twice."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def find_binary(name: str) -> str:
@@ -110,9 +119,22 @@ class EmbeddedServer:
     name: str
     proc: subprocess.Popen[bytes]
     url: str
+    # How it was started, to start it again on the same data (a member of a cluster).
+    args: list[str] = field(default_factory=list)
+    log_file: Path | None = None
+    port: int = 0
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+    def kill(self) -> None:
+        """Gone at once, as a crashed node is."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def restart(self, timeout: float = 30.0) -> None:
+        self.proc = _spawn(self.args, self.log_file)
+        wait_for_port(self.port, self.proc, self.name, timeout, self.log_file)
 
 
 NATS_MAX_PAYLOAD = 8 * 1024 * 1024
@@ -124,22 +146,72 @@ def start_nats(
     log_file: Path | None = None,
     max_payload: int = NATS_MAX_PAYLOAD,
 ) -> EmbeddedServer:
-    port = port or free_port()
-    store = data_dir / "nats"
+    server = _spawn_nats(data_dir, "nats", port or free_port(), log_file, max_payload)
+    wait_for_port(server.port, server.proc, "nats-server", 20, log_file)
+    return server
+
+
+def start_nats_cluster(data_dir: Path, log_dir: Path, size: int = 3) -> list[EmbeddedServer]:
+    """``size`` JetStream servers routed to each other as one cluster, returned once JetStream
+    answers on every one (its meta leader elected)."""
+    ports = free_ports(3 * size)
+    clients, routes, monitors = ports[:size], ports[size : 2 * size], ports[2 * size :]
+    servers = []
+    for i in range(size):
+        others = ", ".join(f"nats-route://127.0.0.1:{p}" for p in routes if p != routes[i])
+        cluster = (
+            f"server_name: nats-{i}\nhttp: 127.0.0.1:{monitors[i]}\n"
+            f"cluster {{\n  name: laneway\n  listen: 127.0.0.1:{routes[i]}\n"
+            f"  routes: [{others}]\n}}\n"
+        )
+        name = f"nats-{i}"
+        servers.append(
+            _spawn_nats(data_dir, name, clients[i], log_dir / f"{name}.log", cluster=cluster)
+        )
+    try:
+        for server in servers:
+            wait_for_port(server.port, server.proc, server.name, 20, server.log_file)
+        for server, monitor in zip(servers, monitors, strict=True):
+            _wait_healthy(f"http://127.0.0.1:{monitor}/healthz", server, 60)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def _spawn_nats(
+    data_dir: Path,
+    name: str,
+    port: int,
+    log_file: Path | None,
+    max_payload: int = NATS_MAX_PAYLOAD,
+    cluster: str = "",
+) -> EmbeddedServer:
+    store = data_dir / name
     store.mkdir(parents=True, exist_ok=True)
     # A request event carries its prompt's token ids: NATS's default 1 MiB would cut prompts
     # at about 150k tokens, below what the engines hold.
-    config = data_dir / "nats.conf"
-    config.write_text(f"max_payload: {max_payload}\n")
-    proc = _spawn(
-        [
-            *(find_binary("nats-server"), "-c", str(config), "-a", "127.0.0.1"),
-            *("-p", str(port), "-js", "-sd", str(store)),
-        ],
-        log_file,
-    )
-    wait_for_port(port, proc, "nats-server", 20, log_file)
-    return EmbeddedServer("nats", proc, f"nats://127.0.0.1:{port}")
+    config = data_dir / f"{name}.conf"
+    config.write_text(f"max_payload: {max_payload}\n{cluster}")
+    args = [
+        *(find_binary("nats-server"), "-c", str(config), "-a", "127.0.0.1"),
+        *("-p", str(port), "-js", "-sd", str(store)),
+    ]
+    proc = _spawn(args, log_file)
+    return EmbeddedServer(name, proc, f"nats://127.0.0.1:{port}", args, log_file, port)
+
+
+def _wait_healthy(url: str, server: EmbeddedServer, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise StartupError(f"{server.name} exited while starting (log: {server.log_file})")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as reply:
+            if reply.status == 200:
+                return
+        time.sleep(0.2)
+    raise StartupError(f"{server.name} not healthy within {timeout:.0f}s (log: {server.log_file})")
 
 
 # Every registration, role and session binding written is a revision: without compaction etcd
@@ -156,34 +228,53 @@ ETCD_LIMITS = (
 def start_etcd(
     data_dir: Path, port: int | None = None, log_file: Path | None = None
 ) -> EmbeddedServer:
-    port = port or free_port()
-    peer = free_port()
-    store = data_dir / "etcd"
-    store.mkdir(parents=True, exist_ok=True)
-    client_url = f"http://127.0.0.1:{port}"
-    peer_url = f"http://127.0.0.1:{peer}"
-    proc = _spawn(
-        [
-            find_binary("etcd"),
-            "--name",
-            "laneway",
-            "--data-dir",
-            str(store),
-            "--listen-client-urls",
-            client_url,
-            "--advertise-client-urls",
-            client_url,
-            "--listen-peer-urls",
-            peer_url,
-            "--initial-advertise-peer-urls",
-            peer_url,
-            "--initial-cluster",
-            f"laneway={peer_url}",
-            *ETCD_LIMITS,
-            "--log-level",
-            "warn",
-        ],
-        log_file,
+    [member] = _start_etcd_members(data_dir, {"laneway": (port or free_port(), log_file, "etcd")})
+    return replace(member, name="etcd")
+
+
+def start_etcd_cluster(data_dir: Path, log_dir: Path, size: int = 3) -> list[EmbeddedServer]:
+    """``size`` etcd members of one cluster, returned once each answers on its client port."""
+    names = [f"etcd-{i}" for i in range(size)]
+    ports = free_ports(size)
+    return _start_etcd_members(
+        data_dir,
+        {
+            name: (port, log_dir / f"{name}.log", name)
+            for name, port in zip(names, ports, strict=True)
+        },
     )
-    wait_for_port(port, proc, "etcd", 30, log_file)
-    return EmbeddedServer("etcd", proc, f"127.0.0.1:{port}")
+
+
+def _start_etcd_members(
+    data_dir: Path, members: dict[str, tuple[int, Path | None, str]]
+) -> list[EmbeddedServer]:
+    """``members``: name → (client port, log file, data folder under ``data_dir``)."""
+    peer_ports = free_ports(len(members) + 8)  # clear of the client ports, taken just before
+    taken = {port for port, _, _ in members.values()}
+    free = iter(p for p in peer_ports if p not in taken)
+    peers = {name: f"http://127.0.0.1:{next(free)}" for name in members}
+    initial = ",".join(f"{name}={url}" for name, url in peers.items())
+    servers = []
+    for name, (port, log_file, folder) in members.items():
+        store = data_dir / folder
+        store.mkdir(parents=True, exist_ok=True)
+        client_url = f"http://127.0.0.1:{port}"
+        args = [
+            *(find_binary("etcd"), "--name", name, "--data-dir", str(store)),
+            *("--listen-client-urls", client_url, "--advertise-client-urls", client_url),
+            *("--listen-peer-urls", peers[name], "--initial-advertise-peer-urls", peers[name]),
+            *("--initial-cluster", initial, "--initial-cluster-token", "laneway"),
+            *ETCD_LIMITS,
+            *("--log-level", "warn"),
+        ]
+        proc = _spawn(args, log_file)
+        servers.append(EmbeddedServer(name, proc, f"127.0.0.1:{port}", args, log_file, port))
+    # Started together: a member of a cluster serves clients only once it has a quorum.
+    try:
+        for server in servers:
+            wait_for_port(server.port, server.proc, "etcd", 30, server.log_file)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers

@@ -82,7 +82,7 @@ def main() -> None:
         listener = _listen(settings.host, settings.port)
         setup_tracing("laneway-ingress", settings.instance_id, settings.trace_exporter)
         bus = await Bus.connect(settings.nats_url, f"ingress-{settings.instance_id}")
-        await bus.ensure_streams()
+        await bus.ensure_streams(settings.stream_replicas)
         gateway = NatsGateway(bus, settings.instance_id)
         await gateway.start()
         etcd = connect_etcd(settings.etcd_endpoints)

@@ -65,7 +65,7 @@ def main() -> None:
     async def serve(stop: asyncio.Event) -> None:
         setup_tracing("laneway-kv-indexer", settings.instance_id, settings.trace_exporter)
         bus = await Bus.connect(settings.nats_url, f"kv-indexer-{settings.instance_id}")
-        await bus.ensure_streams()
+        await bus.ensure_streams(settings.stream_replicas)
         etcd = connect_etcd(settings.etcd_endpoints)
         indexer = Indexer(await _restore(bus), settings.predicted_ttl_s)
         watcher = asyncio.create_task(watch_workers(etcd, indexer.on_workers))

@@ -199,7 +199,7 @@ def worker_main(default_role: Role) -> None:
         metrics = MetricsServer(CollectorRegistry())
         await metrics.start(settings.metrics_host, settings.metrics_port)
         bus = await Bus.connect(settings.nats_url, f"worker-{settings.worker_id}")
-        await bus.ensure_streams()
+        await bus.ensure_streams(settings.stream_replicas)
         etcd = connect_etcd(settings.etcd_endpoints)
         engine, tokenizer = build_engine(settings)
         worker = Worker(bus, engine, tokenizer, worker_options(settings, engine))

@@ -1,0 +1,118 @@
+"""Clients over a 3-member etcd and a 3-node JetStream cluster carry on when a member dies."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from bus.client import Bus
+from bus.registry import LeasedKey, connect_etcd, watch_workers
+from bus.topology import CANCELS, REQUESTS, STREAM_SUBJECTS
+from infra.embedded import EmbeddedServer, start_etcd_cluster, start_nats_cluster
+from schemas.codec import decode_event
+from schemas.events import CancellationRequested
+from schemas.messages import WorkerRegistration
+from tests.helpers import eventually, registration
+
+pytestmark = pytest.mark.live
+
+
+@pytest.fixture(scope="module")
+def etcd_members(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EmbeddedServer]]:
+    path = tmp_path_factory.mktemp("etcd-cluster")
+    members = start_etcd_cluster(path, path)
+    yield members
+    for member in members:
+        member.stop()
+
+
+@pytest.fixture(scope="module")
+def nats_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EmbeddedServer]]:
+    path = tmp_path_factory.mktemp("nats-cluster")
+    nodes = start_nats_cluster(path, path)
+    yield nodes
+    for node in nodes:
+        node.stop()
+
+
+async def test_etcd_client_moves_to_a_live_member_and_keeps_watch_and_lease(
+    etcd_members: list[EmbeddedServer],
+) -> None:
+    endpoints = ",".join(member.url for member in etcd_members)
+    views: list[set[str]] = []
+
+    async def on_change(workers: dict[str, WorkerRegistration]) -> None:
+        views.append(set(workers))
+
+    watcher_client, worker_client = connect_etcd(endpoints), connect_etcd(endpoints)
+    watcher = asyncio.create_task(watch_workers(watcher_client, on_change))
+    lease = LeasedKey.worker(worker_client, registration("survivor"), ttl_s=5)
+    await lease.start()
+    await eventually(lambda: views and "survivor" in views[-1])
+    seen = len(views)
+
+    # Both clients sit on the first member; it dies, and both move on.
+    victim = etcd_members[watcher_client.at]
+    victim.kill()
+    try:
+        await worker_client.put(b"/laneway/test/after-failover", b"1")
+        await asyncio.sleep(6)  # longer than the lease's TTL: its keep-alives went elsewhere
+        assert await worker_client.get(b"/laneway/test/after-failover") is not None
+        await lease.update(registration("survivor").model_dump_json().encode() + b" ")
+        # The re-established watch sees the update, and never a view without the worker.
+        await eventually(lambda: len(views) > seen)
+        assert all("survivor" in view for view in views[seen - 1 :])
+    finally:
+        victim.restart()
+    watcher.cancel()
+    await lease.stop()
+    await watcher_client.close()
+    await worker_client.close()
+
+
+async def test_bus_over_a_cluster_replicates_streams_and_survives_its_server(
+    nats_nodes: list[EmbeddedServer],
+) -> None:
+    bus = await Bus.connect(",".join(node.url for node in nats_nodes), "failover")
+    await bus.ensure_streams(1)
+    await bus.ensure_streams(3)  # the streams made with one replica move to three
+    js = bus.nc.jetstream()
+    for stream in STREAM_SUBJECTS:
+        assert (await js.stream_info(stream.name)).config.num_replicas == 3
+
+    async def replicated() -> bool:
+        infos = [await js.stream_info(stream.name) for stream in STREAM_SUBJECTS]
+        return all(
+            i.cluster
+            and i.cluster.leader
+            and all(p.current for p in i.cluster.replicas or [])
+            and len(i.cluster.replicas or []) == 2
+            for i in infos
+        )
+
+    await eventually(replicated, timeout=20, message="streams never got 3 current replicas")
+    victim = next(node for node in nats_nodes if node.port == _port(bus))
+    victim.kill()
+    try:
+        # Confirmed: each returns once the stream (its leader elsewhere by then) stored it.
+        sent = [f"r{i}" for i in range(5)]
+        for request_id in sent:
+            await bus.publish(CANCELS.subject, _cancel(request_id))
+        # Stored once each, whatever was published again.
+        reader = await js.pull_subscribe(CANCELS.subject.subject, stream=REQUESTS.name)
+        stored = [decode_event(m.data).request_id for m in await reader.fetch(10, timeout=2)]
+        assert stored == sent
+        assert _port(bus) != victim.port
+    finally:
+        victim.restart()
+    await bus.close()
+
+
+def _cancel(request_id: str) -> CancellationRequested:
+    return CancellationRequested(source="test/failover", request_id=request_id, reason="timeout")
+
+
+def _port(bus: Bus) -> int | None:
+    return bus.nc.connected_url.port if bus.nc.connected_url else None
