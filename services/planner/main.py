@@ -9,6 +9,7 @@ from importlib.metadata import version
 from pydantic import Field
 
 from bus.client import Bus
+from bus.etcd_space import guard_space
 from bus.registry import LeasedKey, SessionStore, assign_roles, connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
@@ -127,7 +128,11 @@ def main() -> None:
             sessions,
             disagg=settings.disagg_settings(),
         )
-        tasks = [asyncio.create_task(watch_workers(etcd, planner.on_workers))]
+        tasks = [
+            asyncio.create_task(watch_workers(etcd, planner.on_workers)),
+            # etcd past its quota refuses the sessions' writes: every replica watches for it.
+            asyncio.create_task(guard_space(etcd)),
+        ]
         capacity = None
         leadership = LeasedKey.leader(etcd, settings.instance_id, ttl_s=5)
         if settings.autoscale:
