@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from infra.cluster import LocalCluster
-from tests.conftest import ClusterFactory
 from tests.ingress.helpers import sse_data
+from tests.live import ClusterFactory
 
 MODEL = "laneway-sim"
 SEEDS = 64
