@@ -11,7 +11,7 @@ from collections.abc import Callable
 from opentelemetry import trace
 
 from bus.client import Bus
-from bus.registry import SessionRefused, SessionStore
+from bus.sessions import SessionRefused, SessionStore
 from bus.topology import PLANNER_INTAKE, Subjects
 from observability.tracing import context_of, trace_context
 from schemas.events import (

@@ -10,8 +10,9 @@ from pydantic import Field
 
 from bus.client import Bus
 from bus.etcd_space import guard_space
-from bus.registry import LeasedKey, SessionStore, assign_roles, connect_etcd, watch_workers
+from bus.registry import LeasedKey, assign_roles, connect_etcd, watch_workers
 from bus.runtime import run_service
+from bus.sessions import SessionStore
 from bus.settings import ServiceSettings
 from bus.topology import Subjects
 from observability.metrics import MetricsServer

@@ -9,14 +9,13 @@ import pytest
 from bus.registry import (
     WORKERS_PREFIX,
     LeasedKey,
-    SessionRefused,
-    SessionStore,
     assign_roles,
     connect_etcd,
     role_key,
     watch_role,
     watch_workers,
 )
+from bus.sessions import SessionRefused, SessionStore
 from infra.embedded import EmbeddedServer
 from schemas.events import Role
 from schemas.messages import WorkerRegistration

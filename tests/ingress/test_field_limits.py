@@ -8,7 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bus.registry import SESSIONS_PREFIX, connect_etcd
+from bus.registry import connect_etcd
+from bus.sessions import SESSIONS_PREFIX
 from services.ingress.openai_models import MAX_SESSION_ID_CHARS, MAX_STOP_CHARS
 from tests.ingress.helpers import chat_body, completion_body, harness
 from tests.live import ClusterFactory

@@ -8,7 +8,8 @@ from datetime import timedelta
 import openai
 
 from bus.client import Bus
-from bus.registry import SessionStore, connect_etcd
+from bus.registry import connect_etcd
+from bus.sessions import SessionStore
 from bus.topology import Subjects
 from infra.embedded import EmbeddedServer
 from schemas.events import (
