@@ -21,6 +21,8 @@ MAX_STOP_CHARS = 1024
 # A session id (``user`` or the x-session-id header) is an etcd key and rides on every event of
 # its requests: a 900 KB one took etcd past its request limit.
 MAX_SESSION_ID_CHARS = 256
+# Far past any served name; an unknown one is echoed in its 404 and the access log.
+MAX_MODEL_CHARS = 256
 # OpenAI's own limit on the messages of one chat.
 MAX_MESSAGES = 2048
 # Far more than any model's special tokens; the list travels with the request to its worker.
@@ -109,6 +111,7 @@ def _params(data: dict[str, Any], max_tokens: int | None) -> Params:
     model = _required(data, "model")
     if not isinstance(model, str):
         raise _type_error("model", "a string", model)
+    _check_length("model", model, MAX_MODEL_CHARS)
     stream = _optional_bool(data, "stream")
     include_usage = False
     options = data.get("stream_options")

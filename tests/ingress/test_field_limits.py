@@ -10,7 +10,7 @@ import pytest
 
 from bus.registry import connect_etcd
 from bus.sessions import SESSIONS_PREFIX
-from services.ingress.openai_models import MAX_SESSION_ID_CHARS, MAX_STOP_CHARS
+from services.ingress.openai_models import MAX_MODEL_CHARS, MAX_SESSION_ID_CHARS, MAX_STOP_CHARS
 from tests.ingress.helpers import chat_body, completion_body, harness
 from tests.live import ClusterFactory
 
@@ -23,6 +23,7 @@ TOO_LONG = [
         MAX_SESSION_ID_CHARS,
     ),
     (completion_body(stop="x" * (MAX_STOP_CHARS + 1)), {}, "stop", MAX_STOP_CHARS),
+    (completion_body(model="m" * (MAX_MODEL_CHARS + 1)), {}, "model", MAX_MODEL_CHARS),
     (completion_body(stop=["\n", "x" * (MAX_STOP_CHARS + 1)]), {}, "stop[1]", MAX_STOP_CHARS),
 ]
 
