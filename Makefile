@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help run test test-pure lint typecheck check gpu-check clean
+.PHONY: help run test test-pure chaos lint typecheck check gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -40,6 +40,9 @@ run: $(STAMP) ## install and start the whole local cluster on http://127.0.0.1:8
 
 test: $(STAMP) $(PHOENIX) $(PROMETHEUS) ## install and run the test suite (starts its own NATS, etcd, OTLP backend, Prometheus)
 	$(BIN)/pytest -q
+
+chaos: $(STAMP) ## node loss under load on a 3+3 NATS/etcd cluster on loopback (about 2 min)
+	$(BIN)/pytest -q -s -m chaos tests/chaos
 
 test-pure: $(STAMP) ## only the tests that start no servers or processes
 	$(BIN)/pytest -q -m "not live"

@@ -132,8 +132,12 @@ class EmbeddedServer:
         self.proc.kill()
         self.proc.wait()
 
-    def restart(self, timeout: float = 30.0) -> None:
+    def respawn(self) -> None:
+        """Started again on its data, not waited for (the caller may not block)."""
         self.proc = _spawn(self.args, self.log_file)
+
+    def restart(self, timeout: float = 30.0) -> None:
+        self.respawn()
         wait_for_port(self.port, self.proc, self.name, timeout, self.log_file)
 
 

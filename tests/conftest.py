@@ -5,7 +5,7 @@ A test that uses those servers is marked ``live`` here, whatever fixture chain b
 so ``pytest -m "not live"`` runs the pure tests alone; one that starts processes of its own
 (``laneway``, a service, a server binary) says ``live`` itself.
 
-``slow`` and ``gpu`` tests run only when the ``-m`` expression names them (``-m gpu``,
+``slow``, ``gpu`` and ``chaos`` tests run only when the ``-m`` expression names them (``-m gpu``,
 ``-m "slow and not live"``): a ``-m`` given on the command line replaces the one in ``addopts``,
 so their opt-in cannot live there."""
 
@@ -28,7 +28,7 @@ from tests.live import ClusterFactory
 # The fixtures that start real servers; a test using any of them, directly or through another
 # fixture, is live.
 SERVER_FIXTURES = frozenset({"nats_server", "etcd_server", "cluster_factory"})
-OPT_IN_MARKERS = ("slow", "gpu")
+OPT_IN_MARKERS = ("slow", "gpu", "chaos")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection sees the markers
