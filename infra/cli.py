@@ -171,6 +171,7 @@ def _up(args: argparse.Namespace) -> int:
         return 1
     try:
         print(f"Laneway is serving the OpenAI API at {cluster.config.base_url}", flush=True)
+        print(f"  NATS {cluster.nats_url}\n  etcd {cluster.etcd_endpoints}", flush=True)
         for name, pid in cluster.pids().items():
             print(f"  {name:<18} pid {pid}", flush=True)
         print(f"logs: {cluster.logs}   (Ctrl-C stops everything)", flush=True)
