@@ -110,16 +110,22 @@ class Bus:
         elect one (seconds): the publish is repeated until then, and the message id has the
         stream drop a copy it had stored unconfirmed."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + CONFIRM_WITHIN_S
+        started = loop.time()
+        attempts = 0
         while True:
             try:
                 await self._js.publish(subject, data, headers=headers)
-                return
+                break
             except (nats.errors.TimeoutError, NoStreamResponseError, ServiceUnavailableError):
-                if loop.time() > deadline:
+                if loop.time() > started + CONFIRM_WITHIN_S:
                     raise
-                log.warning("no confirmation from the stream of %s yet; publishing again", subject)
+                attempts += 1
                 await asyncio.sleep(0.1)
+        if attempts:
+            waited = loop.time() - started
+            log.warning(
+                "the stream of %s confirmed after %.1f s (%d tries)", subject, waited, attempts + 1
+            )
 
     async def publish_bytes(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         """Core NATS, no stream: bulk data that is not an event (see :mod:`bus.blobs`)."""

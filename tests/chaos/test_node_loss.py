@@ -96,15 +96,16 @@ async def etcd_leader(members: list[EmbeddedServer]) -> EmbeddedServer:
     return next(m for m in members if m.url == url)
 
 
-def pause(timed: list[Timed], at: float) -> float:
-    """The longest wait that begins within the window after ``at`` (or spans ``at``)."""
+def pause(timed: list[Timed], at: float) -> tuple[float, str]:
+    """The longest wait that spans ``at`` or begins within the window after it, and whether it
+    was for a first token or between two."""
     waits = [
-        length
+        (length, "first token" if i == 0 else "between tokens")
         for t in timed
-        for start, length in t.waits()
+        for i, (start, length) in enumerate(t.waits())
         if at - length <= start <= at + WINDOW_S
     ]
-    return max(waits, default=0.0)
+    return max(waits, default=(0.0, "none"))
 
 
 async def test_load_survives_a_nats_node_and_the_etcd_leader(
@@ -165,7 +166,8 @@ async def test_load_survives_a_nats_node_and_the_etcd_leader(
     baseline = max(before, default=0.0)
     print(f"\nbaseline: longest wait before any fault {baseline * 1000:.0f} ms")
     for what, when in sorted(faults.items(), key=lambda kv: kv[1]):
-        print(f"{what} at {when - start:5.1f} s: pause {pause(timed, when) * 1000:.0f} ms")
+        length, kind = pause(timed, when)
+        print(f"{what} at {when - start:5.1f} s: pause {length * 1000:.0f} ms ({kind})")
     wrong = [m for t in timed if (m := mismatch(t.streamed, whole[t.streamed.seed]))]
     assert not wrong, f"{len(wrong)} of {len(timed)} requests failed or differ: {wrong[:5]}"
     lost = [sorted(workers - view) for view in views if not workers <= view]
