@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from infra import record_export
+from infra import record_export, status
 from infra.bench import engine_bench
 from infra.bench import run as bench
 from infra.cluster import ClusterConfig, LocalCluster
@@ -199,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     record_export.add_parser(sub)
     explain.add_parser(sub)
     replay.add_parser(sub)
+    status.add_parser(sub)
     for command in _leaf_parsers(sub):
         command.formatter_class = _DefaultsFormatter
     return parser

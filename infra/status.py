@@ -1,0 +1,373 @@
+"""``laneway status``: the cluster as an operator needs it, read from NATS and etcd.
+
+Services, their replicas and where each was seen; the workers with role, lease, load and KV
+usage; the planner leader; stream sizes and consumer lag; the health of every NATS server and
+etcd member given. Without ``--nats-url``/``--etcd-endpoints`` the URLs are those of the
+`laneway up` running on ``--state-dir``, read from the environment of one of its services.
+Nothing here writes to the cluster."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aetcd
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from bus.registry import LEADER_KEY, PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
+from bus.topology import KV, LOAD, Subjects, worker_routes
+from infra.statedir import PIDS_FILE, start_time
+from infra.status_view import render
+from schemas.codec import decode_event
+from schemas.events import WorkerLoadReported
+from schemas.messages import WorkerRegistration
+
+# A status that waits on a dead server is no status: each server gets this long to answer.
+_CONNECT_TIMEOUT_S = 2
+# What a service's process names the two settings the status needs (bus.settings).
+_URL_SETTINGS = ("LANEWAY_NATS_URL", "LANEWAY_ETCD_ENDPOINTS")
+
+
+class NoCluster(Exception):
+    """No cluster to look at: the one line that says why."""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    status = sub.add_parser(
+        "status", help="services, workers, leader, streams and server health of a cluster"
+    )
+    status.add_argument("--nats-url", help="NATS server URL(s), comma-separated")
+    status.add_argument("--etcd-endpoints", help="etcd endpoints (host:port), comma-separated")
+    status.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(".state"),
+        help="the state dir of the `laneway up` to look at when no URLs are given",
+    )
+    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    status.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """0: every server answers and JetStream is on; 1: something is down; 2: no cluster."""
+    try:
+        found = asyncio.run(gather(args.nats_url, args.etcd_endpoints, args.state_dir))
+    except NoCluster as err:
+        print(f"laneway status: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(found, indent=2) if args.json else render(found))
+    return 0 if found["healthy"] else 1
+
+
+def _split(urls: str) -> list[str]:
+    return [url.strip() for url in urls.split(",") if url.strip()]
+
+
+def local_processes(state_dir: Path) -> dict[str, tuple[int, bool]]:
+    """What the `laneway up` on ``state_dir`` started: name → (pid, still that process)."""
+    try:
+        known = json.loads((state_dir / PIDS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    # A PID may have been reused since it was written down: the start time tells.
+    return {name: (pid, bool(t) and start_time(pid) == t) for name, (pid, t) in known.items()}
+
+
+def _settings_of(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.partition("=") for item in raw.decode(errors="replace").split("\0"))
+    return {key: value for key, _, value in pairs if key in _URL_SETTINGS}
+
+
+def _local_urls(processes: dict[str, tuple[int, bool]]) -> tuple[str, str] | None:
+    for pid, alive in processes.values():
+        settings = _settings_of(pid) if alive else {}
+        if len(settings) == len(_URL_SETTINGS):
+            return settings[_URL_SETTINGS[0]], settings[_URL_SETTINGS[1]]
+    return None
+
+
+def _resolve(
+    nats_url: str | None, etcd_endpoints: str | None, state_dir: Path
+) -> tuple[str, str, str, dict[str, tuple[int, bool]]]:
+    """The NATS URLs and etcd endpoints to ask, where they came from, and the local processes."""
+    if nats_url and etcd_endpoints:
+        return nats_url, etcd_endpoints, "given", {}
+    processes = local_processes(state_dir)
+    local = _local_urls(processes)
+    if local is None:
+        raise NoCluster(
+            f"no running `laneway up` on {state_dir.resolve()}: start one, pass its "
+            "--state-dir, or give --nats-url and --etcd-endpoints"
+        )
+    return nats_url or local[0], etcd_endpoints or local[1], str(state_dir.resolve()), processes
+
+
+async def gather(
+    nats_url: str | None, etcd_endpoints: str | None, state_dir: Path
+) -> dict[str, Any]:
+    nats_urls, etcd_urls, source, processes = _resolve(nats_url, etcd_endpoints, state_dir)
+    now = datetime.now(UTC)
+    servers, nc = await _nats_servers(_split(nats_urls))
+    members, etcd = await _etcd_members(_split(etcd_urls))
+    found: dict[str, Any] = {
+        "source": source,
+        "nats": {"servers": servers, "jetstream": None},
+        "etcd": {"members": members},
+        "planner": {"leader": None, "replicas": []},
+        "workers": [],
+        "streams": [],
+        "consumers": [],
+    }
+    try:
+        if etcd is not None:
+            found["planner"] = await _planners(etcd)
+            found["workers"] = await _workers(etcd)
+        if nc is not None:
+            js = nc.jetstream()
+            found["nats"]["jetstream"] = await _jetstream(js)
+            if found["nats"]["jetstream"]["enabled"]:
+                found["streams"], found["consumers"] = await _streams(js)
+                await _add_loads(js, found["workers"], now)
+    finally:
+        if nc is not None:
+            await nc.close()
+        if etcd is not None:
+            await etcd.close()
+    _mark_orphans(found)
+    found["services"] = _services(found, processes)
+    found["healthy"] = (
+        all(s["ok"] for s in servers)
+        and all(m["ok"] for m in members)
+        and bool(found["nats"]["jetstream"] and found["nats"]["jetstream"]["enabled"])
+    )
+    return found
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+
+
+async def _nats_servers(urls: list[str]) -> tuple[list[dict[str, Any]], NatsClient | None]:
+    """Each URL on its own connection, so that one down is seen; the first that answers stays
+    open for the JetStream questions."""
+
+    async def quiet(_: Exception) -> None:  # the failure is in the table, not a log line
+        return None
+
+    servers: list[dict[str, Any]] = []
+    kept: NatsClient | None = None
+    for url in urls:
+        try:
+            # nats-py keeps trying a lone server that refuses, reconnects off or not.
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    url,
+                    name="laneway-status",
+                    connect_timeout=_CONNECT_TIMEOUT_S,
+                    allow_reconnect=False,
+                    error_cb=quiet,
+                ),
+                _CONNECT_TIMEOUT_S,
+            )
+        except TimeoutError:
+            servers.append(
+                {"url": url, "ok": False, "error": f"no answer in {_CONNECT_TIMEOUT_S}s"}
+            )
+            continue
+        except Exception as exc:
+            servers.append({"url": url, "ok": False, "error": _error(exc)})
+            continue
+        info = nc._server_info  # the INFO the server sent: version, name, cluster
+        servers.append(
+            {
+                "url": url,
+                "ok": True,
+                "version": info.get("version"),
+                "name": info.get("server_name"),
+                "cluster": info.get("cluster"),
+            }
+        )
+        if kept is None:
+            kept = nc
+        else:
+            await nc.close()
+    return servers, kept
+
+
+async def _etcd_members(endpoints: list[str]) -> tuple[list[dict[str, Any]], aetcd.Client | None]:
+    members: list[dict[str, Any]] = []
+    kept: aetcd.Client | None = None
+    for endpoint in endpoints:
+        client = connect_etcd(endpoint)
+        try:
+            status = await asyncio.wait_for(client.status(), _CONNECT_TIMEOUT_S * 2)
+        except Exception as exc:
+            members.append({"endpoint": endpoint, "ok": False, "error": _error(exc)})
+            await client.close()
+            continue
+        members.append(
+            {
+                "endpoint": endpoint,
+                "ok": True,
+                "version": status.version,
+                "leader": status.leader.name if status.leader is not None else None,
+                "raft_term": status.raft_term,
+                "db_bytes": status.db_size,
+            }
+        )
+        if kept is None:
+            kept = client
+        else:
+            await client.close()
+    return members, kept
+
+
+async def _planners(etcd: aetcd.Client) -> dict[str, Any]:
+    leader = await etcd.get(LEADER_KEY)
+    replicas = [
+        kv.key[len(PLANNERS_PREFIX) :].decode()
+        for kv in await etcd.get_prefix(PLANNERS_PREFIX, keys_only=True)
+    ]
+    return {"leader": leader.value.decode() if leader else None, "replicas": sorted(replicas)}
+
+
+async def _workers(etcd: aetcd.Client) -> list[dict[str, Any]]:
+    workers = []
+    for kv in await etcd.get_prefix(WORKERS_PREFIX):
+        reg = WorkerRegistration.model_validate_json(kv.value)
+        lease = await etcd.get_lease_info(kv.lease, keys=False) if kv.lease else None
+        workers.append(
+            {
+                "worker_id": reg.worker_id,
+                "role": reg.role,
+                "draining": reg.draining,
+                "engine": reg.engine,
+                "pid": reg.pid,
+                # The keep-alive refreshes at a third of the TTL: left near granted is healthy.
+                "lease_ttl_left_s": lease.TTL if lease else None,
+                "lease_granted_s": lease.grantedTTL if lease else None,
+                "kv_blocks_total": reg.kv_blocks_total,
+            }
+        )
+    return sorted(workers, key=lambda w: (w["role"], w["worker_id"]))
+
+
+async def _jetstream(js: JetStreamContext) -> dict[str, Any]:
+    try:
+        account = await js.account_info()
+    except Exception as exc:
+        return {"enabled": False, "error": _error(exc)}
+    return {
+        "enabled": True,
+        "memory_bytes": account.memory,
+        "storage_bytes": account.storage,
+        "streams": account.streams,
+        "consumers": account.consumers,
+    }
+
+
+async def _streams(js: JetStreamContext) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    streams, consumers = [], []
+    for info in sorted(await js.streams_info(), key=lambda i: i.config.name or ""):
+        name = info.config.name or ""
+        cluster = info.cluster
+        streams.append(
+            {
+                "name": name,
+                "messages": info.state.messages,
+                "bytes": info.state.bytes,
+                "replicas": info.config.num_replicas,
+                "leader": cluster.leader if cluster else None,
+                "consumers": info.state.consumer_count,
+            }
+        )
+        for c in await js.consumers_info(name):
+            consumers.append(
+                {
+                    "stream": name,
+                    "name": c.name,
+                    "durable": bool(c.config.durable_name),
+                    "filter": c.config.filter_subject,
+                    # Stored but not yet delivered, then delivered but not yet acked: the lag.
+                    "pending": c.num_pending or 0,
+                    "ack_pending": c.num_ack_pending or 0,
+                    "redelivered": c.num_redelivered or 0,
+                }
+            )
+    consumers.sort(key=lambda c: (c["stream"], not c["durable"], c["name"]))
+    return streams, consumers
+
+
+async def _add_loads(js: JetStreamContext, workers: list[dict[str, Any]], now: datetime) -> None:
+    """Each worker's latest load report, which the load stream keeps per worker."""
+    for worker in workers:
+        try:
+            msg = await js.get_last_msg(LOAD.name, Subjects.load(worker["worker_id"]).subject)
+        except NotFoundError:
+            continue
+        report = decode_event(msg.data or b"")
+        if not isinstance(report, WorkerLoadReported):
+            continue
+        worker.update(
+            running=report.running,
+            waiting=report.waiting,
+            kv_blocks_used=report.kv_blocks_used,
+            kv_usage=report.kv_blocks_used / max(1, report.kv_blocks_total),
+            report_age_s=(now - report.occurred_at).total_seconds(),
+        )
+
+
+def _mark_orphans(found: dict[str, Any]) -> None:
+    """A worker's route consumer outlives the worker by its inactivity threshold: one whose
+    worker holds no lease is marked, its pending messages lost with the worker."""
+    live = {worker_routes(w["worker_id"]).durable for w in found["workers"]}
+    prefix = worker_routes("").durable
+    for consumer in found["consumers"]:
+        consumer["orphaned"] = consumer["name"].startswith(prefix) and consumer["name"] not in live
+
+
+def _kind(process: str) -> str:
+    """`decode-worker-1` → `decode-worker`: a service's name without its replica number."""
+    base, _, number = process.rpartition("-")
+    return base if number.isdigit() and base else process
+
+
+def _services(
+    found: dict[str, Any], processes: dict[str, tuple[int, bool]]
+) -> list[dict[str, Any]]:
+    """Replicas of each service, from the trace it leaves; and, for a local cluster, its
+    processes still running beside that."""
+    roles = [w["role"] for w in found["workers"]]
+    # The kv-indexer keeps no durable: each replica replays the KV stream on an ordered one.
+    indexers = [
+        c
+        for c in found["consumers"]
+        if c["stream"] == KV.name and c["filter"] == Subjects.all_kv.subject
+    ]
+    traced: dict[str, tuple[int | None, str]] = {
+        "planner": (len(found["planner"]["replicas"]), "etcd presence keys"),
+        "kv-indexer": (len(indexers), "ordered consumers on " + KV.name),
+        "decode-worker": (roles.count("decode") + roles.count("both"), "etcd worker keys"),
+        "prefill-worker": (roles.count("prefill"), "etcd worker keys"),
+        "ingress": (None, "leaves no etcd key or JetStream consumer"),
+    }
+    running: dict[str, int] = {}
+    for name, (_, alive) in processes.items():
+        if not name.endswith("(embedded)"):
+            running[_kind(name)] = running.get(_kind(name), 0) + alive
+    return [
+        {"service": name, "replicas": replicas, "seen_in": where, "processes": running.get(name)}
+        for name, (replicas, where) in traced.items()
+    ]

@@ -1,0 +1,136 @@
+"""`laneway status` on a real local cluster: what it shows as JSON and as one screen of text, a
+server that does not answer, and no cluster at all."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bus.topology import STREAM_SUBJECTS
+from infra.cli import main
+from infra.cluster import LocalCluster
+from infra.embedded import free_port
+from tests.live import ClusterFactory
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_factory: ClusterFactory) -> LocalCluster:
+    started = cluster_factory(workers=1, prefill_workers=1, env={"LANEWAY_DISAGG": "always"})
+    reply = httpx.post(
+        f"{started.config.base_url}/completions",
+        json={"model": "laneway-sim", "prompt": "the status of things " * 8, "max_tokens": 4},
+        timeout=30,
+    )
+    assert reply.status_code == 200, reply.text
+    return started
+
+
+def _status(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["status", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
+    code, out, _ = _status(capsys, *args, "--json")
+    return code, json.loads(out)
+
+
+def test_json_shows_services_workers_streams_and_health(
+    cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, found = _json(capsys, "--state-dir", str(cluster.config.state_dir))
+    assert code == 0
+    assert found["healthy"] is True
+    assert found["source"] == str(cluster.config.state_dir.resolve())
+    assert [s["ok"] for s in found["nats"]["servers"]] == [True]
+    assert found["nats"]["jetstream"]["enabled"] is True
+    (member,) = found["etcd"]["members"]
+    assert member["ok"] and member["leader"] and member["version"].startswith("3.")
+
+    pids = cluster.pids()
+    workers = {w["pid"]: w for w in found["workers"]}
+    assert workers.keys() == {pids["decode-worker-0"], pids["prefill-worker-0"]}
+    assert {w["role"] for w in workers.values()} == {"decode", "prefill"}
+    for worker in workers.values():
+        assert worker["draining"] is False
+        assert worker["lease_granted_s"] == 2  # FAST_WORKERS' LANEWAY_LEASE_TTL_S
+        assert 0 <= worker["lease_ttl_left_s"] <= 2
+        # The load stream keeps the latest report, sent every 0.2 s.
+        assert worker["report_age_s"] < 5
+        assert 0 <= worker["kv_usage"] <= 1
+        assert worker["kv_blocks_used"] <= worker["kv_blocks_total"]
+
+    services = {s["service"]: s for s in found["services"]}
+    for name in ("planner", "kv-indexer", "decode-worker", "prefill-worker"):
+        assert services[name]["replicas"] == 1, name
+        assert services[name]["processes"] == 1, name
+    assert services["ingress"]["replicas"] is None  # it leaves no trace to count
+    assert services["ingress"]["processes"] == 1
+    assert len(found["planner"]["replicas"]) == 1
+
+    streams = {s["name"]: s for s in found["streams"]}
+    assert {s.name for s in STREAM_SUBJECTS} <= streams.keys()
+    assert streams["LW_REQUESTS"]["messages"] >= 2  # the request and its end
+    consumers = {c["name"]: c for c in found["consumers"]}
+    assert consumers["planner"]["stream"] == "LW_REQUESTS"
+    assert consumers["planner"]["pending"] == 0  # the one request was routed
+    assert not any(c["orphaned"] for c in found["consumers"])
+
+
+def test_text_is_one_screen_naming_what_json_has(
+    cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _status(capsys, "--state-dir", str(cluster.config.state_dir))
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].endswith(": healthy")
+    assert len(lines) <= 50 and max(map(len, lines)) <= 110, out
+    _, found = _json(capsys, "--state-dir", str(cluster.config.state_dir))
+    for worker in found["workers"]:
+        assert worker["worker_id"][:12] in out
+    for section in ("HEALTH", "SERVICES", "WORKERS", "STREAMS", "CONSUMERS"):
+        assert any(line.startswith(section) for line in lines), section
+    for stream in found["streams"]:
+        assert stream["name"] in out
+
+
+def test_a_nats_server_down_is_shown_and_the_rest_read_from_another(
+    cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dead = f"nats://127.0.0.1:{free_port()}"
+    code, found = _json(
+        capsys,
+        "--nats-url",
+        f"{dead},{cluster.nats_url}",
+        "--etcd-endpoints",
+        cluster.etcd_endpoints,
+    )
+    assert code == 1
+    assert found["healthy"] is False and found["source"] == "given"
+    down, up = found["nats"]["servers"]
+    assert (down["url"], down["ok"], up["ok"]) == (dead, False, True)
+    assert down["error"]
+    assert len(found["workers"]) == 2 and found["streams"]
+    code, out, _ = _status(
+        capsys,
+        "--nats-url",
+        f"{dead},{cluster.nats_url}",
+        "--etcd-endpoints",
+        cluster.etcd_endpoints,
+    )
+    assert code == 1 and "DEGRADED" in out.splitlines()[0]
+    assert any("DOWN" in line and dead in line for line in out.splitlines())
+
+
+def test_no_running_cluster_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _status(capsys, "--state-dir", str(tmp_path))
+    assert (code, out) == (2, "")
+    assert len(err.strip().splitlines()) == 1
+    assert str(tmp_path) in err and "--nats-url" in err
