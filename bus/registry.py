@@ -203,8 +203,20 @@ class LeasedKey:
     async def update(self, value: bytes) -> None:
         """A new value under the same lease (a worker's registration after a role change)."""
         self._value = value
-        if self._lease is not None:
+        if self._lease is None:
+            return
+        try:
             await self._client.put(self.key, value, lease=self._lease)
+        except aetcd.exceptions.ClientError as exc:
+            # Expired while etcd was out of reach longer than the TTL: registered again.
+            if not self._renew or "lease not found" not in str(exc):
+                raise
+            await self._register_again()
+
+    async def _register_again(self) -> None:
+        log.warning("lease of %s expired; registering again", self.key.decode())
+        self._lease = await self._client.lease(self._ttl_s)
+        await self._client.put(self.key, self._value, lease=self._lease)
 
     async def _keep_alive(self) -> None:
         assert self._lease is not None
@@ -213,9 +225,7 @@ class LeasedKey:
             try:
                 reply = await self._lease.refresh()
                 if reply.TTL <= 0 and self._renew:
-                    log.warning("lease of %s expired; registering again", self.key.decode())
-                    self._lease = await self._client.lease(self._ttl_s)
-                    await self._client.put(self.key, self._value, lease=self._lease)
+                    await self._register_again()
             except Exception:  # a missed refresh is retried; the TTL leaves room for two more
                 log.warning("lease refresh failed", exc_info=True)
 

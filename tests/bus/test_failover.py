@@ -72,6 +72,21 @@ async def test_etcd_client_moves_to_a_live_member_and_keeps_watch_and_lease(
     await worker_client.close()
 
 
+async def test_a_lease_lost_while_etcd_was_away_is_taken_again_on_update(
+    etcd_members: list[EmbeddedServer],
+) -> None:
+    client = connect_etcd(",".join(member.url for member in etcd_members))
+    lease = LeasedKey.worker(client, registration("returning"), ttl_s=5)
+    await lease.start()
+    assert lease._lease is not None
+    await client.revoke_lease(lease._lease.id)  # what etcd does to a lease not kept alive
+    assert await client.get(lease.key) is None
+    await lease.update(registration("returning").model_dump_json().encode())
+    assert await client.get(lease.key) is not None
+    await lease.stop()
+    await client.close()
+
+
 async def test_bus_over_a_cluster_replicates_streams_and_survives_its_server(
     nats_nodes: list[EmbeddedServer],
 ) -> None:
