@@ -289,6 +289,10 @@ async def _streams(js: JetStreamContext) -> tuple[list[dict[str, Any]], list[dic
                 "messages": info.state.messages,
                 "bytes": info.state.bytes,
                 "replicas": info.config.num_replicas,
+                # The leader and each follower that has caught up with it.
+                "replicas_current": 1 + sum(bool(r.current) for r in cluster.replicas or [])
+                if cluster and cluster.leader
+                else None,
                 "leader": cluster.leader if cluster else None,
                 "consumers": info.state.consumer_count,
             }

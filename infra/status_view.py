@@ -126,7 +126,9 @@ def _streams(found: dict[str, Any]) -> list[str]:
             s["name"],
             str(s["messages"]),
             _bytes(s["bytes"]),
-            str(s["replicas"]),
+            str(s["replicas"])
+            if s["replicas_current"] is None
+            else f"{s['replicas_current']}/{s['replicas']} current",
             _opt(s["leader"]),
             str(s["consumers"]),
         ]

@@ -127,6 +127,25 @@ def test_a_nats_server_down_is_shown_and_the_rest_read_from_another(
     assert any("DOWN" in line and dead in line for line in out.splitlines())
 
 
+def test_ha_shape_shows_every_server_member_and_replica(
+    cluster_factory: ClusterFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ha = cluster_factory(workers=1, ha=True)
+    code, found = _json(capsys, "--state-dir", str(ha.config.state_dir))
+    assert code == 0
+    servers = found["nats"]["servers"]
+    assert len(servers) == 3 and all(s["ok"] and s["cluster"] for s in servers)
+    assert len({s["name"] for s in servers}) == 3
+    members = found["etcd"]["members"]
+    assert len(members) == 3 and len({m["leader"] for m in members}) == 1
+    for stream in found["streams"]:
+        if stream["name"].startswith("LW_"):
+            assert stream["replicas"] == 3 and stream["leader"], stream
+            assert 1 <= stream["replicas_current"] <= 3
+    _, out, _ = _status(capsys, "--state-dir", str(ha.config.state_dir))
+    assert "/3 current" in out
+
+
 def test_no_running_cluster_is_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
