@@ -24,7 +24,7 @@ from nats.js.errors import NotFoundError
 
 from bus.registry import LEADER_KEY, PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
 from bus.topology import KV, LOAD, Subjects, worker_routes
-from infra.statedir import PIDS_FILE, start_time
+from infra import status_local
 from infra.status_view import render
 from schemas.codec import decode_event
 from schemas.events import WorkerLoadReported
@@ -32,8 +32,6 @@ from schemas.messages import WorkerRegistration
 
 # A status that waits on a dead server is no status: each server gets this long to answer.
 _CONNECT_TIMEOUT_S = 2
-# What a service's process names the two settings the status needs (bus.settings).
-_URL_SETTINGS = ("LANEWAY_NATS_URL", "LANEWAY_ETCD_ENDPOINTS")
 
 
 class NoCluster(Exception):
@@ -57,7 +55,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    """0: every server answers and JetStream is on; 1: something is down; 2: no cluster."""
+    """0: every server answers, JetStream is on and every local process runs and is ready;
+    1: something is not; 2: no cluster."""
     try:
         found = asyncio.run(gather(args.nats_url, args.etcd_endpoints, args.state_dir))
     except NoCluster as err:
@@ -71,53 +70,26 @@ def _split(urls: str) -> list[str]:
     return [url.strip() for url in urls.split(",") if url.strip()]
 
 
-def local_processes(state_dir: Path) -> dict[str, tuple[int, bool]]:
-    """What the `laneway up` on ``state_dir`` started: name → (pid, still that process)."""
-    try:
-        known = json.loads((state_dir / PIDS_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    # A PID may have been reused since it was written down: the start time tells.
-    return {name: (pid, bool(t) and start_time(pid) == t) for name, (pid, t) in known.items()}
-
-
-def _settings_of(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    pairs = (item.partition("=") for item in raw.decode(errors="replace").split("\0"))
-    return {key: value for key, _, value in pairs if key in _URL_SETTINGS}
-
-
-def _local_urls(processes: dict[str, tuple[int, bool]]) -> tuple[str, str] | None:
-    for pid, alive in processes.values():
-        settings = _settings_of(pid) if alive else {}
-        if len(settings) == len(_URL_SETTINGS):
-            return settings[_URL_SETTINGS[0]], settings[_URL_SETTINGS[1]]
-    return None
-
-
 def _resolve(
     nats_url: str | None, etcd_endpoints: str | None, state_dir: Path
-) -> tuple[str, str, str, dict[str, tuple[int, bool]]]:
+) -> tuple[str, str, str, list[dict[str, Any]]]:
     """The NATS URLs and etcd endpoints to ask, where they came from, and the local processes."""
     if nats_url and etcd_endpoints:
-        return nats_url, etcd_endpoints, "given", {}
-    processes = local_processes(state_dir)
-    local = _local_urls(processes)
-    if local is None:
+        return nats_url, etcd_endpoints, "given", []
+    local = status_local.processes(state_dir)
+    found = status_local.urls(local)
+    if found is None:
         raise NoCluster(
             f"no running `laneway up` on {state_dir.resolve()}: start one, pass its "
             "--state-dir, or give --nats-url and --etcd-endpoints"
         )
-    return nats_url or local[0], etcd_endpoints or local[1], str(state_dir.resolve()), processes
+    return nats_url or found[0], etcd_endpoints or found[1], str(state_dir.resolve()), local
 
 
 async def gather(
     nats_url: str | None, etcd_endpoints: str | None, state_dir: Path
 ) -> dict[str, Any]:
-    nats_urls, etcd_urls, source, processes = _resolve(nats_url, etcd_endpoints, state_dir)
+    nats_urls, etcd_urls, source, local = _resolve(nats_url, etcd_endpoints, state_dir)
     now = datetime.now(UTC)
     servers, nc = await _nats_servers(_split(nats_urls))
     members, etcd = await _etcd_members(_split(etcd_urls))
@@ -129,6 +101,7 @@ async def gather(
         "workers": [],
         "streams": [],
         "consumers": [],
+        "processes": await status_local.probe(local),
     }
     try:
         if etcd is not None:
@@ -146,11 +119,12 @@ async def gather(
         if etcd is not None:
             await etcd.close()
     _mark_orphans(found)
-    found["services"] = _services(found, processes)
+    found["services"] = _services(found)
     found["healthy"] = (
         all(s["ok"] for s in servers)
         and all(m["ok"] for m in members)
         and bool(found["nats"]["jetstream"] and found["nats"]["jetstream"]["enabled"])
+        and all(p["alive"] and p.get("ready", True) for p in found["processes"])
     )
     return found
 
@@ -348,11 +322,9 @@ def _kind(process: str) -> str:
     return base if number.isdigit() and base else process
 
 
-def _services(
-    found: dict[str, Any], processes: dict[str, tuple[int, bool]]
-) -> list[dict[str, Any]]:
+def _services(found: dict[str, Any]) -> list[dict[str, Any]]:
     """Replicas of each service, from the trace it leaves; and, for a local cluster, its
-    processes still running beside that."""
+    processes running and ready beside that."""
     roles = [w["role"] for w in found["workers"]]
     # The kv-indexer keeps no durable: each replica replays the KV stream on an ordered one.
     indexers = [
@@ -367,11 +339,16 @@ def _services(
         "prefill-worker": (roles.count("prefill"), "etcd worker keys"),
         "ingress": (None, "leaves no etcd key or JetStream consumer"),
     }
-    running: dict[str, int] = {}
-    for name, (_, alive) in processes.items():
-        if not name.endswith("(embedded)"):
-            running[_kind(name)] = running.get(_kind(name), 0) + alive
-    return [
-        {"service": name, "replicas": replicas, "seen_in": where, "processes": running.get(name)}
-        for name, (replicas, where) in traced.items()
-    ]
+    services = []
+    for name, (replicas, where) in traced.items():
+        mine = [p for p in found["processes"] if _kind(p["name"]) == name]
+        services.append(
+            {
+                "service": name,
+                "replicas": replicas,
+                "seen_in": where,
+                "processes": sum(p["alive"] for p in mine) if mine else None,
+                "ready": sum(bool(p.get("ready")) for p in mine) if mine else None,
+            }
+        )
+    return services

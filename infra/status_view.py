@@ -82,8 +82,15 @@ def _services(found: dict[str, Any]) -> list[str]:
             note += (
                 f"; leader {_short(leader)}" if leader else "; no leader (only --autoscale elects)"
             )
-        rows.append([s["service"], _opt(s["replicas"]), _opt(s["processes"]), note])
-    return _table("SERVICES", ["service", "replicas", "local procs", "seen in"], rows)
+        local = "-" if s["processes"] is None else f"{s['processes']} ({s['ready']} ready)"
+        rows.append([s["service"], _opt(s["replicas"]), local, note])
+    lines = _table("SERVICES", ["service", "replicas", "local procs", "seen in"], rows)
+    for p in found["processes"]:
+        if not p["alive"]:
+            lines.append(f"  ! {p['name']} (pid {p['pid']}) is not running")
+        elif p.get("ready") is False:
+            lines.append(f"  ! {p['name']} (pid {p['pid']}): {p['readiness']}")
+    return lines
 
 
 def _workers(found: dict[str, Any]) -> list[str]:

@@ -4,6 +4,7 @@ server that does not answer, and no cluster at all."""
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +69,13 @@ def test_json_shows_services_workers_streams_and_health(
     services = {s["service"]: s for s in found["services"]}
     for name in ("planner", "kv-indexer", "decode-worker", "prefill-worker"):
         assert services[name]["replicas"] == 1, name
-        assert services[name]["processes"] == 1, name
+        assert services[name]["processes"] == services[name]["ready"] == 1, name
     assert services["ingress"]["replicas"] is None  # it leaves no trace to count
-    assert services["ingress"]["processes"] == 1
+    assert services["ingress"]["processes"] == services["ingress"]["ready"] == 1
+    processes = {p["name"]: p for p in found["processes"]}
+    assert processes.keys() == pids.keys()
+    assert all(p["alive"] for p in processes.values())
+    assert processes["ingress"]["readiness"] == "ready"
     assert len(found["planner"]["replicas"]) == 1
 
     streams = {s["name"]: s for s in found["streams"]}
@@ -125,6 +130,22 @@ def test_a_nats_server_down_is_shown_and_the_rest_read_from_another(
     )
     assert code == 1 and "DEGRADED" in out.splitlines()[0]
     assert any("DOWN" in line and dead in line for line in out.splitlines())
+
+
+def test_a_stopped_service_is_named_and_the_status_is_degraded(
+    cluster_factory: ClusterFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    small = cluster_factory(workers=2)
+    worker = small.service("decode-worker-1")
+    assert worker.proc is not None
+    worker.proc.send_signal(signal.SIGKILL)
+    worker.proc.wait()
+    code, out, _ = _status(capsys, "--state-dir", str(small.config.state_dir))
+    assert code == 1 and "DEGRADED" in out.splitlines()[0]
+    assert f"! decode-worker-1 (pid {worker.proc.pid}) is not running" in out
+    _, found = _json(capsys, "--state-dir", str(small.config.state_dir))
+    services = {s["service"]: s for s in found["services"]}
+    assert (services["decode-worker"]["processes"], services["decode-worker"]["ready"]) == (1, 1)
 
 
 def test_ha_shape_shows_every_server_member_and_replica(
