@@ -2,7 +2,8 @@
 
 Services, their replicas and where each was seen; the workers with role, lease, load and KV
 usage; the planner leader; stream sizes and consumer lag; the health of every NATS server and
-etcd member given. Without ``--nats-url``/``--etcd-endpoints`` the URLs are those of the
+etcd member given. Without ``--nats-url``/``--etcd-endpoints``, or the services' own
+``LANEWAY_NATS_URL``/``LANEWAY_ETCD_ENDPOINTS`` (in a pod), the URLs are those of the
 `laneway up` running on ``--state-dir``, read from the environment of one of its services.
 Nothing here writes to the cluster."""
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -42,13 +44,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     status = sub.add_parser(
         "status", help="services, workers, leader, streams and server health of a cluster"
     )
-    status.add_argument("--nats-url", help="NATS server URL(s), comma-separated")
-    status.add_argument("--etcd-endpoints", help="etcd endpoints (host:port), comma-separated")
+    # In a pod, the services' own settings: `kubectl exec deploy/planner -- laneway status`.
+    status.add_argument(
+        "--nats-url", help="NATS server URL(s), comma-separated (default: $LANEWAY_NATS_URL)"
+    )
+    status.add_argument(
+        "--etcd-endpoints",
+        help="etcd endpoints (host:port), comma-separated (default: $LANEWAY_ETCD_ENDPOINTS)",
+    )
     status.add_argument(
         "--state-dir",
         type=Path,
         default=Path(".state"),
-        help="the state dir of the `laneway up` to look at when no URLs are given",
+        help="the state dir of the `laneway up` to look at when no URLs are given or set",
     )
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     status.set_defaults(func=run)
@@ -58,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
     """0: every server answers, JetStream is on and every local process runs and is ready;
     1: something is not; 2: no cluster."""
     try:
-        found = asyncio.run(gather(args.nats_url, args.etcd_endpoints, args.state_dir))
+        nats_url = args.nats_url or os.environ.get("LANEWAY_NATS_URL")
+        etcd_endpoints = args.etcd_endpoints or os.environ.get("LANEWAY_ETCD_ENDPOINTS")
+        found = asyncio.run(gather(nats_url, etcd_endpoints, args.state_dir))
     except NoCluster as err:
         print(f"laneway status: {err}", file=sys.stderr)
         return 2

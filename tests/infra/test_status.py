@@ -167,9 +167,24 @@ def test_ha_shape_shows_every_server_member_and_replica(
     assert "/3 current" in out
 
 
-def test_no_running_cluster_is_one_line_and_exit_2(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_the_services_settings_name_the_cluster_in_a_pod(
+    cluster: LocalCluster,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
+    monkeypatch.setenv("LANEWAY_NATS_URL", cluster.nats_url)
+    monkeypatch.setenv("LANEWAY_ETCD_ENDPOINTS", cluster.etcd_endpoints)
+    code, found = _json(capsys, "--state-dir", str(tmp_path))
+    assert (code, found["source"]) == (0, "given")
+    assert len(found["workers"]) == 2 and found["processes"] == []
+
+
+def test_no_running_cluster_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LANEWAY_NATS_URL", raising=False)
+    monkeypatch.delenv("LANEWAY_ETCD_ENDPOINTS", raising=False)
     code, out, err = _status(capsys, "--state-dir", str(tmp_path))
     assert (code, out) == (2, "")
     assert len(err.strip().splitlines()) == 1
