@@ -74,7 +74,14 @@ class Bus:
         moves to another (those listed, or those the cluster tells of) when its server goes."""
         servers = [u.strip() for u in url.split(",") if u.strip()]
         nc = await nats.connect(
-            servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5
+            servers,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            # A server that is up but silent (partitioned, frozen) is left after about 6 s of
+            # unanswered pings, not nats-py's default 4 minutes.
+            ping_interval=2,
+            max_outstanding_pings=3,
         )
         return cls(nc)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -131,3 +133,18 @@ def _cancel(request_id: str) -> CancellationRequested:
 
 def _port(bus: Bus) -> int | None:
     return bus.nc.connected_url.port if bus.nc.connected_url else None
+
+
+async def test_bus_leaves_a_server_that_stops_answering(nats_nodes: list[EmbeddedServer]) -> None:
+    bus = await Bus.connect(",".join(node.url for node in nats_nodes), "frozen")
+    await bus.ensure_streams(3)
+    victim = next(node for node in nats_nodes if node.port == _port(bus))
+    victim.proc.send_signal(signal.SIGSTOP)  # a partitioned server: up, but silent
+    started = time.monotonic()
+    try:
+        await bus.publish(CANCELS.subject, _cancel("after-freeze"))
+        assert _port(bus) != victim.port
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    print(f"confirmed {time.monotonic() - started:.1f} s after its server froze")
+    await bus.close()
