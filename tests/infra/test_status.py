@@ -180,6 +180,18 @@ def test_the_services_settings_name_the_cluster_in_a_pod(
     assert len(found["workers"]) == 2 and found["processes"] == []
 
 
+def test_nothing_answering_is_shown_down_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
+    nats_url, etcd = f"nats://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    code, out, err = _status(capsys, "--nats-url", nats_url, "--etcd-endpoints", etcd)
+    assert (code, err) == (1, "")
+    assert "DEGRADED" in out.splitlines()[0]
+    assert [line.split()[:3] for line in out.splitlines() if "DOWN" in line] == [
+        ["NATS", nats_url, "DOWN"],
+        ["etcd", etcd, "DOWN"],
+    ]
+    assert "WORKERS: none" in out and "STREAMS: none" in out
+
+
 def test_no_running_cluster_is_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
