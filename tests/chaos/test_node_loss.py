@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -108,13 +109,53 @@ def pause(timed: list[Timed], at: float) -> tuple[float, str]:
     return max(waits, default=(0.0, "none"))
 
 
+# (seconds into the load, what, doing it)
+Fault = tuple[float, str, Callable[[], Awaitable[None]]]
+
+
 async def test_load_survives_a_nats_node_and_the_etcd_leader(
     cluster_factory: ClusterFactory,
 ) -> None:
     cluster: LocalCluster = cluster_factory(workers=2, ha=True, env=SLOW_SIM)
-    nats = [s for s in cluster.servers if s.name.startswith("nats")]
-    etcd = [s for s in cluster.servers if s.name.startswith("etcd")]
-    assert len(nats) == 3 and len(etcd) == 3
+    nats, etcd = _servers(cluster, "nats"), _servers(cluster, "etcd")
+    victims: list[EmbeddedServer] = []
+
+    async def kill_etcd_leader() -> None:
+        victims.append(await etcd_leader(etcd))
+        victims[0].kill()
+
+    # Killed and started from this (the main) thread, which the servers' die-with-parent
+    # signal is tied to; a kill or a spawn does not block it long.
+    await under_load(
+        cluster,
+        [
+            (NATS_KILL, "nats node killed", _sync(nats[0].kill)),
+            (NATS_BACK, "nats node back", _sync(nats[0].respawn)),
+            (ETCD_KILL, "etcd leader killed", kill_etcd_leader),
+            (ETCD_BACK, "etcd member back", _sync(lambda: victims[0].respawn())),
+        ],
+    )
+
+
+async def test_load_survives_a_nats_node_that_stops_answering(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """A partition's stand-in: the node is up, its connections open, but it answers nothing."""
+    cluster: LocalCluster = cluster_factory(workers=2, ha=True, env=SLOW_SIM)
+    node = _servers(cluster, "nats")[0]
+    await under_load(
+        cluster,
+        [
+            (NATS_KILL, "nats node frozen", _sync(lambda: node.proc.send_signal(signal.SIGSTOP))),
+            (NATS_BACK, "nats node thawed", _sync(lambda: node.proc.send_signal(signal.SIGCONT))),
+        ],
+        load_s=NATS_BACK + 10,
+    )
+
+
+async def under_load(cluster: LocalCluster, plan: list[Fault], load_s: float = LOAD_S) -> None:
+    """Stream ``RATE_PER_S`` requests a second for ``load_s`` while ``plan`` happens; then
+    print each fault's pause and check every stream and etcd's view of the workers."""
     workers = set(await registrations(cluster.etcd_endpoints))
     views: list[set[str]] = []
 
@@ -132,46 +173,39 @@ async def test_load_survives_a_nats_node_and_the_etcd_leader(
         start = time.monotonic()
         faults: dict[str, float] = {}
 
-        async def at(offset: float, what: str, act: Callable[[], Awaitable[None]]) -> None:
-            await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
-            faults[what] = time.monotonic()
-            await act()
+        async def faulting() -> None:
+            for offset, what, act in plan:
+                await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
+                faults[what] = time.monotonic()
+                await act()
 
-        async def kill_etcd_leader() -> None:
-            victim = await etcd_leader(etcd)
-            victim.kill()
-            back = at(ETCD_BACK, "etcd member back", _sync(victim.respawn))
-            schedule.append(asyncio.create_task(back))
-
-        # Killed and started from this (the main) thread, which the servers' die-with-parent
-        # signal is tied to; a kill or a spawn does not block it long.
-        schedule = [
-            asyncio.create_task(at(NATS_KILL, "nats node killed", _sync(nats[0].kill))),
-            asyncio.create_task(at(NATS_BACK, "nats node back", _sync(nats[0].respawn))),
-            asyncio.create_task(at(ETCD_KILL, "etcd leader killed", kill_etcd_leader)),
-        ]
+        schedule = asyncio.create_task(faulting())
         sending = []
-        count = int(LOAD_S * RATE_PER_S)
-        for i in range(count):
+        for i in range(int(load_s * RATE_PER_S)):
             await asyncio.sleep(max(0.0, start + i / RATE_PER_S - time.monotonic()))
             seed, n = rng.randrange(SEEDS), rng.randint(1, MAX_TOKENS)
             sending.append(asyncio.create_task(timed_stream(http, seed, n)))
         timed = await asyncio.gather(*sending)
-        while not all(task.done() for task in schedule):  # the etcd member's return
-            await asyncio.gather(*schedule)
+        await schedule
     watcher.cancel()
     await watcher_client.close()
 
-    before = [length for t in timed for s, length in t.waits() if s < start + NATS_KILL - 1]
-    baseline = max(before, default=0.0)
-    print(f"\nbaseline: longest wait before any fault {baseline * 1000:.0f} ms")
-    for what, when in sorted(faults.items(), key=lambda kv: kv[1]):
+    first = start + plan[0][0]
+    before = [length for t in timed for s, length in t.waits() if s < first - 1]
+    print(f"\nbaseline: longest wait before any fault {max(before, default=0.0) * 1000:.0f} ms")
+    for what, when in faults.items():
         length, kind = pause(timed, when)
         print(f"{what} at {when - start:5.1f} s: pause {length * 1000:.0f} ms ({kind})")
     wrong = [m for t in timed if (m := mismatch(t.streamed, whole[t.streamed.seed]))]
     assert not wrong, f"{len(wrong)} of {len(timed)} requests failed or differ: {wrong[:5]}"
     lost = [sorted(workers - view) for view in views if not workers <= view]
     assert not lost, f"workers dropped out of etcd's view: {lost[:5]}"
+
+
+def _servers(cluster: LocalCluster, kind: str) -> list[EmbeddedServer]:
+    found = [s for s in cluster.servers if s.name.startswith(kind)]
+    assert len(found) == 3
+    return found
 
 
 def _sync(call: Callable[[], None]) -> Callable[[], Awaitable[None]]:
