@@ -133,6 +133,11 @@ class LocalCluster:
         """Before anything starts: a port in use, or a server given that does not answer, is one
         line naming it, not a child's death or a wait until the start times out."""
         cfg = self.config
+        if cfg.ha and (cfg.nats_port or cfg.etcd_port):
+            raise StartupError(
+                "--nats-port and --etcd-port place the single embedded servers; "
+                "--ha starts three of each on free ports"
+            )
         check_port_free(cfg.http_host, cfg.http_port, "HTTP", "--port")
         if cfg.nats_url:
             check_reachable(cfg.nats_url, 4222, "NATS", "--nats-url")

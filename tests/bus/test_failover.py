@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -21,22 +22,24 @@ from tests.helpers import eventually, registration
 pytestmark = pytest.mark.live
 
 
-@pytest.fixture(scope="module")
-def etcd_members(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EmbeddedServer]]:
-    path = tmp_path_factory.mktemp("etcd-cluster")
-    members = start_etcd_cluster(path, path)
+def _members(
+    factory: pytest.TempPathFactory, start: Callable[[Path, Path], list[EmbeddedServer]]
+) -> Iterator[list[EmbeddedServer]]:
+    path = factory.mktemp("cluster")
+    members = start(path, path)
     yield members
     for member in members:
         member.stop()
 
 
 @pytest.fixture(scope="module")
+def etcd_members(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EmbeddedServer]]:
+    yield from _members(tmp_path_factory, start_etcd_cluster)
+
+
+@pytest.fixture(scope="module")
 def nats_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EmbeddedServer]]:
-    path = tmp_path_factory.mktemp("nats-cluster")
-    nodes = start_nats_cluster(path, path)
-    yield nodes
-    for node in nodes:
-        node.stop()
+    yield from _members(tmp_path_factory, start_nats_cluster)
 
 
 async def test_etcd_client_moves_to_a_live_member_and_keeps_watch_and_lease(

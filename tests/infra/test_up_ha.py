@@ -3,11 +3,16 @@ etcd cluster, every stream on three servers, every service given every member.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
+import pytest
 
 from bus.client import Bus
 from bus.topology import STREAM_SUBJECTS
 from infra.cli import build_parser
+from infra.cluster import ClusterConfig, LocalCluster
+from infra.startup import StartupError
 from tests.live import ClusterFactory, registrations
 
 
@@ -31,3 +36,10 @@ async def test_ha_cluster_serves_on_three_nats_nodes_and_three_etcd_members(
             assert (await js.stream_info(stream.name)).config.num_replicas == 3
     finally:
         await bus.close()
+
+
+def test_ha_takes_no_single_server_ports(tmp_path: Path) -> None:
+    cluster = LocalCluster(ClusterConfig(state_dir=tmp_path, ha=True, nats_port=4222))
+    with pytest.raises(StartupError, match="--ha starts three of each on free ports"):
+        cluster.start()
+    assert not cluster.servers
