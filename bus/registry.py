@@ -49,6 +49,8 @@ def connect_etcd(endpoints: str) -> EtcdCluster:
 
 # A member that is down, or that has no leader to forward to, answers these (or nothing).
 UNREACHABLE = (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError)
+# How long a stopping process waits for etcd to revoke its lease before leaving it to expire.
+REVOKE_TIMEOUT_S = 1.0
 
 
 class EtcdCluster(aetcd.Client):  # type: ignore[misc] # aetcd has no types
@@ -235,8 +237,11 @@ class LeasedKey:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self._lease is not None:
+            # Leaving at once is a courtesy: with etcd gone too (the whole cluster stopping),
+            # failing over for it would hold the process past its shutdown, and the lease
+            # expires by itself after its TTL anyway.
             with contextlib.suppress(Exception):
-                await self._lease.revoke()
+                await asyncio.wait_for(self._lease.revoke(), REVOKE_TIMEOUT_S)
 
 
 WorkersChanged = Callable[[dict[str, WorkerRegistration]], Awaitable[None]]
