@@ -122,8 +122,10 @@ async def test_bus_over_a_cluster_replicates_streams_and_survives_its_server(
             await bus.publish(CANCELS.subject, _cancel(request_id))
         # Stored once each, whatever was published again.
         reader = await js.pull_subscribe(CANCELS.subject.subject, stream=REQUESTS.name)
-        stored = [decode_event(m.data).request_id for m in await reader.fetch(10, timeout=2)]
+        stored = [decode_event(m.data).request_id for m in await reader.fetch(5, timeout=10)]
         assert stored == sent
+        info = await js.stream_info(REQUESTS.name, subjects_filter=CANCELS.subject.subject)
+        assert info.state.subjects == {CANCELS.subject.subject: len(sent)}
         assert _port(bus) != victim.port
     finally:
         victim.restart()
