@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterator
 from functools import partial
+from pathlib import Path
+
+import pytest
 
 from bus.client import Bus
 from bus.registry import LeasedKey, connect_etcd, watch_workers
 from bus.topology import Subjects
 from infra.bench.offline import OfflineReplay
 from infra.bench.traces import TraceRequest
-from infra.embedded import EmbeddedServer
+from infra.embedded import EmbeddedServer, start_etcd, start_nats
 from schemas.events import (
     RequestAccepted,
     RequestFinished,
@@ -84,9 +88,21 @@ def _registration(worker_id: str, role: str) -> WorkerRegistration:
     )
 
 
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[tuple[EmbeddedServer, EmbeddedServer]]:
+    """A NATS and an etcd of this test's own: the session's hold other tests' durable consumers,
+    requests and leases, which a planner there would see too."""
+    nats, etcd = start_nats(tmp_path), start_etcd(tmp_path)
+    yield nats, etcd
+    nats.stop()
+    etcd.stop()
+
+
+@pytest.mark.live
 async def test_live_and_offline_decide_alike_field_for_field(
-    nats_server: EmbeddedServer, etcd_server: EmbeddedServer
+    servers: tuple[EmbeddedServer, EmbeddedServer],
 ) -> None:
+    nats_server, etcd_server = servers
     recorded = _offline()
     assert any(d.prefill_worker_id for _, d in recorded), "no remote prefill to compare"
     assert any(d.prefill_worker_id is None for _, d in recorded)
