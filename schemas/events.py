@@ -337,6 +337,12 @@ class PlannerConfigured(Envelope):
     kv: dict[str, Any] = Field(description="the kv policy's settings, by name")
     disagg: dict[str, Any] = Field(description="the disaggregation settings, by name")
     version: str = Field(description="Laneway version that decided")
+    speedup: float = Field(
+        default=1.0,
+        gt=0,
+        description="how many times faster than their perf model the sim workers ran "
+        "(`laneway bench --time-scale`): the log's latencies are that much shorter",
+    )
 
 
 Event = Annotated[

@@ -87,8 +87,12 @@ def what_if(log: LogIndex, args: argparse.Namespace) -> WhatIf:
     config = log.config_of(first)
     if config is None:
         raise RecordingError(f"no PlannerConfigured for {first.source}: its settings are unknown")
-    recorded, recorded_ttft = recorded_report(list(log.requests.values()))
-    trace = recording_trace(log.recorded)
+    # Both sides in the perf model's time: a run whose sim workers were sped up
+    # (`laneway bench --time-scale`) has its arrivals and latencies scaled back, as the live
+    # bench reports them.
+    scale = config.speedup
+    recorded, recorded_ttft = recorded_report(list(log.requests.values()), scale)
+    trace = recording_trace(log.recorded, speedup=1 / scale)
     decoders, prefillers = _pools(routed)
     block_size = first.spec.block_size
     capacity = max(c.kv_capacity_tokens for c in first.candidates)
@@ -103,6 +107,7 @@ def what_if(log: LogIndex, args: argparse.Namespace) -> WhatIf:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "perf_model": args.perf_model,
+        "time_scale": scale,
     }
     policy, disagg = settings_of(
         config.model_copy(update={"policy": args.policy, "seed": settings["seed"]})
@@ -153,8 +158,11 @@ def _pools(routed: list[RequestLog]) -> tuple[int, int]:
     return sizes.most_common(1)[0][0]
 
 
-def recorded_report(logs: list[RequestLog]) -> tuple[dict[str, Any], list[float]]:
-    """The live run's figures, shaped like one policy of `laneway bench --json`, and its TTFTs."""
+def recorded_report(
+    logs: list[RequestLog], scale: float = 1.0
+) -> tuple[dict[str, Any], list[float]]:
+    """The live run's figures, shaped like one policy of `laneway bench --json`, and its TTFTs;
+    every time multiplied by ``scale``."""
     ttft: list[float] = []
     e2e: list[float] = []
     tpot: list[float] = []
@@ -175,17 +183,17 @@ def recorded_report(logs: list[RequestLog]) -> tuple[dict[str, Any], list[float]
         times.append(end.occurred_at)
         # The worker times first and last token from when it received the route.
         after_route = (end.occurred_at - arrived).total_seconds() * 1000 - end.e2e_ms
-        ttft.append(max(0.0, after_route) + end.ttft_ms)
-        e2e.append(max(0.0, after_route) + end.e2e_ms)
+        ttft.append(scale * (max(0.0, after_route) + end.ttft_ms))
+        e2e.append(scale * (max(0.0, after_route) + end.e2e_ms))
         if end.usage.completion_tokens > 1:
-            tpot.append((end.e2e_ms - end.ttft_ms) / (end.usage.completion_tokens - 1))
+            tpot.append(scale * (end.e2e_ms - end.ttft_ms) / (end.usage.completion_tokens - 1))
         gaps.merge(end.token_gaps)
         prompt += end.usage.prompt_tokens
         cached += end.usage.cached_tokens
         served[end.worker_id] += 1
     # A histogram has percentiles, not the mean.
     itl: dict[str, float | None] = {"mean": None}
-    itl |= {f"p{q}": gaps.percentile(q) for q in (50, 95, 99)}
+    itl |= {f"p{q}": _times(gaps.percentile(q), scale) for q in (50, 95, 99)}
     report = {
         "requests": requests,
         "completed": len(ttft),
@@ -196,6 +204,10 @@ def recorded_report(logs: list[RequestLog]) -> tuple[dict[str, Any], list[float]
         "tpot_ms": summary(tpot),
         "e2e_ms": summary(e2e),
         "worker_requests": dict(sorted(served.items())),
-        "duration_s": (max(times) - min(times)).total_seconds() if times else 0.0,
+        "duration_s": scale * (max(times) - min(times)).total_seconds() if times else 0.0,
     }
     return report, ttft
+
+
+def _times(value: float | None, scale: float) -> float | None:
+    return None if value is None else value * scale

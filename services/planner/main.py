@@ -118,6 +118,7 @@ def main() -> None:
                 settings.kv(),
                 settings.disagg_settings(),
                 version("laneway"),
+                settings.speedup,
             ),
         )
         sessions = SessionStore(etcd, settings.session_ttl_s) if settings.policy == "kv" else None

@@ -19,7 +19,13 @@ _D = TypeVar("_D")
 
 
 def configured(
-    source: str, policy: str, seed: int, kv: KvSettings, disagg: DisaggSettings, version: str
+    source: str,
+    policy: str,
+    seed: int,
+    kv: KvSettings,
+    disagg: DisaggSettings,
+    version: str,
+    speedup: float = 1.0,
 ) -> PlannerConfigured:
     """The record of a planner replica's settings, published when it starts."""
     return PlannerConfigured(
@@ -29,6 +35,7 @@ def configured(
         kv=dataclasses.asdict(kv),
         disagg=dataclasses.asdict(disagg),
         version=version,
+        speedup=speedup,
     )
 
 

@@ -183,6 +183,8 @@ def test_what_if_puts_another_policy_beside_the_recorded_run(
     assert report["recorded"]["itl_ms"]["p95"] > 0
     # Only the kv policy places prefills: round robin gets the decode pool alone.
     assert report["settings"]["workers"] == 2 and report["settings"]["prefill_workers"] == 0
+    # The recorded run's workers ran at their perf model's own pace: nothing to scale back.
+    assert report["settings"]["time_scale"] == 1.0
     assert png.stat().st_size > 0
     assert "what-if round_robin" in capsys.readouterr().out
 
