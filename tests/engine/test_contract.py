@@ -23,7 +23,7 @@ from services.engine.protocol import (
 )
 from services.engine.sim import SimConfig, SimEngine
 from services.engine.torch_engine import TorchEngine, TorchEngineConfig
-from tests.torch_engine.tiny_checkpoint import write_tiny_checkpoint
+from tests.engine.torch_engine.tiny_checkpoint import write_tiny_checkpoint
 
 from ._sim_support import fold, outputs_by_request, run_to_end
 from .trtllm_standin import FakeLlm, standin_engine

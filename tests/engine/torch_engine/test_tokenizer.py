@@ -14,7 +14,7 @@ from tokenizers import processors
 
 from services.common.hf_tokenizer import HfTokenizer
 from services.common.tokenizer import IncrementalDetokenizer, Tokenizer
-from tests.torch_engine._support import Message
+from tests.engine.torch_engine._support import Message
 
 MIXED = "Ferry café, naïve 😀 日本語 — ✓ tabs\tand\nnewlines, 12,345 and <b>&amp;</b>"
 

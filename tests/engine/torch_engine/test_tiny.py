@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from services.common.hf_tokenizer import HfTokenizer
 from services.engine.torch_engine import tiny
 from services.engine.torch_engine.tiny import make_tiny_model
-from tests.torch_engine._support import Message
+from tests.engine.torch_engine._support import Message
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
