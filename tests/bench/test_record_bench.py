@@ -17,7 +17,7 @@ from infra.bench.record_bench import (
 from schemas import codec
 from schemas.events import RouteCandidate, RouteDecided
 from services.planner.kv_policy import KvAware
-from tests.planner.test_replay import _recorded
+from tests.planner.recorded import recorded
 
 
 def _defaults(model: type[BaseModel], names: frozenset[str]) -> dict[str, Any]:
@@ -25,7 +25,7 @@ def _defaults(model: type[BaseModel], names: frozenset[str]) -> dict[str, Any]:
 
 
 def test_the_trimmed_event_is_the_full_one_less_what_v3_added() -> None:
-    event = _recorded(KvAware())
+    event = recorded(KvAware())
     prefill = event.prefill
     assert prefill is not None and prefill.candidates  # both kinds of candidate are trimmed
     full, trimmed = route_path(FULL, event)(), route_path(TRIMMED, event)()

@@ -3,73 +3,25 @@ changed input or setting shows as the terms that moved."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
-from schemas import codec
-from schemas.events import RequestSpec, RouteDecided, SamplingParams
-from services.planner.decision import DecisionInputs, decide, inputs_of
-from services.planner.disagg import DisaggSettings
+from services.planner.decision import inputs_of
 from services.planner.kv_policy import KvAware, KvSettings
-from services.planner.policy import RouteRequest, WorkerView
 from services.planner.replay import differences, redecide
-
-DISAGG = DisaggSettings(mode="auto", min_remote_tokens=64)
-SPEC = RequestSpec(
-    model="m",
-    prompt_token_ids=(1,) * 1000,
-    block_size=16,
-    block_hashes=tuple(range(62)),
-    sampling=SamplingParams(max_tokens=40),
-    reply_to="i",
-    deadline=datetime(2030, 1, 1, tzinfo=UTC),
-)
-
-
-def _inputs() -> DecisionInputs:
-    def view(worker_id: str, running: int, cached: int = 0, queued: int = 0) -> WorkerView:
-        return WorkerView(
-            worker_id,
-            running=running,
-            waiting=1,
-            kv_usage=0.25,
-            in_flight=running + 1,
-            cached_blocks=cached,
-            waiting_prefill_tokens=queued,
-            block_size=16,
-            kv_capacity_tokens=16_384,
-        )
-
-    return DecisionInputs(
-        RouteRequest("r1", 1000, SPEC.block_hashes, max_tokens=40),
-        [view("a", 3, cached=30), view("b", 0, queued=2000)],
-        [view("p", 0, cached=10)],
-        frozenset({"a", "b", "p"}),
-    )
-
-
-def _recorded(policy: KvAware) -> RouteDecided:
-    policy.turn = 7  # as if the planner had made seven decisions before this one
-    decision = decide(policy, DISAGG, _inputs())
-    event = RouteDecided(source="planner/x", request_id="r1", spec=SPEC, **decision.route_fields())
-    # Through the wire, as a replayer reads it back.
-    decoded = codec.decode_event(codec.encode(event))
-    assert isinstance(decoded, RouteDecided)
-    return decoded
+from tests.planner.recorded import DISAGG, decision_inputs, recorded
 
 
 def test_an_event_carries_every_input_of_its_decision() -> None:
-    event = _recorded(KvAware())
-    assert inputs_of(event) == _inputs()
+    event = recorded(KvAware())
+    assert inputs_of(event) == decision_inputs()
     assert event.policy_turn == 7
 
 
 def test_the_same_code_decides_a_recorded_request_alike() -> None:
-    event = _recorded(KvAware())
+    event = recorded(KvAware())
     assert differences(event, redecide(event, KvAware(), DISAGG)) == []
 
 
 def test_other_settings_show_as_the_terms_that_moved() -> None:
-    event = _recorded(KvAware())
+    event = recorded(KvAware())
     moved = differences(event, redecide(event, KvAware(KvSettings(stall_weight=2.0)), DISAGG))
     assert moved
     assert any(line.startswith("a.cost: ") for line in moved)
