@@ -23,7 +23,7 @@ from bus.registry import connect_etcd, watch_workers
 from infra.cluster import LocalCluster
 from infra.embedded import EmbeddedServer
 from schemas.messages import WorkerRegistration
-from tests.e2e.test_exact_streams import (
+from tests.e2e.exact import (
     MAX_TOKENS,
     MODEL,
     SEEDS,

@@ -1,98 +1,23 @@
 """Every stream whole under load: seeded streamed completions through 4 sim workers, many at a
-time, each compared byte for byte, and its usage, with the unstreamed answer for its seed.
-
-The sim's answer is fixed by the seed alone, one byte a token, so the answer to ``max_tokens``
-N is the first N bytes of the unstreamed answer to the largest ``max_tokens``."""
+time, each compared byte for byte, and its usage, with the unstreamed answer for its seed."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import time
-from dataclasses import dataclass
 
 import httpx
 import pytest
 
 from infra.cluster import LocalCluster
-from tests.ingress.helpers import sse_data
+from tests.e2e.exact import MAX_TOKENS, SEEDS, answers, mismatch, stream
 from tests.live import ClusterFactory
-
-MODEL = "laneway-sim"
-SEEDS = 64
-MAX_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
 def cluster(cluster_factory: ClusterFactory) -> LocalCluster:
     return cluster_factory(workers=4)
-
-
-def prompt(seed: int) -> str:
-    return f"tell me story number {seed}"
-
-
-@dataclass(frozen=True)
-class Streamed:
-    seed: int
-    max_tokens: int
-    status: int
-    events: list[object]
-
-
-async def answers(http: httpx.AsyncClient) -> dict[int, str]:
-    """The unstreamed answer of each seed, at the most tokens any stream asks for."""
-
-    async def one(seed: int) -> str:
-        body = {"model": MODEL, "prompt": prompt(seed), "max_tokens": MAX_TOKENS, "seed": seed}
-        reply = (await http.post("/completions", json=body)).raise_for_status().json()
-        assert reply["choices"][0]["finish_reason"] == "length"
-        assert reply["usage"]["completion_tokens"] == MAX_TOKENS
-        text: str = reply["choices"][0]["text"]
-        return text
-
-    texts = await asyncio.gather(*(one(seed) for seed in range(SEEDS)))
-    return dict(enumerate(texts))
-
-
-async def stream(http: httpx.AsyncClient, seed: int, max_tokens: int) -> Streamed:
-    body = {
-        "model": MODEL,
-        "prompt": prompt(seed),
-        "max_tokens": max_tokens,
-        "seed": seed,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    request = http.build_request("POST", "/completions", json=body)
-    try:
-        response = await http.send(request, stream=True)
-    except (httpx.ReadError, httpx.RemoteProtocolError):
-        # The server closed a kept-alive connection just as it was reused: no answer had begun.
-        response = await http.send(request, stream=True)
-    try:
-        raw = (await response.aread()).decode()  # a stream cut from here on fails the test
-    finally:
-        await response.aclose()
-    events = sse_data(raw) if response.status_code == 200 else [raw]
-    return Streamed(seed, max_tokens, response.status_code, events)
-
-
-def mismatch(streamed: Streamed, whole: str) -> str | None:
-    """What is wrong with one stream, if anything."""
-    about = f"seed {streamed.seed}, max_tokens {streamed.max_tokens}"
-    if streamed.status != 200 or streamed.events[-1:] != ["[DONE]"]:
-        return f"{about}: status {streamed.status}, ends {streamed.events[-2:]}"
-    chunks = [e for e in streamed.events[:-1] if isinstance(e, dict)]
-    text = "".join(c["text"] for chunk in chunks for c in chunk["choices"])
-    usage = chunks[-1].get("usage") or {}
-    expected = whole[: streamed.max_tokens]
-    if text != expected:
-        return f"{about}: streamed {text!r}, unstreamed {expected!r}"
-    if usage.get("completion_tokens") != streamed.max_tokens:
-        return f"{about}: usage {usage}"
-    finish = [c["finish_reason"] for chunk in chunks for c in chunk["choices"]][-1]
-    return None if finish == "length" else f"{about}: finish_reason {finish}"
 
 
 async def replay_streams(cluster: LocalCluster, count: int, concurrency: int) -> None:
