@@ -197,3 +197,26 @@ def test_every_module_is_under_400_lines() -> None:
     assert lengths, "no modules found"
     offenders = sorted(f"{path}: {n} lines" for path, n in lengths.items() if n >= MAX_LINES)
     assert offenders == []
+
+
+def _shared_test_module(name: str) -> str | None:
+    """The test module or conftest an import reaches into, if it does."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[1:], start=1):
+        if part == "conftest" or part.startswith("test_"):
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def test_tests_share_helpers_not_test_modules_or_conftest() -> None:
+    """What tests share lives in helper modules; a test module imported elsewhere is a test
+    module doing two jobs, and conftest is pytest's to load."""
+    offences = sorted(
+        {
+            f"{path.relative_to(ROOT)} imports {module}"
+            for path in (ROOT / "tests").rglob("*.py")
+            for name in _imports(path)
+            if name.startswith("tests.") and (module := _shared_test_module(name))
+        }
+    )
+    assert offences == []
