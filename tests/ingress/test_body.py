@@ -16,6 +16,7 @@ import uvicorn
 from services.common.tokenizer import ByteTokenizer
 from services.ingress.api import create_app
 from services.ingress.settings import IngressApiSettings
+from tests.helpers import eventually
 from tests.ingress.fakes import FakeGateway
 from tests.ingress.helpers import chat_body, harness
 
@@ -86,8 +87,7 @@ async def served(limit: int) -> AsyncIterator[int]:
     config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve(sockets=[listener]))
-    while not server.started:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: server.started, interval=0.01)
     try:
         yield listener.getsockname()[1]
     finally:
