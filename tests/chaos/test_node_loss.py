@@ -25,12 +25,11 @@ from infra.embedded import EmbeddedServer
 from schemas.messages import WorkerRegistration
 from tests.e2e.exact import (
     MAX_TOKENS,
-    MODEL,
     SEEDS,
     Streamed,
     answers,
     mismatch,
-    prompt,
+    stream_body,
 )
 from tests.ingress.helpers import sse_data
 from tests.live import ClusterFactory, registrations
@@ -63,19 +62,13 @@ class Timed:
 
 
 async def timed_stream(http: httpx.AsyncClient, seed: int, max_tokens: int) -> Timed:
-    body = {
-        "model": MODEL,
-        "prompt": prompt(seed),
-        "max_tokens": max_tokens,
-        "seed": seed,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
     sent = time.monotonic()
     chunks: list[float] = []
     raw: list[str] = []
     try:
-        async with http.stream("POST", "/completions", json=body) as response:
+        async with http.stream(
+            "POST", "/completions", json=stream_body(seed, max_tokens)
+        ) as response:
             async for text in response.aiter_text():
                 chunks.append(time.monotonic())
                 raw.append(text)

@@ -43,8 +43,9 @@ async def answers(http: httpx.AsyncClient) -> dict[int, str]:
     return dict(enumerate(texts))
 
 
-async def stream(http: httpx.AsyncClient, seed: int, max_tokens: int) -> Streamed:
-    body = {
+def stream_body(seed: int, max_tokens: int) -> dict[str, object]:
+    """A streamed completion of the seed's prompt, its usage in the last chunk."""
+    return {
         "model": MODEL,
         "prompt": prompt(seed),
         "max_tokens": max_tokens,
@@ -52,7 +53,10 @@ async def stream(http: httpx.AsyncClient, seed: int, max_tokens: int) -> Streame
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    request = http.build_request("POST", "/completions", json=body)
+
+
+async def stream(http: httpx.AsyncClient, seed: int, max_tokens: int) -> Streamed:
+    request = http.build_request("POST", "/completions", json=stream_body(seed, max_tokens))
     try:
         response = await http.send(request, stream=True)
     except (httpx.ReadError, httpx.RemoteProtocolError):
