@@ -46,6 +46,7 @@ class Observed:
 async def observe(nats_url: str) -> tuple[Bus, Observed]:
     bus = await Bus.connect(nats_url, "test-observer")
     seen = Observed()
-    for subject in (Subjects.all_routes, Subjects.all_request_terminals, Subjects.tokens(">")):
-        await bus.subscribe(subject, seen.on_event)
+    await bus.subscribe(Subjects.all_routes, seen.on_event)
+    await bus.subscribe(Subjects.all_request_terminals, seen.on_event)
+    await bus.subscribe(Subjects.tokens(">"), seen.on_event)
     return bus, seen
