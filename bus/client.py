@@ -292,5 +292,9 @@ class Bus:
             except Exception:  # the connection may already be gone; closing anyway
                 log.debug("unsubscribe failed", exc_info=True)
         self._subs.clear()
-        if not self._nc.is_closed:
+        if self._nc.is_connected:
             await self._nc.drain()
+        elif not self._nc.is_closed:
+            # No server to drain to (it went, or is going, with us): waiting for a reconnect
+            # would only hold the process past its shutdown.
+            await self._nc.close()

@@ -87,6 +87,8 @@ def main() -> None:
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
+            if stop.is_set():  # not one more call to a NATS that may be going away with us
+                break
             now = loop.time()
             # The replay delivers in stream order, so a gap still open now is an event that aged
             # out of the stream (or was lost): waiting for it would stall that worker forever.
