@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import nats.errors
 import pytest
+from nats.js.client import JetStreamContext
 
 from bus.client import Bus
 from bus.registry import LeasedKey, connect_etcd, watch_workers
@@ -121,8 +124,21 @@ async def test_bus_over_a_cluster_replicates_streams_and_survives_its_server(
         for request_id in sent:
             await bus.publish(CANCELS.subject, _cancel(request_id))
         # Stored once each, whatever was published again.
-        reader = await js.pull_subscribe(CANCELS.subject.subject, stream=REQUESTS.name)
-        stored = [decode_event(m.data).request_id for m in await reader.fetch(5, timeout=10)]
+        readers: list[JetStreamContext.PullSubscription] = []
+        stored: list[str | None] = []
+
+        async def all_read() -> bool:
+            # The stream's and the consumer's raft groups may still be electing after the kill:
+            # ask again.
+            with contextlib.suppress(nats.errors.TimeoutError):
+                if not readers:
+                    subject = CANCELS.subject.subject
+                    readers.append(await js.pull_subscribe(subject, stream=REQUESTS.name))
+                batch = await readers[0].fetch(len(sent) - len(stored), timeout=2)
+                stored.extend(decode_event(m.data).request_id for m in batch)
+            return len(stored) >= len(sent)
+
+        await eventually(all_read, timeout=30, message="the stored requests never came back")
         assert stored == sent
         info = await js.stream_info(REQUESTS.name, subjects_filter=CANCELS.subject.subject)
         assert info.state.subjects == {CANCELS.subject.subject: len(sent)}
