@@ -12,8 +12,9 @@ from schemas.messages import WorkerRegistration
 T = TypeVar("T")
 
 
-def registration(worker_id: str) -> WorkerRegistration:
-    """A small sim worker's record, as etcd holds it."""
+def registration(worker_id: str, max_model_len: int | None = None) -> WorkerRegistration:
+    """A small sim worker's record, as etcd holds it (``max_model_len`` None: one registered
+    before workers declared their context limit)."""
     return WorkerRegistration(
         worker_id=worker_id,
         role="both",
@@ -22,6 +23,7 @@ def registration(worker_id: str) -> WorkerRegistration:
         block_size=16,
         kv_blocks_total=10,
         max_num_seqs=4,
+        max_model_len=max_model_len,
         pid=1,
     )
 

@@ -14,20 +14,7 @@ from services.ingress.errors import InvalidRequest
 from services.ingress.intake import Intake
 from services.ingress.openai_models import parse_completion_request
 from services.ingress.settings import IngressApiSettings
-
-
-def registration(worker_id: str, max_model_len: int | None) -> WorkerRegistration:
-    return WorkerRegistration(
-        worker_id=worker_id,
-        role="both",
-        engine="sim",
-        model="laneway-sim",
-        block_size=16,
-        kv_blocks_total=10,
-        max_num_seqs=4,
-        max_model_len=max_model_len,
-        pid=1,
-    )
+from tests.helpers import registration
 
 
 async def limit_of(*workers: WorkerRegistration) -> WorkerContextLimit:

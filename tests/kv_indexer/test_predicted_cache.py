@@ -11,21 +11,14 @@ from schemas.messages import OverlapQuery, WorkerRegistration
 from services.kv_indexer.handlers import Indexer
 from services.kv_indexer.index import PrefixIndex
 from services.kv_indexer.predicted import PredictedCache
+from tests.helpers import registration as small_worker
 
 
 def registration(worker_id: str) -> WorkerRegistration:
     """A worker without KV events: the indexer predicts its cache."""
-    return WorkerRegistration(
-        worker_id=worker_id,
-        role="prefill" if worker_id == "prefill" else "decode",
-        engine="sim",
-        model="m",
-        block_size=16,
-        kv_blocks_total=100,
-        max_num_seqs=4,
-        kv_events=False,
-        pid=1,
-    )
+    role = "prefill" if worker_id == "prefill" else "decode"
+    update = {"role": role, "kv_blocks_total": 100, "kv_events": False}
+    return small_worker(worker_id).model_copy(update=update)
 
 
 def test_routed_prompts_are_predicted_cached_until_they_expire() -> None:

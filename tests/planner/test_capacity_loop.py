@@ -12,6 +12,7 @@ from schemas.messages import WorkerRegistration
 from services.planner.capacity import CapacityPlanner, CapacitySettings
 from services.planner.capacity_loop import CapacityLoop
 from services.planner.cluster import ClusterView
+from tests.helpers import registration
 
 
 class Leader:
@@ -20,18 +21,8 @@ class Leader:
 
 
 def worker(worker_id: str, role: Role, draining: bool = False) -> WorkerRegistration:
-    return WorkerRegistration(
-        worker_id=worker_id,
-        role=role,
-        engine="sim",
-        model="m",
-        block_size=16,
-        kv_blocks_total=1000,
-        max_num_seqs=8,
-        kv_handoff=True,
-        draining=draining,
-        pid=1,
-    )
+    update = {"role": role, "kv_blocks_total": 1000, "max_num_seqs": 8, "kv_handoff": True}
+    return registration(worker_id).model_copy(update={**update, "draining": draining})
 
 
 def finished(
