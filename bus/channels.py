@@ -69,10 +69,18 @@ class Channel(Generic[E]):
     delivery: Delivery
     stream: Stream | None = None
     about: str = ""
+    # The event field that must name the subject's key (a KV event's `worker_id` is the worker
+    # whose subject it came on): an event that claims another is dropped on receipt.
+    key_field: str | None = None
+    # Roles that publish to any key's subject, not only their own (a prefill worker to its
+    # decode worker's); see bus.permissions.
+    publish_any: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.stream is None) != (self.delivery == "core"):
             raise ValueError(f"{self.pattern}: a stream exactly when delivery is not core")
+        if self.key_field is not None and not _KEY.search(self.pattern):
+            raise ValueError(f"{self.pattern} has no key for {self.key_field} to name")
 
     def at(self, key: str) -> Topic[E]:
         return Topic(_KEY.sub(lambda _: key, self.pattern), self.events, (self,))
@@ -81,6 +89,25 @@ class Channel(Generic[E]):
     def every(self) -> Topic[E]:
         """Every subject of the channel (all workers, all instances)."""
         return self.at("*")
+
+    @property
+    def key_name(self) -> str | None:
+        """The name of the pattern's key (``worker`` for ``{worker}``), None without one."""
+        found = _KEY.search(self.pattern)
+        return found.group(0)[1:-1] if found else None
+
+    def key_of(self, subject: str) -> str | None:
+        """The key ``subject`` carries if it is one of this channel's subjects, else None."""
+        parts, tokens = self.pattern.split("."), subject.split(".")
+        if len(parts) != len(tokens):
+            return None
+        key = None
+        for part, token in zip(parts, tokens, strict=True):
+            if _KEY.fullmatch(part):
+                key = token
+            elif part != token:
+                return None
+        return key
 
     @property
     def subject(self) -> Topic[E]:
@@ -119,6 +146,19 @@ class Topic(Generic[E]):
     def stream(self) -> Stream | None:
         return self.channels[0].stream
 
+    def impostor(self, event: Envelope, subject: str) -> str | None:
+        """Why ``event`` cannot have come on ``subject``: it names another key than the
+        subject's (a worker's KV event on another worker's subject, which only that worker may
+        publish to). None if it can."""
+        for channel in self.channels:
+            key = channel.key_of(subject)
+            if key is None or channel.key_field is None or not isinstance(event, channel.events):
+                continue
+            claimed = getattr(event, channel.key_field)
+            if claimed != key:
+                return f"its {channel.key_field} {str(claimed)[:64]!r} is not the subject's"
+        return None
+
     @property
     def delivery(self) -> Delivery:
         if len(self.channels) != 1 or "*" in self.subject or ">" in self.subject:
@@ -140,6 +180,8 @@ class Endpoint:
     producers: tuple[str, ...]
     consumers: tuple[str, ...]
     about: str = ""
+    # As for a channel: roles that send to any key's subject, not only their own.
+    publish_any: tuple[str, ...] = ()
 
     def at(self, key: str) -> str:
         return _KEY.sub(lambda _: key, self.pattern)

@@ -93,6 +93,7 @@ ROUTE: Channel[RouteDecided | PrefillCompleted] = Channel(
     "confirmed",
     ROUTES,
     "one subject per worker: its work, in order; the why of every request",
+    publish_any=("worker",),
 )
 TRANSFERRED: Channel[KvTransferred] = Channel(
     "lw.route.{worker}.transferred",
@@ -102,6 +103,7 @@ TRANSFERRED: Channel[KvTransferred] = Channel(
     "stored",
     ROUTES,
     "a hand-off's arrival, next to its decision but outside the worker's own subject",
+    key_field="to_worker_id",
 )
 KV_EVENTS: Channel[KvEvent] = Channel(
     "lw.kv.{worker}",
@@ -111,6 +113,7 @@ KV_EVENTS: Channel[KvEvent] = Channel(
     "stored",
     KV,
     "one subject per worker keeps its order; the indexer replays after its snapshot",
+    key_field="worker_id",
 )
 TOKEN_DELTAS: Channel[TokensGenerated] = Channel(
     "lw.tok.{ingress}",
@@ -129,6 +132,7 @@ LOAD_REPORTS: Channel[WorkerLoadReported] = Channel(
     "stored",
     LOAD,
     "the stream keeps each worker's latest report",
+    key_field="worker_id",
 )
 ROLE_MOVES: Channel[RolesRebalanced] = Channel(
     "lw.ctl.roles",
@@ -187,6 +191,7 @@ KV_HANDOFF = Endpoint(
     ("worker (prefill side)",),
     ("worker (decode side)",),
     "megabytes, useless once delivered; announced by `PrefillCompleted`",
+    publish_any=("worker",),
 )
 ENDPOINTS = (OVERLAP_QUERY, INDEX_STATE, KV_HANDOFF)
 
