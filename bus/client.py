@@ -53,10 +53,15 @@ def event_headers(event: Envelope) -> dict[str, str]:
 
 
 def _for_handler(topic: Topic[E], event: Event, subject: str) -> E | None:
-    """The event if the topic's handler takes its type; None (with a warning for a type the
-    channel does not carry at all) if not."""
+    """The event if the topic's handler takes its type and it can have come on ``subject``;
+    None (with a warning for a type the channel does not carry at all, or an event that names
+    another publisher than its subject's) if not."""
     if isinstance(event, topic.events):
-        return event
+        wrong = topic.impostor(event, subject)
+        if wrong is None:
+            return event
+        log.warning("dropping a %s on %s: %s", event.type, subject, wrong)
+        return None
     if not isinstance(event, topic.carried):
         log.warning("dropping a %s on %s: the channel does not carry it", event.type, subject)
     return None

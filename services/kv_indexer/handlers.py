@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import xxhash
@@ -19,6 +20,8 @@ from services.kv_indexer.index import PrefixIndex
 from services.kv_indexer.metrics import IndexerMetrics
 from services.kv_indexer.predicted import PredictedCache
 
+log = logging.getLogger(__name__)
+
 
 class Indexer:
     def __init__(self, index: PrefixIndex, predicted_ttl_s: float = 300.0) -> None:
@@ -32,9 +35,24 @@ class Indexer:
         self._live: set[str] = set()
         self._seen_live = False
         self._tracer = trace.get_tracer("laneway.kv_indexer")
+        # KV events that could not be true, dropped unfolded.
+        self.implausible = 0
         self.metrics = IndexerMetrics(lambda: self.index)
 
     async def on_kv(self, event: KvEvent, position: int) -> None:
+        # Each of a worker's events takes a position of the KV stream, so its seq cannot pass
+        # the position it lands at: a larger one would park the worker's cursor past every real
+        # event to come (one forged seq=10**15 froze a worker's index).
+        if event.seq > position:
+            self.implausible += 1
+            log.warning(
+                "dropping a %s of worker %s: seq %d past stream position %d",
+                event.type,
+                event.worker_id[:64],
+                event.seq,
+                position,
+            )
+            return
         self.index.apply(event)
         self.index.position = position
         self.metrics.events.inc()

@@ -18,6 +18,7 @@ from bus.client import Bus
 from bus.topology import (
     CHANNELS,
     KV,
+    KV_EVENTS,
     RETIRED_STREAMS,
     Subjects,
     channel_table,
@@ -42,9 +43,9 @@ from tests.helpers import eventually
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def kv_event(seq: int, event_id: str | None = None) -> KvBlocksStored:
+def kv_event(worker: str, seq: int, event_id: str | None = None) -> KvBlocksStored:
     extra = {"event_id": event_id} if event_id else {}
-    return KvBlocksStored(source="t", worker_id="w1", seq=seq, block_hashes=(seq,), **extra)
+    return KvBlocksStored(source="t", worker_id=worker, seq=seq, block_hashes=(seq,), **extra)
 
 
 def tokens(text: str = "a", trace: TraceContext | None = None) -> TokensGenerated:
@@ -89,7 +90,7 @@ async def test_durable_consumer_gets_every_event_once_in_order(bus: Bus) -> None
 
     topic = Subjects.kv("busorder")
     for seq in (1, 2, 3):
-        await bus.publish(topic, kv_event(seq))
+        await bus.publish(topic, kv_event("busorder", seq))
     await bus.consume(Consumer("t-order", topic), handler)
     await asyncio.wait_for(done.wait(), 5)
     await asyncio.sleep(0.2)
@@ -104,7 +105,7 @@ async def test_a_stray_event_type_is_dropped_and_acked_not_redelivered(
     topic = Subjects.kv("busstray")
     got: list[KvEvent] = []
     await bus.nc.jetstream().publish(topic.subject, encode(tokens()))
-    await bus.publish(topic, kv_event(1))
+    await bus.publish(topic, kv_event("busstray", 1))
 
     async def handler(event: KvEvent) -> None:
         got.append(event)
@@ -133,18 +134,53 @@ async def test_a_handler_of_one_type_skips_the_others_quietly(
 
     await bus.subscribe(topic.only(KvCleared), handler)
     with caplog.at_level(logging.WARNING, logger="bus.client"):
-        await bus.publish(topic, kv_event(1))
-        await bus.publish(topic, KvCleared(source="t", worker_id="w", seq=2))
+        await bus.publish(topic, kv_event("busonly", 1))
+        await bus.publish(topic, KvCleared(source="t", worker_id="busonly", seq=2))
         await eventually(lambda: bool(got))
     assert [e.seq for e in got] == [2]
     assert "does not carry it" not in caplog.text
 
 
+async def test_an_event_naming_another_worker_than_its_subject_is_dropped(
+    bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only worker X may publish on X's KV subject; an event there that claims to be worker Y's
+    could not have come from Y, so no handler sees it (durable, core or replay)."""
+    topic = Subjects.kv("busimpostor")
+    core: list[KvEvent] = []
+    durable: list[KvEvent] = []
+
+    async def on_core(event: KvEvent) -> None:
+        core.append(event)
+
+    async def on_durable(event: KvEvent) -> None:
+        durable.append(event)
+
+    await bus.subscribe(topic, on_core)
+    with caplog.at_level(logging.WARNING, logger="bus.client"):
+        await bus.publish(topic, kv_event("victim", 1))
+        await bus.publish(topic, kv_event("busimpostor", 1))
+        await bus.consume(Consumer("t-impostor", topic), on_durable)
+        await eventually(lambda: bool(core) and bool(durable))
+        await asyncio.sleep(0.3)
+    assert [e.worker_id for e in core] == [e.worker_id for e in durable] == ["busimpostor"]
+    assert "is not the subject's" in caplog.text
+
+
+def test_only_keyed_subjects_check_their_key() -> None:
+    event = kv_event("a", 1)
+    assert Subjects.all_kv.impostor(event, "lw.kv.a") is None
+    assert Subjects.all_kv.impostor(event, "lw.kv.b") is not None
+    assert Subjects.all_routes.impostor(event, "lw.route.b") is None  # no key field declared
+    assert KV_EVENTS.key_of("lw.kv.a") == "a"
+    assert KV_EVENTS.key_of("lw.load.a") is None
+
+
 async def test_republished_event_id_is_deduplicated(bus: Bus) -> None:
     topic = Subjects.kv("busdedup")
-    await bus.publish(topic, kv_event(1, "same-id"))
-    await bus.publish(topic, kv_event(1, "same-id"))
-    await bus.publish(topic, kv_event(2))
+    await bus.publish(topic, kv_event("busdedup", 1, "same-id"))
+    await bus.publish(topic, kv_event("busdedup", 1, "same-id"))
+    await bus.publish(topic, kv_event("busdedup", 2))
 
     async def both_arrived() -> bool:
         return await stored(bus, KV.name, topic.subject) >= 2
@@ -164,7 +200,7 @@ async def test_failed_handler_gets_the_event_again(bus: Bus) -> None:
         done.set()
 
     topic = Subjects.kv("busretry")
-    await bus.publish(topic, KvCleared(source="t", worker_id="w", seq=1))
+    await bus.publish(topic, KvCleared(source="t", worker_id="busretry", seq=1))
     await bus.consume(Consumer("t-retry", topic), flaky)
     await asyncio.wait_for(done.wait(), 10)
     assert len(attempts) == 2
@@ -241,7 +277,7 @@ async def test_replicas_starting_together_share_a_queue_consumer(
         for replica in replicas:  # both subscriptions are at the server before the burst
             await replica.nc.flush()
         for seq in range(1, 41):
-            await bus.publish(topic, kv_event(seq))
+            await bus.publish(topic, kv_event("busqueue", seq))
         await eventually(lambda: sum(got.values()) >= 40)
     finally:
         for replica in replicas:
