@@ -249,44 +249,66 @@ WorkersChanged = Callable[[dict[str, WorkerRegistration]], Awaitable[None]]
 
 async def watch_workers(client: aetcd.Client, on_change: WorkersChanged) -> None:
     """Call ``on_change`` with the full live worker set now and after every change, forever.
+    A value that is not a worker's registration is left out."""
+
+    async def changed(workers: dict[bytes, WorkerRegistration]) -> None:
+        await on_change({reg.worker_id: reg for reg in workers.values()})
+
+    await watch_records(client, WORKERS_PREFIX, "worker registration", _registration, changed)
+
+
+async def watch_records(
+    client: aetcd.Client,
+    prefix: bytes,
+    what: str,
+    parse: Callable[[bytes, bytes], T],
+    on_change: Callable[[dict[bytes, T]], Awaitable[None]],
+) -> None:
+    """Call ``on_change`` with every record under ``prefix`` (by key) now and after every change,
+    forever; a value ``parse`` refuses (ValueError) is left out, with one warning per key.
 
     A broken watch (etcd restarting, a network blip) is re-established from a fresh snapshot,
-    so no change is missed for good. A value that is not a worker's registration is left out.
-    """
-    skipped = Skipped("worker registration")
+    so no change is missed for good."""
+    skipped = Skipped(what)
     while True:
         try:
-            await _watch_once(client, on_change, skipped)
+            await _watch_once(client, prefix, parse, on_change, skipped)
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.warning("worker watch broke; re-reading from etcd", exc_info=True)
+            log.warning("%s watch broke; re-reading from etcd", what, exc_info=True)
             await asyncio.sleep(1.0)
 
 
-async def _watch_once(client: aetcd.Client, on_change: WorkersChanged, skipped: Skipped) -> None:
+async def _watch_once(
+    client: aetcd.Client,
+    prefix: bytes,
+    parse: Callable[[bytes, bytes], T],
+    on_change: Callable[[dict[bytes, T]], Awaitable[None]],
+    skipped: Skipped,
+) -> None:
     # By key, not by the id a value names: a delete names only its key.
-    workers: dict[bytes, WorkerRegistration] = {}
+    records: dict[bytes, T] = {}
 
     def put(key: bytes, value: bytes) -> None:
-        reg = skipped.parse(key, value, _registration)
-        if reg is None:
-            workers.pop(key, None)
+        record = skipped.parse(key, value, parse)
+        if record is None:
+            records.pop(key, None)
         else:
-            workers[key] = reg
+            records[key] = record
 
-    snapshot = await client.get_prefix(WORKERS_PREFIX)
+    snapshot = await client.get_prefix(prefix)
     for kv in snapshot:
         put(kv.key, kv.value)
-    await on_change({reg.worker_id: reg for reg in workers.values()})
-    watch = await client.watch_prefix(WORKERS_PREFIX, start_revision=snapshot.header.revision + 1)
+    await on_change(dict(records))
+    watch = await client.watch_prefix(prefix, start_revision=snapshot.header.revision + 1)
     async for event in watch:
         if event.kind == aetcd.EventKind.PUT:
             put(event.kv.key, event.kv.value)
         else:
             skipped.forget(event.kv.key)
-            workers.pop(event.kv.key, None)
-        await on_change({reg.worker_id: reg for reg in workers.values()})
+            records.pop(event.kv.key, None)
+        await on_change(dict(records))
 
 
 def _registration(key: bytes, value: bytes) -> WorkerRegistration:
