@@ -18,6 +18,8 @@ TokenIds = tuple[int, ...]
 BlockHashes = tuple[Annotated[int, Field(ge=0, lt=1 << 64)], ...]
 Role = Literal["prefill", "decode", "both"]
 FinishReason = Literal["stop", "length"]
+# Where a worker caches KV blocks: GPU memory, or host memory that a hit loads back over PCIe.
+KvTier = Literal["gpu", "host"]
 
 
 def new_id() -> str:
@@ -62,6 +64,12 @@ class SamplingParams(Frozen):
     stop: tuple[str, ...] = Field(default=(), description="generation ends before any of these")
     stop_token_ids: TokenIds = Field(default=(), description="generation ends after any of these")
     ignore_eos: bool = Field(default=False, description="keep generating past end-of-sequence")
+    offset: int = Field(
+        default=0,
+        ge=0,
+        description="answer tokens already generated, the last of the prompt (a migrated "
+        "request's continuation): sampling continues at this position of the answer",
+    )
 
 
 class RequestSpec(Frozen):
@@ -79,6 +87,9 @@ class RequestSpec(Frozen):
     sampling: SamplingParams
     reply_to: str = Field(description="ingress instance that streams the answer to the client")
     deadline: datetime = Field(description="UTC time after which the client is no longer waiting")
+    attempt: int = Field(
+        default=0, ge=0, description="times the request moved to another worker before this"
+    )
 
     @property
     def prompt_length(self) -> int:
@@ -119,6 +130,32 @@ class RouteCandidate(Frozen):
     predicted_prefill_ms: float | None = Field(
         default=None, description="predicted prefill of the uncached prompt there, milliseconds"
     )
+    host_blocks: int = Field(
+        default=0, ge=0, description="prompt blocks after cached_blocks in its host-memory tier"
+    )
+    node: str = Field(default="", description="node it runs on ('': unknown)")
+    rack: str = Field(default="", description="rack of its node ('': unknown)")
+
+
+class TtftAlternative(Frozen):
+    """One way the planner could have served a request, and its predicted time to first token."""
+
+    action: Literal["owner", "move", "recompute"] = Field(
+        description="run where the KV is, pull the KV to worker_id, or recompute it there"
+    )
+    worker_id: str = Field(description="worker that would prefill and decode")
+    predicted_ttft_ms: float = Field(description="predicted TTFT, KV transfer included, ms")
+
+
+class KvMove(Frozen):
+    """KV the chosen worker pulls from another worker's cache before prefilling the rest."""
+
+    source_worker_id: str = Field(description="worker whose GPU or host tier holds the KV")
+    blocks: int = Field(ge=1, description="leading prompt blocks moved")
+    transfer_ms: float = Field(ge=0.0, description="predicted transfer time over the link, ms")
+    alternatives: tuple[TtftAlternative, ...] = Field(
+        default=(), description="the options weighed, the chosen one included"
+    )
 
 
 class PrefillPlacement(Frozen):
@@ -155,6 +192,12 @@ class RouteDecided(Envelope):
     )
     policy_turn: int = Field(
         default=0, ge=0, description="the policy's rotation counter before deciding (tie-breaks)"
+    )
+    kv_move: KvMove | None = Field(
+        default=None, description="KV pulled from another worker first; None: no move"
+    )
+    expected_output_tokens: int | None = Field(
+        default=None, ge=0, description="output length the cost model assumed; None: max_tokens"
     )
 
 
@@ -278,6 +321,7 @@ class KvBlocksStored(Envelope):
     seq: int = Field(ge=1, description="per-worker KV event sequence number")
     parent_hash: int | None = Field(default=None, description="hash of the block before the first")
     block_hashes: BlockHashes
+    tier: KvTier = Field(default="gpu", description="where the blocks are cached now")
 
 
 class KvBlocksRemoved(Envelope):
@@ -287,6 +331,7 @@ class KvBlocksRemoved(Envelope):
     worker_id: str
     seq: int = Field(ge=1)
     block_hashes: BlockHashes
+    tier: KvTier = Field(default="gpu", description="the cache tier they left")
 
 
 class KvCleared(Envelope):
