@@ -27,6 +27,7 @@ def kv_event(change: KvChange, worker_id: str, seq: int) -> KvEvent:
             seq=seq,
             parent_hash=change.parent_hash,
             block_hashes=change.block_hashes,
+            tier=change.tier,
         )
     if isinstance(change, BlocksRemoved):
         return KvBlocksRemoved.model_construct(
@@ -36,6 +37,7 @@ def kv_event(change: KvChange, worker_id: str, seq: int) -> KvEvent:
             worker_id=worker_id,
             seq=seq,
             block_hashes=change.block_hashes,
+            tier=change.tier,
         )
     return KvCleared.model_construct(
         event_id=event_id, occurred_at=occurred_at, source=source, worker_id=worker_id, seq=seq

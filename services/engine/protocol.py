@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, cast
 
-from schemas.events import SamplingParams
+from schemas.events import KvTier, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +41,13 @@ class RequestOutput:
 class BlocksStored:
     block_hashes: tuple[int, ...]
     parent_hash: int | None
+    tier: KvTier = "gpu"
 
 
 @dataclass(frozen=True, slots=True)
 class BlocksRemoved:
     block_hashes: tuple[int, ...]
+    tier: KvTier = "gpu"
 
 
 @dataclass(frozen=True, slots=True)
