@@ -193,7 +193,14 @@ KV_HANDOFF = Endpoint(
     "megabytes, useless once delivered; announced by `PrefillCompleted`",
     publish_any=("worker",),
 )
-ENDPOINTS = (OVERLAP_QUERY, INDEX_STATE, KV_HANDOFF)
+RESEND = Endpoint(
+    "lw.resend",
+    "`ResendQuery` → `ResendReply`",
+    ("ingress",),
+    ("worker (every one; only the request's holder answers)",),
+    "token deltas are core messages: one lost on its way is asked for again here",
+)
+ENDPOINTS = (OVERLAP_QUERY, INDEX_STATE, KV_HANDOFF, RESEND)
 
 
 class Subjects:
@@ -213,6 +220,7 @@ class Subjects:
     # Every worker's routing decisions, without the prefill completions beside them.
     route_decisions = ROUTE.every.only(RouteDecided)
     overlap_query = OVERLAP_QUERY.pattern
+    resend = RESEND.pattern
     index_state = staticmethod(INDEX_STATE.at)
     request_terminal = staticmethod(TERMINALS.at)
     route = staticmethod(ROUTE.at)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from schemas.events import BlockHashes, Frozen, Role
+from schemas.events import (
+    BlockHashes,
+    Frozen,
+    RequestCancelled,
+    RequestFailed,
+    RequestFinished,
+    Role,
+    TokensGenerated,
+)
 
 
 class OverlapQuery(Frozen):
@@ -60,3 +68,22 @@ class IndexState(Frozen):
     blocks_per_worker: dict[str, int] = Field(description="indexed blocks of each worker")
     duplicates: int = Field(ge=0, description="redelivered KV events ignored since start")
     gaps: int = Field(ge=0, description="missing KV events skipped since start")
+
+
+class ResendQuery(Frozen):
+    """Ask the worker that holds a request for its published events from token ``index`` on."""
+
+    request_id: str = Field(max_length=64)
+    index: int = Field(ge=0, description="the first token the asker is missing")
+
+
+class ResendReply(Frozen):
+    """The holder's answer: the batches it kept from ``index`` on (a batch may start before
+    it), and the terminal event once the request ended. ``complete``: no kept token was left
+    out (the reply is bounded; the asker asks again from where it got to)."""
+
+    batches: tuple[TokensGenerated, ...]
+    terminal: RequestFinished | RequestFailed | RequestCancelled | None = Field(
+        default=None, discriminator="type"
+    )
+    complete: bool = True
