@@ -16,6 +16,11 @@ in ``gaps``; ``skip_gaps`` does so at once for all. Workers are independent of e
 ``remove_worker`` (a lease lapsed) drops a worker's blocks but not its cursor nor its buffer:
 should it be alive after all, its later events fold on as usual.
 
+Tiers. A worker's blocks in host memory (``tier="host"`` events) are indexed under a key of their
+own, the worker's id and ``HOST_SUFFIX`` (a space: no subject token, so no worker id, has one),
+so they share the masks, the cursors and the snapshot; ``overlaps`` answers the GPU tier alone
+and ``host_run`` how far a worker's host tier continues a prefix.
+
 Snapshots hold blocks, cursors and buffered events (format in :mod:`.snapshot`), so that a
 restored index folds the rest of a stream exactly as one that never stopped.
 """
@@ -32,6 +37,9 @@ from schemas.events import KvBlocksRemoved, KvBlocksStored, KvEvent
 from services.kv_indexer import snapshot as snap
 
 _MAX_INTERNED = 1 << 16
+HOST_SUFFIX = " host"
+# Added to a buffered change's kind for the host tier (the snapshot keeps the kind as a byte).
+_HOST = 4
 
 
 class PrefixIndex:
@@ -111,6 +119,9 @@ class PrefixIndex:
 
     def _fold(self, worker_id: str, change: snap.Change) -> None:
         kind, hashes = change
+        if kind >= _HOST:
+            kind -= _HOST
+            worker_id += HOST_SUFFIX
         if kind == snap.STORED:
             self.store(worker_id, hashes)
         elif kind == snap.REMOVED:
@@ -166,8 +177,10 @@ class PrefixIndex:
         self._bound_masks()
 
     def remove_worker(self, worker_id: str) -> None:
-        """Forget every block of a worker: O(indexed blocks), for the rare purge or clear. Its
-        seq cursor and buffered events stay."""
+        """Forget every block of a worker, both tiers: O(indexed blocks), for the rare purge or
+        clear. Its seq cursor and buffered events stay."""
+        if not worker_id.endswith(HOST_SUFFIX):
+            self.remove_worker(worker_id + HOST_SUFFIX)
         slot = self._slot_of.get(worker_id)
         if slot is None:
             return
@@ -264,12 +277,28 @@ class PrefixIndex:
     def _credit(self, result: dict[str, int], mask: int, depth: int) -> None:
         while mask:
             low = mask & -mask
-            result[self._worker_at[low.bit_length() - 1]] = depth
+            name = self._worker_at[low.bit_length() - 1]
+            if not name.endswith(HOST_SUFFIX):
+                result[name] = depth
             mask ^= low
 
+    def host_run(self, worker_id: str, block_hashes: Sequence[int], start: int) -> int:
+        """How many blocks of ``block_hashes`` from ``start`` on the worker's host tier holds in
+        a row: what a GPU hit of ``start`` blocks there can load instead of recomputing."""
+        slot = self._slot_of.get(worker_id + HOST_SUFFIX)
+        if slot is None:
+            return 0
+        bit, get = 1 << slot, self._holders.get
+        run = 0
+        for block in block_hashes[start:]:
+            if not get(block, 0) & bit:
+                break
+            run += 1
+        return run
+
     def workers(self) -> set[str]:
-        """Workers caching at least one block."""
-        return set(self._slot_of)
+        """Workers caching at least one block in GPU memory."""
+        return {w for w in self._slot_of if not w.endswith(HOST_SUFFIX)}
 
     def cached(self, worker_id: str) -> frozenset[int]:
         """A worker's blocks: O(indexed blocks), for tests and debugging."""
@@ -339,8 +368,7 @@ class PrefixIndex:
 
 
 def _change(event: KvEvent) -> snap.Change:
-    if isinstance(event, KvBlocksStored):
-        return snap.STORED, event.block_hashes
-    if isinstance(event, KvBlocksRemoved):
-        return snap.REMOVED, event.block_hashes
+    if isinstance(event, KvBlocksStored | KvBlocksRemoved):
+        kind = snap.STORED if isinstance(event, KvBlocksStored) else snap.REMOVED
+        return kind + (_HOST if event.tier == "host" else 0), event.block_hashes
     return snap.CLEARED, ()
