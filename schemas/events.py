@@ -87,6 +87,11 @@ class RequestSpec(Frozen):
     sampling: SamplingParams
     reply_to: str = Field(description="ingress instance that streams the answer to the client")
     deadline: datetime = Field(description="UTC time after which the client is no longer waiting")
+    tenant: str | None = Field(
+        default=None,
+        max_length=64,
+        description="tenant of the API key the request came with; None: the API takes no keys",
+    )
     attempt: int = Field(
         default=0, ge=0, description="times the request moved to another worker before this"
     )
