@@ -17,6 +17,7 @@ from infra.cluster import ClusterConfig, LocalCluster
 from infra.debug import explain, replay
 from infra.recording import RecordingError
 from infra.startup import StartupError
+from infra.supervisor import GaveUp
 from services.planner.policies import POLICY_NAMES
 
 
@@ -175,7 +176,10 @@ def _up(args: argparse.Namespace) -> int:
         for name, pid in cluster.pids().items():
             print(f"  {name:<18} pid {pid}", flush=True)
         print(f"logs: {cluster.logs}   (Ctrl-C stops everything)", flush=True)
-        stop.wait()
+        cluster.supervise(stop)
+    except GaveUp as exc:
+        print(f"laneway up: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         print("stopping …", flush=True)
         cluster.stop()

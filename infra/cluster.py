@@ -2,9 +2,10 @@
 planner, kv-indexer and the workers, each its own process; stopped in reverse order by PID.
 
 Every child dies with the process that starts the cluster, and the state directory is locked
-while the cluster runs (``infra.statedir``). What keeps the cluster from starting is raised as a
-``StartupError`` whose message is one line: a port in use, the state directory taken, a child
-that died while starting (its name and the cause from its log)."""
+while the cluster runs (``infra.statedir``); ``supervise`` restarts a child that exits. What
+keeps the cluster from starting is raised as a ``StartupError`` whose message is one line: a port
+in use, the state directory taken, a child that died while starting (its name and the cause from
+its log)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ from infra.embedded import (
 from infra.metrics_targets import assign_metrics_ports
 from infra.startup import StartupError, check_port_free, check_reachable, log_cause
 from infra.statedir import StateDir
+from infra.supervisor import Child, RestartPolicy, Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,8 @@ class ClusterConfig:
     ha: bool = False
     # Extra LANEWAY_* settings for every service (perf model, speed-up, lease TTL, tracing, …).
     env: dict[str, str] = field(default_factory=dict)
+    # How `supervise` restarts a child that exits.
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     @property
     def base_url(self) -> str:
@@ -70,6 +75,7 @@ class Service:
     proc: subprocess.Popen[bytes] | None = None
     # Where its /metrics, /healthz and /readyz answer (observability.metrics).
     metrics_port: int = 0
+    log_file: Path | None = None
 
 
 class LocalCluster:
@@ -192,7 +198,8 @@ class LocalCluster:
         )
 
     def spawn(self, service: Service) -> None:
-        log = open(self.logs / f"{service.name}.log", "ab")  # noqa: SIM115 - the child owns it
+        service.log_file = self.logs / f"{service.name}.log"
+        log = open(service.log_file, "ab")  # noqa: SIM115 - the child owns it
         service.proc = subprocess.Popen(
             [sys.executable, "-m", service.module],
             env={**os.environ, **service.env},
@@ -203,6 +210,22 @@ class LocalCluster:
         )
         log.close()
         self.state.record(self.pids())
+
+    def supervise(self, stop: threading.Event) -> None:
+        """Keep every child up until ``stop`` is set (see ``infra.supervisor``); raises
+        ``GaveUp`` when one cannot be. Run it on the thread that started the cluster."""
+        Supervisor(self._children, self._respawn, self.config.restart).run(stop)
+
+    def _children(self) -> list[Child]:
+        # Servers first: restarted before the services that use them.
+        return [*self.servers, *self.services]
+
+    def _respawn(self, child: Child) -> None:
+        if isinstance(child, EmbeddedServer):
+            child.respawn()  # the same ports and data; the services reconnect by themselves
+            self.state.record(self.pids())
+        else:
+            self.spawn(self.service(child.name))
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
