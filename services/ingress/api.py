@@ -27,6 +27,7 @@ from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.errors import ApiError, internal_error
 from services.ingress.exchange import Endpoint, Exchange
 from services.ingress.gateway import Gateway
+from services.ingress.health import Readiness
 from services.ingress.intake import Intake
 from services.ingress.metrics import CLIENT_CLOSED_STATUS, CONTENT_TYPE, IngressMetrics
 from services.ingress.openai_models import (
@@ -47,12 +48,13 @@ def create_app(
     settings: IngressApiSettings,
     worker_limit: WorkerContextLimit | None = None,
     metrics: IngressMetrics | None = None,
+    readiness: Readiness | None = None,
 ) -> Starlette:
     """``worker_limit``: the context limit of the registered workers (none: only the settings');
     ``metrics``: where the app counts (none: a registry of its own, served at ``/metrics``)."""
     metrics = metrics or IngressMetrics()
     intake = Intake(tokenizer, settings, worker_limit or WorkerContextLimit())
-    endpoints = _Endpoints(settings, metrics)
+    endpoints = _Endpoints(settings, metrics, readiness)
 
     def completion(
         name: str, parse: Callable[[bytes], ParsedRequest], response_format: type[Format]
@@ -82,7 +84,9 @@ def create_app(
 
 
 class _Endpoints:
-    def __init__(self, settings: IngressApiSettings, metrics: IngressMetrics) -> None:
+    def __init__(
+        self, settings: IngressApiSettings, metrics: IngressMetrics, readiness: Readiness | None
+    ) -> None:
         created = int(time.time())
         self._models = orjson.dumps(
             {
@@ -94,12 +98,17 @@ class _Endpoints:
             }
         )
         self._metrics = metrics
+        # None: an app with no cluster behind it to speak of (tests of the API alone).
+        self._readiness = readiness
 
     async def models(self, request: Request) -> Response:
         return Response(self._models, media_type=_JSON)
 
     async def health(self, request: Request) -> Response:
-        return Response(b'{"status":"ok"}', media_type=_JSON)
+        if self._readiness is None:
+            return Response(b'{"status":"ok"}', media_type=_JSON)
+        status, body = self._readiness.answer()
+        return Response(body, status_code=status, media_type=_JSON)
 
     async def metrics(self, request: Request) -> Response:
         return Response(self._metrics.render(), media_type=CONTENT_TYPE)

@@ -20,10 +20,12 @@ from bus.settings import ServiceSettings
 from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
 from schemas.events import new_id
+from schemas.messages import WorkerRegistration
 from services.common.hf_tokenizer import HfTokenizer
 from services.common.tokenizer import ByteTokenizer, Tokenizer
 from services.ingress.api import create_app
 from services.ingress.context_limit import WorkerContextLimit
+from services.ingress.health import Readiness
 from services.ingress.metrics import IngressMetrics
 from services.ingress.nats_gateway import NatsGateway
 from services.ingress.settings import IngressApiSettings
@@ -87,9 +89,25 @@ def main() -> None:
         await gateway.start()
         etcd = connect_etcd(settings.etcd_endpoints)
         limit = WorkerContextLimit()
-        watching = asyncio.create_task(watch_workers(etcd, limit.on_workers), name="worker-watch")
+        readiness = Readiness(lambda: bus.nc.is_connected)
+
+        async def on_workers(workers: dict[str, WorkerRegistration]) -> None:
+            await limit.on_workers(workers)
+            await readiness.on_workers(workers)
+
+        watching = [
+            asyncio.create_task(watch_workers(etcd, on_workers), name="worker-watch"),
+            asyncio.create_task(readiness.watch_planners(etcd), name="planner-watch"),
+        ]
         metrics = IngressMetrics()
-        app = create_app(gateway, _tokenizer(settings.model_dir), settings.api(), limit, metrics)
+        app = create_app(
+            gateway,
+            _tokenizer(settings.model_dir),
+            settings.api(),
+            limit,
+            metrics,
+            readiness=readiness,
+        )
         # The API port has /metrics too; this port is the one every service has (probes).
         probes = MetricsServer(metrics.registry)
         await probes.start(settings.metrics_host, settings.metrics_port)
@@ -109,9 +127,9 @@ def main() -> None:
         server.should_exit = True
         await serving
         await probes.close()
-        watching.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watching
+        for task in watching:
+            task.cancel()
+        await asyncio.gather(*watching, return_exceptions=True)
         await etcd.close()
         await bus.close()
 

@@ -1,0 +1,48 @@
+"""The ingress's /health is the cluster's readiness: 200 with a planner and workers behind a
+connected bus, else 503 naming what is missing."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from services.ingress.health import Readiness
+from tests.helpers import eventually
+from tests.live import ClusterFactory
+
+
+def test_each_missing_part_is_named_in_one_openai_error() -> None:
+    readiness = Readiness(lambda: False)
+    status, body = readiness.answer()
+    error = httpx.Response(status, content=body).json()["error"]
+    assert status == 503
+    assert error["code"] == "not_ready"
+    assert error["type"] == "service_unavailable_error"
+    assert error["message"] == (
+        "not ready: the bus (NATS) is not connected; no planner consumes requests; "
+        "no worker is registered"
+    )
+
+
+@pytest.mark.live
+async def test_health_follows_the_planner(cluster_factory: ClusterFactory) -> None:
+    cluster = cluster_factory(workers=2, env={"LANEWAY_LEASE_TTL_S": "2"})
+    root = cluster.config.base_url.removesuffix("/v1")
+    async with httpx.AsyncClient(base_url=root, timeout=5) as http:
+        ready = await http.get("/health")
+        assert (ready.status_code, ready.json()) == (
+            200,
+            {"status": "ok", "planners": 1, "workers": 2},
+        )
+        planner = cluster.service("planner").proc
+        assert planner is not None
+        planner.kill()
+        planner.wait()
+
+        async def unready() -> httpx.Response | None:
+            reply = await http.get("/health")
+            return reply if reply.status_code == 503 else None
+
+        # The planner's presence key goes with its lease (5 s).
+        gone = await eventually(unready, timeout=15)
+    assert gone.json()["error"]["message"] == "not ready: no planner consumes requests"
