@@ -7,6 +7,11 @@ Block ids and contents are not modelled: a chained hash stands for a block's who
 Each cached hash has exactly one block. A request that computes a block whose hash another block
 already caches keeps its copy private (uncached), so the cached set changes only when a hash first
 appears or its block is reused, and every change is reported as a ``KvChange``.
+
+With a host tier (``host_blocks`` > 0), an evicted block's contents go to host memory instead of
+being lost: an LRU of hashes there, whose own evictions are lost for good. A request that finds
+its prefix continued there loads those blocks into fresh GPU blocks instead of computing them;
+the host copy stays (the tiers are inclusive), so evicting the block again costs no copy.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ BlockRef = int | None
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, host_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
+        self.host_blocks = host_blocks
+        # Hashes whose contents host memory holds, least recently used first.
+        self._host: OrderedDict[int, None] = OrderedDict()
         self._empty = num_blocks
         # Cached hash -> running requests holding its block (0 while idle).
         self._refs: dict[int, int] = {}
@@ -57,6 +65,19 @@ class BlockPool:
             hits += 1
         return hits, idle
 
+    def count_host(self, hashes: Sequence[int], start: int, limit: int) -> int:
+        """How many of ``hashes`` from ``start`` (up to ``limit``) host memory holds in a row."""
+        host = self._host
+        end = start
+        while end < limit and hashes[end] in host:
+            end += 1
+        return end - start
+
+    def touch_host(self, hashes: Sequence[int]) -> None:
+        """``hashes`` (all in host memory) were loaded: evicted there after everything older."""
+        for h in hashes:
+            self._host.move_to_end(h)
+
     def take_cached(self, hashes: Sequence[int]) -> None:
         """Share the cached blocks of ``hashes`` (all cached) with one more request."""
         refs, idle = self._refs, self._idle
@@ -74,7 +95,10 @@ class BlockPool:
         from_empty = min(n, self._empty)
         self._empty -= from_empty
         if n > from_empty:
-            self._changes.append(BlocksRemoved(tuple(self._evict(n - from_empty))))
+            evicted = self._evict(n - from_empty)
+            self._changes.append(BlocksRemoved(tuple(evicted)))
+            if self.host_blocks:
+                self._offload(evicted)
         return True
 
     def _evict(self, n: int) -> list[int]:
@@ -87,6 +111,21 @@ class BlockPool:
             del refs[h]
             evicted.append(h)
         return evicted
+
+    def _offload(self, hashes: list[int]) -> None:
+        host = self._host
+        added = []
+        for h in hashes:
+            if h in host:
+                host.move_to_end(h)
+            else:
+                host[h] = None
+                added.append(h)
+        dropped = [host.popitem(last=False)[0] for _ in range(len(host) - self.host_blocks)]
+        if added:
+            self._changes.append(BlocksStored(tuple(added), None, "host"))
+        if dropped:
+            self._changes.append(BlocksRemoved(tuple(dropped), "host"))
 
     def cache(self, parent: int | None, hashes: Sequence[int]) -> list[bool]:
         """Offer a request's just-computed private blocks to the cache: ``hashes`` are consecutive

@@ -13,8 +13,16 @@ class SimConfig:
     max_num_batched_tokens: int = 8192
     # Name of a model in :func:`services.common.perf_model.perf_model`.
     perf_model: str = "dynamo-mocker"
+    # Host-memory tier: blocks it holds (0: none), and the PCIe link a hit there loads over.
+    num_host_blocks: int = 0
+    host_link_gb_s: float = 25.0
+    host_link_latency_ms: float = 0.05
+    # KV bytes of one token (Llama-3-8B-like bf16), what a load from host memory moves.
+    kv_bytes_per_token: int = 131_072
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.num_host_blocks < 0 or self.host_link_gb_s <= 0:
+            raise ValueError("num_host_blocks must be >= 0 and host_link_gb_s positive")

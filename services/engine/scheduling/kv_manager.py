@@ -17,6 +17,12 @@ class KvCacheManager:
         limit = (req.num_tokens - 1) // self.block_size
         return self.pool.count_hits(req.hashes_upto(limit, self.block_size), limit)
 
+    def host_hits(self, req: SimRequest, hits: int) -> int:
+        """Blocks after a waiting request's ``hits`` that host memory holds: loaded, not
+        computed. The last token is never one, as for GPU hits."""
+        limit = (req.num_tokens - 1) // self.block_size
+        return self.pool.count_host(req.hashes_upto(limit, self.block_size), hits, limit)
+
     def admit(self, req: SimRequest, hits: int, idle_hits: int, num_new: int) -> bool:
         """Give a waiting request its ``hits`` cached blocks and room for ``num_new`` tokens after
         them; False (and nothing taken) if the pool cannot."""
@@ -32,6 +38,12 @@ class KvCacheManager:
         req.num_offered = hits
         req.num_computed = hits * bs
         return True
+
+    def load_from_host(self, req: SimRequest, hits: int, loaded: int) -> None:
+        """An admitted request's ``loaded`` blocks after its ``hits`` come from host memory into
+        blocks ``admit`` gave it: computed now, cached like computed ones after the step."""
+        self.pool.touch_host(req.hashes[hits : hits + loaded])
+        req.num_computed = (hits + loaded) * self.block_size
 
     def grow(self, req: SimRequest, num_new: int) -> bool:
         """Room for a running request's next ``num_new`` tokens; False if the pool is short."""

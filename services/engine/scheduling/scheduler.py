@@ -18,6 +18,8 @@ class Batch:
     scheduled: list[tuple[SimRequest, int]] = field(default_factory=list)
     prefill_tokens: int = 0
     decode_seqs: int = 0
+    # Prompt tokens whose KV admission loads from host memory instead of computing.
+    loaded_tokens: int = 0
 
 
 class Scheduler:
@@ -61,7 +63,8 @@ class Scheduler:
         while waiting and budget > 0 and len(running) < self._max_num_seqs:
             req = waiting[0]
             hits, idle_hits = kv.prefix_hits(req)
-            cached = hits * kv.block_size
+            loaded = 0 if req.handed_off else kv.host_hits(req, hits)
+            cached = (hits + loaded) * kv.block_size
             # A hand-off carried its partial last block's KV too, usable while its full blocks
             # are still cached; otherwise it prefills what is missing like any request.
             whole = req.handed_off and hits == req.prefill_len // kv.block_size
@@ -70,6 +73,9 @@ class Scheduler:
             num_new = min(req.num_tokens - cached, budget)
             if not kv.admit(req, hits, idle_hits, cached - hits * kv.block_size + num_new):
                 break
+            if loaded:
+                kv.load_from_host(req, hits, loaded)
+                batch.loaded_tokens += loaded * kv.block_size
             req.num_computed = cached
             if req.handed_off:
                 self._settle_hand_off(req, whole)

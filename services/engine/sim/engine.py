@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.common.kv_transfer import KvTransferModel
 from services.common.perf_model import PerfModel, perf_model
 from services.engine.protocol import EngineCapabilities, EngineRequest, StepResult
 from services.engine.scheduling.block_pool import BlockPool
@@ -21,9 +22,12 @@ class SimEngine(ScheduledEngine):
     )
 
     def __init__(self, config: SimConfig, perf: PerfModel | None = None) -> None:
-        pool = BlockPool(config.num_gpu_blocks)
+        pool = BlockPool(config.num_gpu_blocks, config.num_host_blocks)
         super().__init__(config, pool, KvCacheManager(pool, config.block_size))
         self._perf = perf if perf is not None else perf_model(config.perf_model)
+        self._host_link = KvTransferModel(
+            config.kv_bytes_per_token, config.host_link_gb_s, config.host_link_latency_ms
+        )
 
     def add_request(self, request: EngineRequest) -> None:
         self._admit(self._new_request(request))
@@ -63,6 +67,8 @@ class SimEngine(ScheduledEngine):
         kv_usage = self._pool.num_used / self.kv_blocks_total
         outputs = self._advance(batch, lambda req: req.words.next_token())
         step_ms = self._perf.step_ms(batch.prefill_tokens, batch.decode_seqs, kv_usage)
+        # Loads from host memory finish before the step's attention reads them.
+        step_ms += self._host_link.transfer_ms(batch.loaded_tokens)
         return StepResult(
             outputs=outputs,
             kv_changes=self._pool.drain_changes(),
