@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from services.common.tokenizer import Tokenizer
 from services.ingress.access_log import log_request
+from services.ingress.admission import Admission, AdmissionSettings
 from services.ingress.body import read_json_body
 from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.errors import ApiError, internal_error
@@ -34,9 +35,16 @@ from services.ingress.openai_models import (
     ParsedRequest,
     parse_chat_request,
     parse_completion_request,
+    request_priority,
     session_id,
 )
-from services.ingress.responses import ChatFormat, CompletionFormat, Format, send_json
+from services.ingress.responses import (
+    JSON_HEADERS,
+    ChatFormat,
+    CompletionFormat,
+    Format,
+    send_json,
+)
 from services.ingress.settings import IngressApiSettings
 
 _JSON = "application/json"
@@ -48,11 +56,14 @@ def create_app(
     settings: IngressApiSettings,
     worker_limit: WorkerContextLimit | None = None,
     metrics: IngressMetrics | None = None,
+    admission: Admission | None = None,
     readiness: Readiness | None = None,
 ) -> Starlette:
     """``worker_limit``: the context limit of the registered workers (none: only the settings');
     ``metrics``: where the app counts (none: a registry of its own, served at ``/metrics``)."""
     metrics = metrics or IngressMetrics()
+    # Without one given, no bound until a worker registers, and none registers with it.
+    admission = admission or Admission(AdmissionSettings(), metrics)
     intake = Intake(tokenizer, settings, worker_limit or WorkerContextLimit())
     endpoints = _Endpoints(settings, metrics, readiness)
 
@@ -60,7 +71,7 @@ def create_app(
         name: str, parse: Callable[[bytes], ParsedRequest], response_format: type[Format]
     ) -> _CompletionEndpoint:
         endpoint = Endpoint(name, gateway, metrics, response_format, settings.request_timeout_s)
-        return _CompletionEndpoint(endpoint, intake, parse, settings.max_body_bytes)
+        return _CompletionEndpoint(endpoint, intake, admission, parse, settings.max_body_bytes)
 
     routes = [
         Route(
@@ -120,6 +131,7 @@ class _CompletionEndpoint:
 
     endpoint: Endpoint
     intake: Intake
+    admission: Admission
     parse: Callable[[bytes], ParsedRequest]
     max_body_bytes: int
 
@@ -131,16 +143,23 @@ class _CompletionEndpoint:
             parsed = self.parse(await read_json_body(request, self.max_body_bytes))
             session = session_id(request.headers.get("x-session-id"), parsed.params.user)
             spec = self.intake.spec(parsed)
+            # Last: a request the cluster could not take anyway is refused for that, not shed.
+            priority = request_priority(
+                request.headers.get("x-laneway-priority"), parsed.params.priority
+            )
+            ticket = await self.admission.admit(priority)
         except ClientDisconnect:
             self._done(scope, CLIENT_CLOSED_STATUS, received, parsed)
             return
         except ApiError as error:
             self._done(scope, error.status, received, parsed)
-            await send_json(send, error.status, error.body())
+            await send_json(send, error.status, error.body(), [*JSON_HEADERS, *error.headers])
             return
-        params = parsed.params
-        exchange = Exchange(self.endpoint, params, spec, session, received)
-        self._done(scope, await exchange.run(receive, send), received, parsed, exchange)
+        try:
+            exchange = Exchange(self.endpoint, parsed.params, spec, session, received)
+            self._done(scope, await exchange.run(receive, send), received, parsed, exchange)
+        finally:
+            ticket.release()
 
     def _done(
         self,

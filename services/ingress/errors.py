@@ -21,6 +21,7 @@ _TYPE_BY_STATUS = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error",
     502: "server_error",
     503: "service_unavailable_error",
@@ -44,6 +45,8 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.type = type or _TYPE_BY_STATUS.get(status, "server_error")
+        self.headers: list[tuple[bytes, bytes]] = []
+        """HTTP headers the answer carries besides its content type."""
 
     def body(self) -> bytes:
         return orjson.dumps(
@@ -90,6 +93,19 @@ def unsupported_media_type(content_type: str) -> ApiError:
         "'Content-Type: application/json' (curl: -H 'Content-Type: application/json').",
         code="unsupported_media_type",
     )
+
+
+class Overloaded(ApiError):
+    """A 429 for a cluster at capacity: the client may retry after ``retry_after_s``."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(
+            429,
+            "The server is at capacity and cannot take this request now; retry after "
+            f"{retry_after_s} s.",
+            code="server_overloaded",
+        )
+        self.headers = [(b"retry-after", str(retry_after_s).encode())]
 
 
 def request_timeout() -> ApiError:

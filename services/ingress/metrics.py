@@ -29,6 +29,35 @@ class IngressMetrics:
             "Completion requests waiting on the cluster.",
             registry=self.registry,
         )
+        self.admitted = Counter(
+            "laneway_ingress_admitted",
+            "Completion requests admitted into the cluster, by priority.",
+            ["priority"],
+            registry=self.registry,
+        )
+        self.shed = Counter(
+            "laneway_ingress_shed",
+            "Completion requests answered 429 for lack of room, by reason (queue_full, "
+            "wait_timeout, displaced: by a higher priority) and priority.",
+            ["reason", "priority"],
+            registry=self.registry,
+        )
+        self.admission_queue = Gauge(
+            "laneway_ingress_admission_queue_depth",
+            "Requests waiting at this ingress for room in the cluster.",
+            registry=self.registry,
+        )
+        self.admission_capacity = Gauge(
+            "laneway_ingress_admission_capacity",
+            "Requests the cluster may hold (0: no bound known yet).",
+            registry=self.registry,
+        )
+        self.admission_in_cluster = Gauge(
+            "laneway_ingress_admission_in_cluster",
+            "Requests in the cluster as this ingress counts them: its own and, from the "
+            "workers' load reports, other replicas'.",
+            registry=self.registry,
+        )
         self._ttft = Histogram(
             "laneway_ingress_ttft_seconds",
             "Request received to first generated token, seconds.",

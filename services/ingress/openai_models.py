@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import orjson
 
+from services.ingress.admission import PRIORITIES, Priority
 from services.ingress.errors import InvalidRequest
 
 MAX_STOP_SEQUENCES = 4
@@ -52,6 +53,8 @@ class Params:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    priority: Priority | None = None
+    """The body's ``priority``; None: not given (the header's, else normal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,7 @@ def _params(data: dict[str, Any], max_tokens: int | None) -> Params:
         stop=_stop(data.get("stop")),
         stop_token_ids=_int_list(data, "stop_token_ids"),
         ignore_eos=_optional_bool(data, "ignore_eos"),
+        priority=None if data.get("priority") is None else _priority(data["priority"], "priority"),
     )
 
 
@@ -231,6 +235,23 @@ def session_id(header: str | None, user: str | None) -> str | None:
         _check_length("x-session-id", header, MAX_SESSION_ID_CHARS)
         return header
     return user
+
+
+def request_priority(header: str | None, body: Priority | None) -> Priority:
+    """Who waits first and is shed last: the x-laneway-priority header (a gateway in front may
+    set it for its clients), else the body's ``priority``, else normal."""
+    if header is not None:
+        return _priority(header.strip().lower(), "x-laneway-priority")
+    return body or "normal"
+
+
+def _priority(value: object, param: str) -> Priority:
+    for priority in PRIORITIES:
+        if value == priority:
+            return priority
+    raise InvalidRequest(
+        f"Invalid value for '{param}': expected one of {', '.join(PRIORITIES)}.", param
+    )
 
 
 def _stop(value: object) -> tuple[str, ...]:

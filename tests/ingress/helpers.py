@@ -12,7 +12,9 @@ import orjson
 from starlette.applications import Starlette
 
 from services.common.tokenizer import ByteTokenizer
+from services.ingress.admission import Admission
 from services.ingress.api import create_app
+from services.ingress.metrics import IngressMetrics
 from services.ingress.settings import IngressApiSettings
 from tests.ingress.fakes import FakeGateway, Step
 
@@ -27,10 +29,20 @@ class Harness:
 
 
 @asynccontextmanager
-async def harness(script: Sequence[Step] | None = None, **settings: Any) -> AsyncIterator[Harness]:
+async def harness(
+    script: Sequence[Step] | None = None,
+    *,
+    admission: Admission | None = None,
+    metrics: IngressMetrics | None = None,
+    **settings: Any,
+) -> AsyncIterator[Harness]:
     gateway = FakeGateway() if script is None else FakeGateway(script=script)
     app = create_app(
-        gateway, ByteTokenizer(), IngressApiSettings(instance_id="ingress-1", **settings)
+        gateway,
+        ByteTokenizer(),
+        IngressApiSettings(instance_id="ingress-1", **settings),
+        metrics=metrics,
+        admission=admission,
     )
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:

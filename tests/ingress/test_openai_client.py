@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 import openai
@@ -20,7 +21,7 @@ MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [
 
 @asynccontextmanager
 async def openai_client(
-    script: Sequence[Step] | None = None, **settings: object
+    script: Sequence[Step] | None = None, **settings: Any
 ) -> AsyncIterator[tuple[openai.AsyncOpenAI, Harness]]:
     async with harness(script, **settings) as h:
         http_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=h.app))
