@@ -1,16 +1,30 @@
 """Session ownership in etcd: which worker holds each conversation's cache, shared by every
-planner replica."""
+planner replica.
+
+etcd away must not stop routing: a session's owner only helps its cache hit. Each call to etcd
+is bounded; one that fails to reach it puts the store in degraded mode, logged once: for a few
+seconds no call goes to etcd, owners come from a cache that a watch keeps (and this replica's
+own claims), and claims are taken locally. The next call after that probes etcd again."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator
+import logging
+import time
+from collections.abc import Awaitable, Iterator
+from typing import TypeVar
 
 import aetcd
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from bus.registry import UNREACHABLE, Skipped
 
 SESSIONS_PREFIX = b"/laneway/sessions/"
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class SessionRefused(Exception):
@@ -23,7 +37,7 @@ def _refusals(session_id: str) -> Iterator[None]:
     try:
         yield
     except UNREACHABLE:
-        raise  # etcd away for now: a retry may find it back
+        raise  # etcd away for now: the caller answers from its cache
     except aetcd.exceptions.ClientError as exc:
         raise SessionRefused(
             f"etcd refused the binding of session {session_id[:64]!r}: {exc}"
@@ -33,12 +47,33 @@ def _refusals(session_id: str) -> Iterator[None]:
 class SessionStore:
     """`sessions/<id>` → the worker that owns that conversation's cache, shared by every planner
     replica. A binding lives ``ttl_s`` after it was last set; an idle conversation's cache is
-    likely evicted by then anyway. A binding that is no worker id is taken as no binding."""
+    likely evicted by then anyway. A binding that is no worker id is taken as no binding.
 
-    def __init__(self, client: aetcd.Client, ttl_s: int) -> None:
+    ``call_timeout_s`` bounds each call to etcd (its client would otherwise retry for half a
+    minute); ``probe_after_s`` is how long degraded mode skips etcd before trying it again."""
+
+    def __init__(
+        self,
+        client: aetcd.Client,
+        ttl_s: int,
+        call_timeout_s: float = 1.0,
+        probe_after_s: float = 2.0,
+        max_cached: int = 100_000,
+    ) -> None:
         self._client = client
         self._ttl_s = ttl_s
         self._skipped = Skipped("session binding")
+        self._call_timeout_s = call_timeout_s
+        self._probe_after_s = probe_after_s
+        self._max_cached = max_cached
+        self._cached: dict[str, str] = {}
+        self._skip_until: float | None = None  # degraded while set
+        self.metrics = _Metrics(self)
+        self.degraded_calls = 0
+
+    @property
+    def degraded(self) -> bool:
+        return self._skip_until is not None
 
     @staticmethod
     def key(session_id: str) -> bytes:
@@ -47,11 +82,68 @@ class SessionStore:
     async def owner(self, session_id: str) -> str | None:
         key = self.key(session_id)
         with _refusals(session_id):
-            found = await self._client.get(key)
+            found = await self._call(self._client.get(key))
+        if isinstance(found, _Away):
+            return self._cached.get(session_id)
         return self._owner(key, found.value) if found is not None else None
 
     async def claim(self, session_id: str, worker_id: str) -> str:
-        """Bind the session to ``worker_id`` unless a replica bound it first; returns the owner."""
+        """Bind the session to ``worker_id`` unless a replica bound it first; returns the owner.
+        With etcd away, the binding is this replica's alone until etcd answers again."""
+        won = await self._call(self._claim(session_id, worker_id))
+        owner = worker_id if isinstance(won, _Away) else won
+        self._remember(session_id, owner)
+        return owner
+
+    async def move(self, session_id: str, worker_id: str) -> None:
+        async def put() -> None:
+            lease = await self._client.lease(self._ttl_s)
+            await self._client.put(self.key(session_id), worker_id.encode(), lease=lease)
+
+        with _refusals(session_id):
+            await self._call(put())
+        self._remember(session_id, worker_id)
+
+    async def watch(self) -> None:
+        """Keep the cache of owners that degraded mode answers from, forever; a broken watch
+        (etcd away) is set up again from a fresh read once etcd answers."""
+        while True:
+            try:
+                await self._watch_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # whatever broke it, the cache stands meanwhile
+                log.debug("session watch broke (%s); again in 1 s", exc)
+                await asyncio.sleep(1.0)
+
+    async def _watch_once(self) -> None:
+        snapshot = await self._client.get_prefix(SESSIONS_PREFIX)
+        for kv in snapshot:
+            self._put(kv.key, kv.value)
+        start = snapshot.header.revision + 1
+        async for event in await self._client.watch_prefix(SESSIONS_PREFIX, start_revision=start):
+            if event.kind == aetcd.EventKind.PUT:
+                self._put(event.kv.key, event.kv.value)
+            else:
+                self._skipped.forget(event.kv.key)
+                self._cached.pop(event.kv.key.removeprefix(SESSIONS_PREFIX).decode(), None)
+
+    def _put(self, key: bytes, value: bytes) -> None:
+        owner = self._owner(key, value)
+        with contextlib.suppress(UnicodeDecodeError):
+            session_id = key.removeprefix(SESSIONS_PREFIX).decode()
+            if owner is None:
+                self._cached.pop(session_id, None)
+            else:
+                self._remember(session_id, owner)
+
+    def _remember(self, session_id: str, owner: str) -> None:
+        self._cached.pop(session_id, None)  # to the end: the oldest go first past the bound
+        self._cached[session_id] = owner
+        while len(self._cached) > self._max_cached:
+            del self._cached[next(iter(self._cached))]
+
+    async def _claim(self, session_id: str, worker_id: str) -> str:
         key = self.key(session_id)
         tx = self._client.transactions
         with _refusals(session_id):
@@ -72,13 +164,57 @@ class SessionStore:
         ranges = responses[0] if responses else []
         return (self._owner(key, ranges[0][0]) if ranges else None) or worker_id
 
-    async def move(self, session_id: str, worker_id: str) -> None:
-        with _refusals(session_id):
-            lease = await self._client.lease(self._ttl_s)
-            await self._client.put(self.key(session_id), worker_id.encode(), lease=lease)
+    async def _call(self, call: Awaitable[T]) -> T | _Away:
+        """``call``'s answer, or ``_AWAY`` when etcd does not give one in time (degraded mode
+        entered) or degraded mode skips etcd for now."""
+        if self._skip_until is not None and time.monotonic() < self._skip_until:
+            if asyncio.iscoroutine(call):
+                call.close()  # never awaited: no warning about it
+            self.degraded_calls += 1
+            return _AWAY
+        try:
+            answer = await asyncio.wait_for(call, self._call_timeout_s)
+        except (TimeoutError, *UNREACHABLE) as exc:
+            if self._skip_until is None:
+                log.warning(
+                    "etcd unreachable (%s): routing without session ownership, from cached "
+                    "owners, until it answers",
+                    type(exc).__name__,
+                )
+            self._skip_until = time.monotonic() + self._probe_after_s
+            self.degraded_calls += 1
+            return _AWAY
+        if self._skip_until is not None:
+            log.warning("etcd answers again: session ownership restored")
+            self._skip_until = None
+        return answer
 
     def _owner(self, key: bytes, value: bytes) -> str | None:
         return self._skipped.parse(key, value, _worker_id)
+
+
+class _Away:
+    """etcd did not answer (see ``SessionStore._call``)."""
+
+
+_AWAY = _Away()
+
+
+class _Metrics(Collector):
+    def __init__(self, store: SessionStore) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "laneway_planner_sessions_degraded",
+            "1 while etcd is unreachable and sessions are routed from cached owners.",
+            value=int(self._store.degraded),
+        )
+        yield CounterMetricFamily(
+            "laneway_planner_sessions_degraded_calls",
+            "Session lookups, claims and moves answered without etcd (it was unreachable).",
+            value=self._store.degraded_calls,
+        )
 
 
 def _worker_id(key: bytes, value: bytes) -> str:

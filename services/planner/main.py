@@ -135,6 +135,10 @@ def main() -> None:
             # etcd past its quota refuses the sessions' writes: every replica watches for it.
             asyncio.create_task(guard_space(etcd)),
         ]
+        if sessions is not None:
+            # The owners it routes by while etcd is away.
+            tasks.append(asyncio.create_task(sessions.watch()))
+            planner.metrics.registry.register(sessions.metrics)
         capacity = None
         leadership = LeasedKey.leader(etcd, settings.instance_id, ttl_s=5)
         if settings.autoscale:

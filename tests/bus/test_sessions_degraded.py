@@ -1,0 +1,83 @@
+"""etcd away: session ownership answers from cached owners at once, never hangs, logs once, and
+comes back to etcd when it answers again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from bus.registry import connect_etcd
+from bus.sessions import SessionStore
+from infra.embedded import EmbeddedServer, start_etcd
+from tests.helpers import eventually
+
+pytestmark = pytest.mark.live  # an etcd of its own, killed
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
+    server = start_etcd(tmp_path, log_file=tmp_path / "etcd.log")
+    yield server
+    server.stop()
+
+
+def _metric(store: SessionStore, name: str) -> float:
+    return next(
+        sample.value
+        for family in store.metrics.collect()
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+async def test_owners_come_from_the_watch_while_etcd_is_away(
+    etcd: EmbeddedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    mine, other = connect_etcd(etcd.url), connect_etcd(etcd.url)
+    store = SessionStore(mine, ttl_s=60, call_timeout_s=0.5, probe_after_s=0.5)
+    watching = asyncio.create_task(store.watch())
+    try:
+        assert await store.claim("alice", "w1") == "w1"
+        # Another replica's claim reaches this one's cache through the watch only.
+        await SessionStore(other, ttl_s=60).claim("bob", "w2")
+        await eventually(lambda: store._cached.get("bob") == "w2")
+
+        etcd.kill()
+        with caplog.at_level(logging.WARNING, logger="bus.sessions"):
+            started = time.monotonic()
+            assert await store.owner("bob") == "w2"
+            assert await store.owner("alice") == "w1"
+            assert await store.owner("carol") is None
+            assert await store.claim("carol", "w3") == "w3"
+            await store.move("alice", "w2")
+            assert await store.owner("alice") == "w2"
+            # One bounded wait to find etcd gone, the rest skip it.
+            assert time.monotonic() - started < 1.5
+            assert store.degraded
+            assert _metric(store, "laneway_planner_sessions_degraded") == 1
+            assert _metric(store, "laneway_planner_sessions_degraded_calls_total") >= 6
+            await asyncio.sleep(0.6)  # past the probe interval: one more bounded try
+            assert await store.owner("bob") == "w2"
+        away = [r for r in caplog.records if "etcd unreachable" in r.getMessage()]
+        assert len(away) == 1
+
+        etcd.restart()
+        await asyncio.sleep(0.6)
+        # Back to etcd: a binding only etcd knows is read from it.
+        await SessionStore(other, ttl_s=60).move("dave", "w4")
+
+        async def dave() -> str | None:
+            return await store.owner("dave")
+
+        assert await eventually(dave, timeout=15) == "w4"
+        assert not store.degraded
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+        await mine.close()
+        await other.close()
