@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -23,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from services.common.tokenizer import Tokenizer
 from services.ingress.access_log import log_request
 from services.ingress.admission import Admission, AdmissionSettings
+from services.ingress.auth import TENANT, AuthGate, KeyBook
 from services.ingress.body import read_json_body
 from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.errors import ApiError, internal_error
@@ -57,10 +59,12 @@ def create_app(
     worker_limit: WorkerContextLimit | None = None,
     metrics: IngressMetrics | None = None,
     admission: Admission | None = None,
+    keys: KeyBook | None = None,
     readiness: Readiness | None = None,
 ) -> Starlette:
     """``worker_limit``: the context limit of the registered workers (none: only the settings');
-    ``metrics``: where the app counts (none: a registry of its own, served at ``/metrics``)."""
+    ``metrics``: where the app counts (none: a registry of its own, served at ``/metrics``);
+    ``keys``: the API keys every request but ``/health`` must bring (none: no keys asked)."""
     metrics = metrics or IngressMetrics()
     # Without one given, no bound until a worker registers, and none registers with it.
     admission = admission or Admission(AdmissionSettings(), metrics)
@@ -88,8 +92,12 @@ def create_app(
         Route("/health", endpoints.health),
         Route("/metrics", endpoints.metrics),
     ]
+    middleware = []
+    if keys is not None:
+        middleware.append(Middleware(AuthGate, book=keys, metrics_keyed=settings.metrics_auth))
     return Starlette(
         routes=routes,
+        middleware=middleware,
         exception_handlers={HTTPException: _http_error, Exception: _unhandled_error},
     )
 
@@ -142,7 +150,7 @@ class _CompletionEndpoint:
         try:
             parsed = self.parse(await read_json_body(request, self.max_body_bytes))
             session = session_id(request.headers.get("x-session-id"), parsed.params.user)
-            spec = self.intake.spec(parsed)
+            spec = self.intake.spec(parsed, scope.get(TENANT))
             # Last: a request the cluster could not take anyway is refused for that, not shed.
             priority = request_priority(
                 request.headers.get("x-laneway-priority"), parsed.params.priority

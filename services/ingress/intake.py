@@ -25,7 +25,8 @@ class Intake:
         self._worker_limit = worker_limit
         self._models = frozenset(settings.served_model_names)
 
-    def spec(self, request: ParsedRequest) -> RequestSpec:
+    def spec(self, request: ParsedRequest, tenant: str | None = None) -> RequestSpec:
+        """``tenant``: whose API key the request came with (none: the API takes no keys)."""
         params = request.params
         if params.model not in self._models:
             raise model_not_found(params.model)
@@ -71,6 +72,7 @@ class Intake:
             sampling=sampling,
             reply_to=settings.instance_id,
             deadline=datetime.now(UTC) + timedelta(seconds=settings.request_timeout_s),
+            tenant=tenant,
         )
 
     def _max_model_len(self) -> int | None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import uvicorn
 from pydantic import Field
 
+from bus.api_keys import watch_keys
 from bus.client import Bus
 from bus.registry import connect_etcd, watch_workers
 from bus.runtime import run_service
@@ -24,6 +25,7 @@ from schemas.messages import WorkerRegistration
 from services.common.hf_tokenizer import HfTokenizer
 from services.common.tokenizer import ByteTokenizer, Tokenizer
 from services.ingress.api import create_app
+from services.ingress.auth import KeyBook
 from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.health import Readiness
 from services.ingress.metrics import IngressMetrics
@@ -46,10 +48,20 @@ class IngressSettings(ServiceSettings):
     default_max_tokens: int = _API.default_max_tokens
     request_timeout_s: float = _API.request_timeout_s
     max_body_bytes: int = _API.max_body_bytes
+    # Every request but /health needs an API key from etcd (bus.api_keys); laneway up turns it on.
+    api_auth: bool = False
+    metrics_auth: bool = _API.metrics_auth
+    # Both set: the API speaks HTTPS only, with this PEM certificate (chain) and private key.
+    api_tls_certfile: Path | None = None
+    api_tls_keyfile: Path | None = None
 
     def api(self) -> IngressApiSettings:
         names = {field.name for field in fields(IngressApiSettings)}
         return IngressApiSettings(**self.model_dump(include=names))
+
+    def model_post_init(self, context: object) -> None:
+        if (self.api_tls_certfile is None) != (self.api_tls_keyfile is None):
+            raise ValueError("LANEWAY_API_TLS_CERTFILE and LANEWAY_API_TLS_KEYFILE go together")
 
 
 class _Server(uvicorn.Server):
@@ -99,6 +111,9 @@ def main() -> None:
             asyncio.create_task(watch_workers(etcd, on_workers), name="worker-watch"),
             asyncio.create_task(readiness.watch_planners(etcd), name="planner-watch"),
         ]
+        keys = KeyBook() if settings.api_auth else None
+        if keys is not None:
+            watching.append(asyncio.create_task(watch_keys(etcd, keys.on_keys), name="key-watch"))
         metrics = IngressMetrics()
         app = create_app(
             gateway,
@@ -106,6 +121,7 @@ def main() -> None:
             settings.api(),
             limit,
             metrics,
+            keys=keys,
             readiness=readiness,
         )
         # The API port has /metrics too; this port is the one every service has (probes).
@@ -120,6 +136,8 @@ def main() -> None:
                 log_level="warning",
                 access_log=False,
                 timeout_graceful_shutdown=5,
+                ssl_certfile=settings.api_tls_certfile,
+                ssl_keyfile=settings.api_tls_keyfile,
             )
         )
         serving = asyncio.create_task(server.serve(sockets=[listener]))

@@ -21,6 +21,9 @@ class IngressApiSettings:
     """Seconds from receipt until the request is cancelled and answered with 504."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest request body taken; a larger one is answered with 413 as soon as it is known."""
+    metrics_auth: bool = False
+    """Where the API takes keys: ``/metrics`` on the API port takes one with the metrics scope
+    too (off: it is open, as ``/health`` always is)."""
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -1,0 +1,115 @@
+"""API keys in etcd: one record per key under ``/laneway/keys/<key_id>``, holding the tenant, its
+limits and the SHA-256 of the key; never the key itself, which only its creator ever sees.
+
+A key carries 256 random bits, so an unsalted fast hash is enough: nothing smaller than the key
+space can be searched, and the ingress can hash each request's key in microseconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Literal
+
+import aetcd
+from pydantic import BaseModel, ConfigDict, Field
+
+from bus.registry import Skipped, watch_records
+from schemas.events import utc_now
+
+KEYS_PREFIX = b"/laneway/keys/"
+# What every key starts with, so that a key pasted somewhere it should not be can be found.
+KEY_PREFIX = "lw-"
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+_KEY_ID = re.compile(r"^[0-9a-f]{16}$")
+
+Scope = Literal["inference", "metrics"]
+SCOPES: tuple[Scope, ...] = ("inference", "metrics")
+
+
+class ApiKeyRecord(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key_id: str = Field(pattern=_KEY_ID.pattern)
+    tenant: str = Field(pattern=TENANT_PATTERN)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the key, hex")
+    rate_per_s: float | None = Field(default=None, gt=0, description="requests per second")
+    max_concurrency: int | None = Field(default=None, ge=1, description="requests at once")
+    scopes: tuple[Scope, ...] = Field(default=("inference",), min_length=1)
+    startup: bool = Field(default=False, description="made by `laneway up` for its own run")
+    created_at: datetime = Field(default_factory=utc_now)
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def record_key(key_id: str) -> bytes:
+    if not _KEY_ID.match(key_id):
+        raise ValueError(f"not a key id: {key_id[:40]!r} (16 hex digits)")
+    return KEYS_PREFIX + key_id.encode()
+
+
+async def create_key(
+    client: aetcd.Client,
+    tenant: str,
+    *,
+    rate_per_s: float | None = None,
+    max_concurrency: int | None = None,
+    scopes: tuple[Scope, ...] = ("inference",),
+    startup: bool = False,
+) -> tuple[ApiKeyRecord, str]:
+    """Store a new key's record; returns it with the key, which is not kept anywhere."""
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    record = ApiKeyRecord(
+        key_id=secrets.token_hex(8),
+        tenant=tenant,
+        sha256=key_hash(key),
+        rate_per_s=rate_per_s,
+        max_concurrency=max_concurrency,
+        scopes=scopes,
+        startup=startup,
+    )
+    await client.put(record_key(record.key_id), record.model_dump_json().encode())
+    return record, key
+
+
+async def list_keys(client: aetcd.Client) -> list[ApiKeyRecord]:
+    skipped = Skipped("API key")
+    stored = await client.get_prefix(KEYS_PREFIX)
+    found = (skipped.parse(kv.key, kv.value, _record) for kv in stored)
+    return sorted((r for r in found if r is not None), key=lambda r: r.created_at)
+
+
+async def revoke_key(client: aetcd.Client, key_id: str) -> bool:
+    """Delete a key's record; False if there was none."""
+    return await client.delete(record_key(key_id)) is not None
+
+
+async def revoke_startup_keys(client: aetcd.Client) -> None:
+    """The keys earlier runs of `laneway up` made for themselves: each run prints a new one."""
+    for record in await list_keys(client):
+        if record.startup:
+            await revoke_key(client, record.key_id)
+
+
+KeysChanged = Callable[[list[ApiKeyRecord]], Awaitable[None]]
+
+
+async def watch_keys(client: aetcd.Client, on_change: KeysChanged) -> None:
+    """Call ``on_change`` with every live key now and after every change, forever."""
+
+    async def changed(records: dict[bytes, ApiKeyRecord]) -> None:
+        await on_change(list(records.values()))
+
+    await watch_records(client, KEYS_PREFIX, "API key", _record, changed)
+
+
+def _record(key: bytes, value: bytes) -> ApiKeyRecord:
+    record = ApiKeyRecord.model_validate_json(value)
+    if key != KEYS_PREFIX + record.key_id.encode():
+        raise ValueError(f"the record of key {record.key_id!r} is under another key")
+    return record

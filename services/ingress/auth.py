@@ -1,0 +1,146 @@
+"""API keys at the door: every request but ``/health`` (and ``/metrics``, unless keyed) needs
+``Authorization: Bearer KEY`` naming a live key, as the OpenAI SDK sends it; the key's tenant
+is then held to its limits and written on the request (``scope[TENANT]``, then RequestSpec).
+
+The keys live in etcd (``bus.api_keys``); the ingress keeps all of them in memory, fed by an etcd
+watch, so a request costs one SHA-256 and a dict look-up and a revocation takes effect as soon
+as the watch delivers it (milliseconds).
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from bus.api_keys import ApiKeyRecord, key_hash
+from bus.api_keys import Scope as KeyScope
+from services.ingress.access_log import log_request
+from services.ingress.errors import ApiError
+from services.ingress.limits import TenantGate, TenantLimits
+from services.ingress.responses import JSON_HEADERS, Headers, send_json
+
+TENANT = "laneway.tenant"
+"""The ASGI scope's entry for the tenant of an authenticated request."""
+# A longer header is no key of ours; it is refused without hashing it.
+_MAX_AUTHORIZATION = 256
+
+
+class KeyBook:
+    """The live keys by their hash, and the limits of each tenant: those of its newest key, so
+    that a new key (a rotation) brings its limits in and revoking the old one keeps them."""
+
+    def __init__(self, gate: TenantGate | None = None) -> None:
+        self.gate = gate or TenantGate()
+        self.loaded = False
+        self._by_hash: dict[str, ApiKeyRecord] = {}
+
+    async def on_keys(self, records: list[ApiKeyRecord]) -> None:
+        self._by_hash = {record.sha256: record for record in records}
+        newest = sorted(records, key=lambda record: record.created_at)
+        self.gate.set_limits(
+            {r.tenant: TenantLimits(r.rate_per_s, r.max_concurrency) for r in newest}
+        )
+        self.loaded = True
+
+    def find(self, key: str) -> ApiKeyRecord | None:
+        return self._by_hash.get(key_hash(key))
+
+
+class AuthGate:
+    """ASGI middleware in front of the API's routes."""
+
+    def __init__(self, app: ASGIApp, book: KeyBook, metrics_keyed: bool) -> None:
+        self._app = app
+        self._book = book
+        self._metrics_keyed = metrics_keyed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path == "/health":
+            await self._app(scope, receive, send)
+            return
+        if path == "/metrics":
+            if self._metrics_keyed:
+                await self._keyed(scope, receive, send, "metrics")
+            else:
+                await self._app(scope, receive, send)
+            return
+        await self._keyed(scope, receive, send, "inference")
+
+    async def _keyed(self, scope: Scope, receive: Receive, send: Send, needs: KeyScope) -> None:
+        record = self._record(scope)
+        if isinstance(record, ApiError):
+            extra = [(b"www-authenticate", b"Bearer")] if record.status == 401 else []
+            await _refuse(scope, send, record, extra)
+            return
+        if needs not in record.scopes:
+            error = ApiError(
+                403,
+                f"This API key lacks the '{needs}' scope needed for {scope['path']}.",
+                code="insufficient_scope",
+                type="invalid_request_error",
+            )
+            await _refuse(scope, send, error)
+            return
+        if needs == "metrics":
+            await self._app(scope, receive, send)
+            return
+        gate = self._book.gate
+        wait_s = gate.enter(record.tenant)
+        if wait_s is not None:
+            await _refuse(scope, send, _limited(record.tenant), retry_after=wait_s)
+            return
+        scope[TENANT] = record.tenant
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            gate.leave(record.tenant)
+
+    def _record(self, scope: Scope) -> ApiKeyRecord | ApiError:
+        if not self._book.loaded:
+            return ApiError(503, "The API keys are still loading; retry in a moment.")
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if header is None:
+            return ApiError(
+                401,
+                "You didn't provide an API key. Provide it in an Authorization header using "
+                "Bearer auth (Authorization: Bearer YOUR_KEY).",
+                code="missing_api_key",
+                type="invalid_request_error",
+            )
+        scheme, _, key = header.partition(b" ")
+        record = None
+        if len(header) <= _MAX_AUTHORIZATION and scheme.lower() == b"bearer":
+            record = self._book.find(key.strip().decode("latin-1"))
+        if record is None:
+            return ApiError(
+                401,
+                "Incorrect API key provided, or the key was revoked.",
+                code="invalid_api_key",
+                type="invalid_request_error",
+            )
+        return record
+
+
+def _limited(tenant: str) -> ApiError:
+    return ApiError(
+        429,
+        f"Tenant '{tenant}' is over its request rate or concurrency limit; retry later.",
+        code="rate_limit_exceeded",
+        type="rate_limit_error",
+    )
+
+
+async def _refuse(
+    scope: Scope,
+    send: Send,
+    error: ApiError,
+    extra: Headers | None = None,
+    retry_after: int | None = None,
+) -> None:
+    headers = [*JSON_HEADERS, *(extra or [])]
+    if error.status == 503:
+        retry_after = 1
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    log_request(scope, error.status)
+    await send_json(send, error.status, error.body(), headers)
