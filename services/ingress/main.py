@@ -18,12 +18,14 @@ from bus.client import Bus
 from bus.registry import connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
+from bus.topology import Subjects
 from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
 from schemas.events import new_id
 from schemas.messages import WorkerRegistration
 from services.common.hf_tokenizer import HfTokenizer
 from services.common.tokenizer import ByteTokenizer, Tokenizer
+from services.ingress.admission import Admission, AdmissionSettings
 from services.ingress.api import create_app
 from services.ingress.auth import KeyBook
 from services.ingress.context_limit import WorkerContextLimit
@@ -34,6 +36,7 @@ from services.ingress.settings import IngressApiSettings
 
 # The API settings' defaults, written once there.
 _API = IngressApiSettings(instance_id="")
+_ADMISSION = AdmissionSettings()
 
 
 class IngressSettings(ServiceSettings):
@@ -48,6 +51,11 @@ class IngressSettings(ServiceSettings):
     default_max_tokens: int = _API.default_max_tokens
     request_timeout_s: float = _API.request_timeout_s
     max_body_bytes: int = _API.max_body_bytes
+    admission_queue_per_worker: int = _ADMISSION.queue_per_worker
+    admission_max_in_flight: int | None = _ADMISSION.max_in_flight
+    admission_max_queue: int = _ADMISSION.max_queue
+    admission_max_wait_s: float = _ADMISSION.max_wait_s
+    admission_retry_after_s: int = _ADMISSION.retry_after_s
     # Every request but /health needs an API key from etcd (bus.api_keys); laneway up turns it on.
     api_auth: bool = False
     metrics_auth: bool = _API.metrics_auth
@@ -58,6 +66,11 @@ class IngressSettings(ServiceSettings):
     def api(self) -> IngressApiSettings:
         names = {field.name for field in fields(IngressApiSettings)}
         return IngressApiSettings(**self.model_dump(include=names))
+
+    def admission(self) -> AdmissionSettings:
+        names = {f"admission_{field.name}": field.name for field in fields(AdmissionSettings)}
+        given = self.model_dump(include=set(names))
+        return AdmissionSettings(**{names[key]: value for key, value in given.items()})
 
     def model_post_init(self, context: object) -> None:
         if (self.api_tls_certfile is None) != (self.api_tls_keyfile is None):
@@ -102,10 +115,13 @@ def main() -> None:
         etcd = connect_etcd(settings.etcd_endpoints)
         limit = WorkerContextLimit()
         readiness = Readiness(lambda: bus.nc.is_connected)
+        metrics = IngressMetrics()
+        admission = Admission(settings.admission(), metrics)
 
         async def on_workers(workers: dict[str, WorkerRegistration]) -> None:
             await limit.on_workers(workers)
             await readiness.on_workers(workers)
+            await admission.on_workers(workers)
 
         watching = [
             asyncio.create_task(watch_workers(etcd, on_workers), name="worker-watch"),
@@ -114,13 +130,14 @@ def main() -> None:
         keys = KeyBook() if settings.api_auth else None
         if keys is not None:
             watching.append(asyncio.create_task(watch_keys(etcd, keys.on_keys), name="key-watch"))
-        metrics = IngressMetrics()
+        await bus.subscribe(Subjects.all_load, admission.on_load)
         app = create_app(
             gateway,
             _tokenizer(settings.model_dir),
             settings.api(),
             limit,
             metrics,
+            admission=admission,
             keys=keys,
             readiness=readiness,
         )
