@@ -22,6 +22,12 @@ FinishReason = Literal["stop", "length"]
 KvTier = Literal["gpu", "host"]
 
 
+def _attempt() -> Any:
+    return Field(
+        default=0, ge=0, description="the request's attempt (`RequestSpec.attempt`) this is of"
+    )
+
+
 def new_id() -> str:
     """A 32-hex-digit identifier, safe to use as a NATS subject token."""
     return uuid.uuid4().hex
@@ -254,6 +260,7 @@ class TokensGenerated(Envelope):
     index: int = Field(ge=0, description="position of the first token in the completion")
     token_ids: TokenIds
     text: str = Field(description="detokenized text of `token_ids`, stop strings removed")
+    attempt: int = _attempt()
 
 
 class Usage(Frozen):
@@ -269,6 +276,7 @@ class RequestFinished(Envelope):
 
     type: Literal["RequestFinished"] = "RequestFinished"
     worker_id: str
+    attempt: int = _attempt()
     finish_reason: FinishReason
     usage: Usage
     ttft_ms: float = Field(ge=0.0, description="route received to first token, milliseconds")
@@ -295,6 +303,7 @@ class RequestFailed(Envelope):
 
     type: Literal["RequestFailed"] = "RequestFailed"
     code: FailureCode
+    attempt: int = _attempt()
     message: str
     worker_id: str | None = None
     completion_tokens: int = Field(
@@ -314,6 +323,7 @@ class RequestCancelled(Envelope):
 
     type: Literal["RequestCancelled"] = "RequestCancelled"
     worker_id: str | None = None
+    attempt: int = _attempt()
     reason: str
     completion_tokens: int = Field(default=0, ge=0, description="tokens generated before the stop")
 

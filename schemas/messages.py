@@ -75,6 +75,7 @@ class ResendQuery(Frozen):
 
     request_id: str = Field(max_length=64)
     index: int = Field(ge=0, description="the first token the asker is missing")
+    attempt: int = Field(default=0, ge=0, description="the request's attempt asked about")
 
 
 class ResendReply(Frozen):
