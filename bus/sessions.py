@@ -117,6 +117,7 @@ class SessionStore:
                 await asyncio.sleep(1.0)
 
     async def _watch_once(self) -> None:
+        # Change by change, not registry.watch_records' whole set on each: sessions are many.
         snapshot = await self._client.get_prefix(SESSIONS_PREFIX)
         for kv in snapshot:
             self._put(kv.key, kv.value)

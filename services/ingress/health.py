@@ -8,18 +8,14 @@ is away (then the last known planners and workers stand, as they do for routing)
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Callable
 
 import aetcd
 import orjson
 
-from bus.registry import PLANNERS_PREFIX
+from bus.registry import PLANNERS_PREFIX, watch_records
 from schemas.messages import WorkerRegistration
 from services.ingress.errors import ApiError
-
-log = logging.getLogger(__name__)
 
 
 class Readiness:
@@ -51,23 +47,13 @@ class Readiness:
         return 200, orjson.dumps(body)
 
     async def watch_planners(self, client: aetcd.Client) -> None:
-        """Follow the planners' presence keys forever; a broken watch is set up again from a
-        fresh read (etcd restarting), the keys last seen standing meanwhile."""
-        while True:
-            try:
-                await self._watch_once(client)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.warning("planner watch broke; re-reading from etcd", exc_info=True)
-                await asyncio.sleep(1.0)
+        """Follow the planners' presence keys forever (the keys last seen stand while etcd is
+        away)."""
+        await watch_records(client, PLANNERS_PREFIX, "planner presence", _pid, self._on_planners)
 
-    async def _watch_once(self, client: aetcd.Client) -> None:
-        snapshot = await client.get_prefix(PLANNERS_PREFIX, keys_only=True)
-        self.planners = {kv.key for kv in snapshot}
-        start = snapshot.header.revision + 1
-        async for event in await client.watch_prefix(PLANNERS_PREFIX, start_revision=start):
-            if event.kind == aetcd.EventKind.PUT:
-                self.planners.add(event.kv.key)
-            else:
-                self.planners.discard(event.kv.key)
+    async def _on_planners(self, planners: dict[bytes, int]) -> None:
+        self.planners = set(planners)
+
+
+def _pid(key: bytes, value: bytes) -> int:
+    return int(value)
