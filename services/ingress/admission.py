@@ -3,9 +3,12 @@
 The cluster holds at most ``capacity`` requests: each serving worker's ``max_num_seqs`` plus a
 short queue of ``queue_per_worker`` (workers' records in etcd), and never more than a fixed
 ``max_in_flight`` when the operator sets one. A request beyond it waits here, in a bounded
-queue ordered by priority then arrival, for at most ``max_wait_s``; past that, or with the
-queue full, it is shed (429). A newcomer finding the queue full sheds the newest waiter of a
-lower priority, if any, instead of itself: low priority is shed first, high waits first.
+queue ordered by priority, for at most ``max_wait_s``; past that, or with the queue full, it is
+shed (429). Within a priority the newest waiter gets room first: under overload the oldest are
+about to be shed anyway, and serving the newest keeps the admitted requests' wait, part of
+their time to first token, near zero instead of near ``max_wait_s``. A newcomer finding the
+queue full sheds the oldest waiter of a lower priority, if any, instead of itself: low priority
+is shed first, high waits first.
 
 Several ingress replicas share the cluster: each counts its own requests exactly, and the
 others' from the workers' load reports (running + waiting: every replica's requests) less the
@@ -205,7 +208,8 @@ class Admission:
             lower = next((p for p in reversed(PRIORITIES[rank + 1 :]) if self._waiting[p]), None)
             if lower is None:
                 raise self._shed("queue_full", priority)
-            displaced = self._waiting[lower].pop()
+            # The oldest of that priority: the one closest to being shed anyway.
+            displaced = self._waiting[lower].popleft()
             displaced.future.set_exception(self._shed("displaced", lower))
         waiter = _Waiter(priority)
         self._waiting[priority].append(waiter)
@@ -223,11 +227,11 @@ class Admission:
         return True
 
     def _wake(self) -> None:
-        """Give the room there is to the waiters, best priority first, then oldest."""
+        """Give the room there is to the waiters, best priority first, then newest."""
         for priority in PRIORITIES:
             queue = self._waiting[priority]
             while queue and self._has_room():
-                waiter = queue.popleft()
+                waiter = queue.pop()
                 self._add_own(1)
                 waiter.future.set_result(None)
         self._metrics.admission_queue.set(self.queued)

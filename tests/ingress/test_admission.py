@@ -90,7 +90,7 @@ async def test_beyond_capacity_a_request_waits_then_is_shed_fast() -> None:
     assert sample(metrics, "laneway_ingress_admitted_total", priority="normal") == 3
 
 
-async def test_room_goes_to_the_best_priority_first_then_the_oldest() -> None:
+async def test_room_goes_to_the_best_priority_first_then_the_newest() -> None:
     admission, _ = make(max_in_flight=1, max_wait_s=5.0)
     held = await admission.admit("normal")
     order: list[str] = []
@@ -112,11 +112,11 @@ async def test_room_goes_to_the_best_priority_first_then_the_oldest() -> None:
             await admission.admit("normal")
     held.release()
     await asyncio.gather(*waiters)
-    assert order == ["high", "normal-1", "normal-2", "low"]
+    assert order == ["high", "normal-2", "normal-1", "low"]
     assert admission.in_cluster == 0
 
 
-async def test_a_full_queue_sheds_the_newest_lower_priority_waiter() -> None:
+async def test_a_full_queue_sheds_the_oldest_lower_priority_waiter() -> None:
     admission, metrics = make(max_in_flight=1, max_queue=2, max_wait_s=5.0)
     held = await admission.admit("normal")
     low_old = asyncio.create_task(admission.admit("low"))
@@ -128,11 +128,11 @@ async def test_a_full_queue_sheds_the_newest_lower_priority_waiter() -> None:
     assert sample(metrics, "laneway_ingress_shed_total", reason="queue_full", priority="low")
     high = asyncio.create_task(admission.admit("high"))
     with pytest.raises(Overloaded):
-        await low_new
+        await low_old
     assert sample(metrics, "laneway_ingress_shed_total", reason="displaced", priority="low")
     held.release()
     (await high).release()
-    (await low_old).release()
+    (await low_new).release()
     assert admission.in_cluster == 0
 
 
