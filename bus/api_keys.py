@@ -24,7 +24,7 @@ KEYS_PREFIX = b"/laneway/keys/"
 # What every key starts with, so that a key pasted somewhere it should not be can be found.
 KEY_PREFIX = "lw-"
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-_KEY_ID = re.compile(r"^[0-9a-f]{16}$")
+KEY_ID_PATTERN = r"^[0-9a-f]{16}$"
 
 Scope = Literal["inference", "metrics"]
 SCOPES: tuple[Scope, ...] = ("inference", "metrics")
@@ -33,7 +33,7 @@ SCOPES: tuple[Scope, ...] = ("inference", "metrics")
 class ApiKeyRecord(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    key_id: str = Field(pattern=_KEY_ID.pattern)
+    key_id: str = Field(pattern=KEY_ID_PATTERN)
     tenant: str = Field(pattern=TENANT_PATTERN)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the key, hex")
     rate_per_s: float | None = Field(default=None, gt=0, description="requests per second")
@@ -48,7 +48,7 @@ def key_hash(key: str) -> str:
 
 
 def record_key(key_id: str) -> bytes:
-    if not _KEY_ID.match(key_id):
+    if not re.fullmatch(KEY_ID_PATTERN, key_id):
         raise ValueError(f"not a key id: {key_id[:40]!r} (16 hex digits)")
     return KEYS_PREFIX + key_id.encode()
 

@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from infra import record_export, status
+from infra import keys, record_export, status
 from infra.bench import engine_bench
 from infra.bench import run as bench
 from infra.cluster import ClusterConfig, LocalCluster
@@ -86,6 +86,14 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--speedup", type=float, default=1.0, help="sim engine speed-up factor")
     up.add_argument("--state-dir", type=Path, default=Path(".state"), help="data and logs")
     up.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="local experiments: the API takes requests without a key (by default it needs "
+        "one; a key for this run is printed at start, `laneway keys` makes more)",
+    )
+    up.add_argument("--tls-cert", type=Path, help="serve the API over HTTPS: PEM certificate")
+    up.add_argument("--tls-key", type=Path, help="with --tls-cert: its PEM private key")
+    up.add_argument(
         "--trace-exporter",
         default="none",
         help="where spans go: none, console (each service's log in STATE_DIR/logs, batched for "
@@ -135,6 +143,9 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise SystemExit("laneway up: --tls-cert and --tls-key go together")
+    tls = (args.tls_cert.resolve(), args.tls_key.resolve()) if args.tls_cert else None
     cluster = LocalCluster(
         ClusterConfig(
             state_dir=args.state_dir.resolve(),
@@ -148,6 +159,8 @@ def _up(args: argparse.Namespace) -> int:
             workers=args.workers,
             prefill_workers=args.prefill_workers,
             policy=args.policy,
+            api_auth=not args.no_auth,
+            api_tls=tls,
             env={
                 "LANEWAY_PERF_MODEL": args.perf_model,
                 "LANEWAY_SPEEDUP": str(args.speedup),
@@ -172,6 +185,8 @@ def _up(args: argparse.Namespace) -> int:
         return 1
     try:
         print(f"Laneway is serving the OpenAI API at {cluster.config.base_url}", flush=True)
+        if cluster.api_key:
+            print(f"  API key of this run: {cluster.api_key}", flush=True)
         print(f"  NATS {cluster.nats_url}\n  etcd {cluster.etcd_endpoints}", flush=True)
         for name, pid in cluster.pids().items():
             print(f"  {name:<18} pid {pid}", flush=True)
@@ -204,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_parser(sub)
     replay.add_parser(sub)
     status.add_parser(sub)
+    keys.add_parser(sub)
     for command in _leaf_parsers(sub):
         command.formatter_class = _DefaultsFormatter
     return parser

@@ -32,6 +32,7 @@ from infra.embedded import (
     start_nats,
     start_nats_cluster,
 )
+from infra.keys import startup_key
 from infra.metrics_targets import assign_metrics_ports
 from infra.startup import StartupError, check_port_free, check_reachable, log_cause
 from infra.statedir import StateDir
@@ -59,12 +60,17 @@ class ClusterConfig:
     ha: bool = False
     # Extra LANEWAY_* settings for every service (perf model, speed-up, lease TTL, tracing, …).
     env: dict[str, str] = field(default_factory=dict)
+    # Every API request but /health needs a key: one is made at each start (``api_key``).
+    api_auth: bool = False
+    # The API over HTTPS, with this PEM certificate (chain) and its private key.
+    api_tls: tuple[Path, Path] | None = None
     # How `supervise` restarts a child that exits.
     restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.http_host}:{self.http_port}/v1"
+        scheme = "http" if self.api_tls is None else "https"
+        return f"{scheme}://{self.http_host}:{self.http_port}/v1"
 
 
 @dataclass
@@ -86,6 +92,8 @@ class LocalCluster:
         self.nats_url = config.nats_url or ""
         self.etcd_endpoints = config.etcd_endpoints or ""
         self.state = StateDir(config.state_dir)
+        # The key this run made for itself, where the API takes keys.
+        self.api_key: str | None = None
 
     @property
     def logs(self) -> Path:
@@ -121,6 +129,7 @@ class LocalCluster:
                     else [start_etcd(cfg.state_dir, cfg.etcd_port, self.logs / "etcd.log")]
                 )
             self._plan_services()
+            self._guard_api()
             assign_metrics_ports(self.services, self.prometheus_targets)
             for service in self.services:
                 self.spawn(service)
@@ -266,11 +275,26 @@ class LocalCluster:
                     f"(exit code {service.proc.returncode}; log: {log})"
                 )
 
+    def _guard_api(self) -> None:
+        """Once etcd is up: the API's keys, with one made for this run, and HTTPS, as set."""
+        cfg = self.config
+        env = self.service("ingress").env
+        if cfg.api_auth:
+            self.api_key = startup_key(self.etcd_endpoints)
+            env["LANEWAY_API_AUTH"] = "true"
+        if cfg.api_tls is not None:
+            env["LANEWAY_API_TLS_CERTFILE"], env["LANEWAY_API_TLS_KEYFILE"] = map(str, cfg.api_tls)
+
     def _api_up(self) -> bool:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
-            return httpx.get(self.config.base_url + "/models", timeout=1.0).status_code == 200
+            # Our own child, on the caller's certificate: whether it answers is the question.
+            reply = httpx.get(
+                self.config.base_url + "/models", headers=headers, timeout=1.0, verify=False
+            )
         except httpx.HTTPError:
             return False
+        return reply.status_code == 200
 
     def _count_keys(self, prefix: bytes) -> int:
         async def count() -> int:

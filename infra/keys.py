@@ -1,0 +1,181 @@
+"""``laneway keys create|list|revoke``: the API keys of a cluster, in its etcd (``bus.api_keys``).
+
+Without ``--etcd-endpoints`` (or ``$LANEWAY_ETCD_ENDPOINTS``), the etcd is that of the
+`laneway up` running on ``--state-dir``, read from the environment of one of its services.
+``create`` prints the new key alone on its last line (``KEY=$(laneway keys create … | tail -1)``);
+it is shown once and stored only as its SHA-256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+import aetcd
+
+from bus.api_keys import (
+    KEY_ID_PATTERN,
+    SCOPES,
+    TENANT_PATTERN,
+    ApiKeyRecord,
+    create_key,
+    list_keys,
+    revoke_key,
+    revoke_startup_keys,
+)
+from bus.registry import connect_etcd
+from infra import status_local
+
+T = TypeVar("T")
+# The tenant of the key `laneway up` makes for its own run.
+STARTUP_TENANT = "local"
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    keys = sub.add_parser("keys", help="create, list and revoke the API keys of a cluster")
+    commands = keys.add_subparsers(dest="keys_command", required=True)
+    create = commands.add_parser("create", help="make a key for a tenant; prints it last")
+    create.add_argument("--tenant", required=True, help="whose key it is (letters, digits, _.-)")
+    create.add_argument("--rate", type=float, help="the tenant's requests per second")
+    create.add_argument("--max-concurrency", type=int, help="the tenant's requests at once")
+    create.add_argument(
+        "--scope",
+        action="append",
+        choices=SCOPES,
+        help="what the key may do, repeatable (default: inference; metrics: /metrics where "
+        "LANEWAY_METRICS_AUTH keys it)",
+    )
+    create.set_defaults(func=_create)
+    listing = commands.add_parser("list", help="every key's id, tenant and limits (not the key)")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    listing.set_defaults(func=_list)
+    revoke = commands.add_parser("revoke", help="delete a key; the API refuses it within a second")
+    revoke.add_argument("key_id", help="the key's id, as `laneway keys list` shows it")
+    revoke.set_defaults(func=_revoke)
+    for command in (create, listing, revoke):
+        command.add_argument(
+            "--etcd-endpoints",
+            help="etcd endpoints (host:port), comma-separated (default: $LANEWAY_ETCD_ENDPOINTS)",
+        )
+        command.add_argument(
+            "--state-dir",
+            type=Path,
+            default=Path(".state"),
+            help="the state dir of the `laneway up` whose keys these are, when no etcd is given",
+        )
+
+
+def _create(args: argparse.Namespace) -> int:
+    if not re.fullmatch(TENANT_PATTERN, args.tenant):
+        return _fail(
+            f"--tenant {args.tenant[:70]!r}: 1-64 letters, digits, '_', '.' or '-' "
+            "(a letter or digit first)"
+        )
+    if args.rate is not None and not args.rate > 0:
+        return _fail("--rate must be positive")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        return _fail("--max-concurrency must be at least 1")
+    record, key = _run(
+        args,
+        lambda etcd: create_key(
+            etcd,
+            args.tenant,
+            rate_per_s=args.rate,
+            max_concurrency=args.max_concurrency,
+            scopes=tuple(dict.fromkeys(args.scope or ["inference"])),
+        ),
+    )
+    print(f"created key {record.key_id} for tenant {record.tenant} ({_limits(record)})")
+    print(key)
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    records = _run(args, list_keys)
+    if args.json:
+        print(json.dumps([r.model_dump(mode="json", exclude={"sha256"}) for r in records]))
+        return 0
+    rows = [("KEY ID", "TENANT", "LIMITS", "SCOPES", "CREATED")]
+    rows += [
+        (
+            r.key_id,
+            r.tenant + (" (laneway up)" if r.startup else ""),
+            _limits(r),
+            ",".join(r.scopes),
+            r.created_at.strftime("%Y-%m-%d %H:%M:%S UTC"),
+        )
+        for r in records
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    return 0
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    if not re.fullmatch(KEY_ID_PATTERN, args.key_id):
+        return _fail(f"not a key id: {args.key_id[:40]!r} (16 hex digits, as `keys list` shows)")
+    revoked = _run(args, lambda etcd: revoke_key(etcd, args.key_id))
+    if not revoked:
+        return _fail(f"no key {args.key_id}")
+    print(f"revoked key {args.key_id}")
+    return 0
+
+
+def startup_key(etcd_endpoints: str) -> str:
+    """The key `laneway up` prints: a new one each start, those of earlier starts revoked."""
+
+    async def make(etcd: aetcd.Client) -> str:
+        await revoke_startup_keys(etcd)
+        return (await create_key(etcd, STARTUP_TENANT, startup=True))[1]
+
+    return _in_thread(etcd_endpoints, make)
+
+
+def _limits(record: ApiKeyRecord) -> str:
+    rate = "any rate" if record.rate_per_s is None else f"{record.rate_per_s:g}/s"
+    at_once = "any" if record.max_concurrency is None else str(record.max_concurrency)
+    return f"{rate}, {at_once} at once"
+
+
+def _fail(message: str) -> int:
+    print(f"laneway keys: {message}", file=sys.stderr)
+    return 2
+
+
+def _endpoints(args: argparse.Namespace) -> str:
+    given = args.etcd_endpoints or os.environ.get("LANEWAY_ETCD_ENDPOINTS")
+    if given:
+        return str(given)
+    found = status_local.urls(status_local.processes(args.state_dir))
+    if found is None:
+        raise SystemExit(
+            f"laneway keys: no laneway up runs on {args.state_dir}: pass --state-dir or "
+            "--etcd-endpoints"
+        )
+    return found[1]
+
+
+def _run(args: argparse.Namespace, call: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+    return _in_thread(_endpoints(args), call)
+
+
+def _in_thread(endpoints: str, call: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+    async def run() -> T:
+        etcd = connect_etcd(endpoints)
+        try:
+            return await call(etcd)
+        finally:
+            await etcd.close()
+
+    # A thread of its own, so that this also works when the caller runs an event loop.
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, run()).result()

@@ -1,0 +1,145 @@
+"""API keys on a real cluster (etcd, NATS and every service as its own process): keys made,
+listed and revoked with `laneway keys`, used by the unmodified OpenAI SDK; no key or a revoked
+one is refused, a revocation within a second; a tenant past its concurrency limit gets 429."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from infra.cluster import LocalCluster
+from tests.live import ClusterFactory
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "laneway-sim"
+
+
+def keys(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "infra.cli", "keys", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def create(cluster: LocalCluster, *args: str) -> str:
+    made = keys(cluster, "create", "--etcd-endpoints", cluster.etcd_endpoints, *args)
+    assert made.returncode == 0, made.stderr
+    return made.stdout.splitlines()[-1]
+
+
+def client(cluster: LocalCluster, key: str) -> openai.OpenAI:
+    # No retries: a 429 or 401 is what the test looks at.
+    return openai.OpenAI(base_url=cluster.config.base_url, api_key=key, max_retries=0)
+
+
+def ask(sdk: openai.OpenAI) -> str:
+    reply = sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    return reply.choices[0].message.content or ""
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_factory: ClusterFactory) -> LocalCluster:
+    return cluster_factory(workers=1, api_auth=True)
+
+
+def test_startup_key_serves_and_no_key_is_refused(cluster: LocalCluster) -> None:
+    assert cluster.api_key is not None and cluster.api_key.startswith("lw-")
+    assert ask(client(cluster, cluster.api_key))
+    refused = httpx.post(
+        cluster.config.base_url + "/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        timeout=10,
+    )
+    assert refused.status_code == 401
+    assert refused.json()["error"]["code"] == "missing_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        ask(client(cluster, "lw-made-up"))
+    # The readiness probe stays open.
+    assert httpx.get(cluster.config.base_url.removesuffix("/v1") + "/health").status_code in (
+        200,
+        503,
+    )
+
+
+def test_created_key_works_then_is_refused_within_a_second_of_revocation(
+    cluster: LocalCluster,
+) -> None:
+    key = create(cluster, "--tenant", "acme")
+    assert key.startswith("lw-")
+    sdk = client(cluster, key)
+    assert ask(sdk)
+    listed = keys(cluster, "list", "--json", "--etcd-endpoints", cluster.etcd_endpoints)
+    records = json.loads(listed.stdout)
+    (acme,) = [r for r in records if r["tenant"] == "acme"]
+    assert "sha256" not in acme and key not in listed.stdout
+    revoked = keys(cluster, "revoke", acme["key_id"], "--etcd-endpoints", cluster.etcd_endpoints)
+    assert revoked.returncode == 0, revoked.stderr
+    since = time.monotonic()
+    while True:
+        try:
+            sdk.models.list()
+        except openai.AuthenticationError:
+            break
+        assert time.monotonic() - since < 1.0, "the revoked key was still taken after 1 s"
+        time.sleep(0.02)
+    with pytest.raises(openai.AuthenticationError):
+        ask(sdk)
+    again = keys(cluster, "revoke", acme["key_id"], "--etcd-endpoints", cluster.etcd_endpoints)
+    assert again.returncode == 2 and "no key" in again.stderr
+
+
+def test_tenant_over_its_concurrency_limit_gets_429(cluster: LocalCluster) -> None:
+    key = create(cluster, "--tenant", "small", "--max-concurrency", "1")
+    sdk = client(cluster, key)
+    # A long answer holds the tenant's one slot while the second request comes.
+    stream = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3000,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    try:
+        next(iter(stream))
+        with pytest.raises(openai.RateLimitError) as refused:
+            ask(sdk)
+        assert refused.value.response.headers["retry-after"] == "1"
+        assert refused.value.response.json()["error"]["code"] == "rate_limit_exceeded"
+        # Another tenant is not held back by this one.
+        assert ask(client(cluster, create(cluster, "--tenant", "other")))
+    finally:
+        stream.close()
+    # The slot comes back once the stream ends.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert ask(sdk)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+def test_bad_arguments_are_refused_in_one_line(cluster: LocalCluster) -> None:
+    at = ("--etcd-endpoints", cluster.etcd_endpoints)
+    for args in (
+        ("create", "--tenant", "no spaces", *at),
+        ("create", "--tenant", "t", "--rate", "0", *at),
+        ("revoke", "../workers/x", *at),
+    ):
+        done = keys(cluster, *args)
+        assert done.returncode == 2, done
+        assert done.stderr.startswith("laneway keys: ") and done.stderr.count("\n") == 1
