@@ -10,7 +10,10 @@ import time
 from pathlib import Path
 
 
-def launch(port: int, state_dir: Path, *extra: str) -> subprocess.Popen[str]:
+def launch(
+    port: int, state_dir: Path, *extra: str, api_auth: bool = False
+) -> subprocess.Popen[str]:
+    """``api_auth``: the API takes keys, as `laneway up` does by default (tests/security)."""
     return subprocess.Popen(
         [
             sys.executable,
@@ -23,6 +26,7 @@ def launch(port: int, state_dir: Path, *extra: str) -> subprocess.Popen[str]:
             str(state_dir),
             "--perf-model",
             "fixed",
+            *([] if api_auth else ["--no-auth"]),
             *extra,
         ],
         stdout=subprocess.PIPE,
