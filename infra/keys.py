@@ -158,8 +158,7 @@ def _endpoints(args: argparse.Namespace) -> str:
     found = status_local.urls(status_local.processes(args.state_dir))
     if found is None:
         raise SystemExit(
-            f"laneway keys: no laneway up runs on {args.state_dir}: pass --state-dir or "
-            "--etcd-endpoints"
+            _fail(f"no laneway up runs on {args.state_dir}: pass --state-dir or --etcd-endpoints")
         )
     return found[1]
 
