@@ -11,9 +11,14 @@ from pathlib import Path
 
 
 def launch(
-    port: int, state_dir: Path, *extra: str, api_auth: bool = False
+    port: int,
+    state_dir: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    api_auth: bool = False,
 ) -> subprocess.Popen[str]:
-    """``api_auth``: the API takes keys, as `laneway up` does by default (tests/security)."""
+    """``env``: settings for every service, on top of this process's environment; ``api_auth``:
+    the API takes keys, as `laneway up` does by default (tests/security tests that)."""
     return subprocess.Popen(
         [
             sys.executable,
@@ -32,6 +37,7 @@ def launch(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, **(env or {})},
     )
 
 
