@@ -11,7 +11,6 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -24,6 +23,8 @@ from infra.bench.metrics import (
     build_report,
     busy_timeline,
 )
+from infra.bench.sim_worker import SimWorker
+from infra.bench.tiers import OutputLengths, TierSettings, placement
 from infra.bench.traces import PromptFactory, TraceRequest
 from schemas.events import Role, SamplingParams
 from schemas.latency import LatencyHistogram
@@ -41,35 +42,16 @@ from services.planner.capacity import (
 from services.planner.decision import Decision, DecisionInputs, decide
 from services.planner.disagg import DisaggSettings
 from services.planner.kv_policy import KvAware
-from services.planner.policy import Policy, RouteRequest, WorkerView
+from services.planner.policy import Policy, RouteRequest
+from services.planner.room import with_room
 from services.worker.stream import RequestStream
 
-_ARRIVAL, _STEP_END, _KV_ARRIVED, _PLAN = 0, 1, 2, 3
+_ARRIVAL, _STEP_END, _KV_ARRIVED, _PLAN, _KV_MOVED = 0, 1, 2, 3, 4
 _FIELDS: TypeAdapter[dict[str, Any]] = TypeAdapter(dict[str, Any])
 # Arrivals between two calls of the progress callback: off the per-event path.
 _PROGRESS_EVERY = 64
 # Suffix of the id a request has on the prefill worker that computes its prompt.
 _PREFILL = "/prefill"
-
-
-@dataclass
-class _Worker:
-    worker_id: str
-    engine: SimEngine
-    record: WorkerRecord
-    role: Role = "both"
-    # The role it moves to once its in-flight work is done (the capacity loop moved it).
-    next_role: Role | None = None
-    # Requests its engine holds (a prefill worker's included): it switches roles at none.
-    in_flight: int = 0
-    # Requests routed to it to decode that have not ended, its KV wait included: what the live
-    # planner counts in flight there.
-    routed: int = 0
-    stepping: bool = False
-    kv_seq: int = 0
-    # Since when it has served in `role`, and its busy seconds since.
-    role_since: float = 0.0
-    busy_in_role: float = 0.0
 
 
 def decision_record(request_id: str, decision: Decision) -> dict[str, Any]:
@@ -88,27 +70,35 @@ class OfflineReplay:
         prefill_workers: int = 0,
         disagg: DisaggSettings | None = None,
         autoscale: CapacitySettings | None = None,
+        tiers: TierSettings | None = None,
     ) -> None:
         """``workers`` serve requests end to end (role ``both``), or decode only when
-        ``prefill_workers`` (role ``prefill``) are added beside them."""
+        ``prefill_workers`` (role ``prefill``) are added beside them. ``tiers``: the workers'
+        topology and the output lengths the planner is told (a host tier is in ``config``)."""
         self._trace = trace
         self._policy = policy
         self._config = config
         self._prompts = PromptFactory(config.block_size)
         perf = perf_model(config.perf_model)
+        # By default the planner is told the true output length, as a live client's max_tokens.
+        self._tiers = tiers or TierSettings(output_length="oracle")
         self._workers = [
-            _Worker(f"p{i:03d}", SimEngine(config, perf), WorkerRecord(), "prefill")
+            SimWorker(f"p{i:03d}", SimEngine(config, perf), WorkerRecord(), "prefill")
             for i in range(prefill_workers)
         ]
         self._workers += [
-            _Worker(
+            SimWorker(
                 f"w{i:03d}",
                 SimEngine(config, perf),
                 WorkerRecord(),
                 "decode" if prefill_workers else "both",
+                placement(i, self._tiers.topology),
             )
             for i in range(workers)
         ]
+        self._host_tier = config.num_host_blocks > 0
+        self._lengths = OutputLengths(self._tiers, config.num_gpu_blocks * config.block_size)
+        self._kv_moves = 0
         self._disagg = disagg or DisaggSettings(mode="never")
         self._capacity = CapacityPlanner(autoscale) if autoscale else None
         self._roles_timeline: list[dict[str, Any]] = []
@@ -131,6 +121,7 @@ class OfflineReplay:
         self.progress: Callable[[int], None] | None = None
         # Every sim engine can hand a prompt's KV over.
         self._handoff = frozenset(w.worker_id for w in self._workers)
+        self._max_num_seqs = {w.worker_id: config.max_num_seqs for w in self._workers}
         self._seq = 0
         self._remote_prefills = 0
         # Decode-side state of requests whose prompt a prefill worker is computing.
@@ -158,6 +149,8 @@ class OfflineReplay:
                 self._step_end(now, self._workers[who], who, payload)
             elif kind == _KV_ARRIVED:
                 self._kv_arrived(now, who, payload)
+            elif kind == _KV_MOVED:
+                self._kv_moved(now, who, payload)
             elif len(self._events) > 0:  # plan while there is traffic left
                 self._plan(now)
         records = {w.worker_id: w.record for w in self._workers}
@@ -167,6 +160,9 @@ class OfflineReplay:
             self._close_role(now, worker)
         report["pool_busy_fraction"] = self._pools.fractions()
         report["remote_prefills"] = self._remote_prefills
+        report["kv_moves"] = self._kv_moves
+        report["kv_tiers"] = self._tiers.report()
+        report["output_length"] = self._lengths.report()
         if self._capacity is not None:
             report["roles_timeline"] = self._roles_timeline
         decisions = [decision_record(i.request.request_id, d) for i, d in self.decisions or ()]
@@ -177,16 +173,20 @@ class OfflineReplay:
         hashes = self._prompts.block_hashes(request)
         request_id = f"r{i}"
         self._streams[i] = RequestStream(request.input_length, request.arrival_s, histogram=False)
-        route = RouteRequest(
-            request_id, request.input_length, hashes, max_tokens=request.output_length
-        )
+        max_tokens, expected = self._lengths.route(i, request.input_length, request.output_length)
+        route = RouteRequest(request_id, request.input_length, hashes, None, max_tokens, expected)
         overlaps = {}
+        tiered: tuple[int, ...] = ()
         if hashes and self._policy.wants_overlap(route):
             overlaps = self._index.overlaps(hashes)
+            tiered = hashes if self._host_tier else ()
         inputs = DecisionInputs(
             route,
-            [self._view(w, overlaps) for w in self._pool("decode")],
-            [self._view(w, overlaps) for w in self._pool("prefill")],
+            with_room(
+                [w.view(overlaps, self._index, tiered) for w in self._pool("decode")],
+                self._max_num_seqs,
+            ),
+            [w.view(overlaps, self._index, tiered) for w in self._pool("prefill")],
             self._handoff,
         )
         decision = decide(self._policy, self._disagg, inputs)
@@ -196,8 +196,15 @@ class OfflineReplay:
         remote = decision.prefill_worker_id
         sampling = SamplingParams(max_tokens=request.output_length, ignore_eos=True)
         whole = EngineRequest(request_id, self._prompts.prompt(request), sampling, hashes)
+        move = decision.kv_move
         if remote is None:
-            self._submit(now, w, i, whole)
+            if move is None:
+                self._submit(now, w, i, whole)
+            else:  # it waits for the KV as a decode worker waits on a hand-off, then queues
+                self._kv_moves += 1
+                source = self._workers[self._index_of(move.source_worker_id)].engine
+                held = source.held_prefix(hashes)  # GPU or host tier
+                self._push(now + move.transfer_ms / 1000.0, _KV_MOVED, i, (w, whole, held))
             return
         self._remote_prefills += 1
         self._records[i].prefill_worker_id = remote
@@ -208,7 +215,12 @@ class OfflineReplay:
         prefill = EngineRequest(request_id + _PREFILL, whole.prompt_token_ids, one, hashes)
         self._submit(now, self._index_of(remote), i, prefill)
 
-    def _pool(self, role: Role) -> list[_Worker]:
+    def _kv_moved(self, now: float, i: int, moved: tuple[int, EngineRequest, int]) -> None:
+        w, whole, held = moved
+        self._workers[w].engine.import_blocks(whole.block_hashes[:held])
+        self._submit(now, w, i, whole)
+
+    def _pool(self, role: Role) -> list[SimWorker]:
         """The workers the planner may send new work of ``role``: not the draining ones."""
         prefill = role == "prefill"
         return [
@@ -222,20 +234,6 @@ class OfflineReplay:
         self._workers[w].record.requests += 1
         self._workers[w].routed += 1
         return w
-
-    def _view(self, worker: _Worker, overlaps: dict[str, int]) -> WorkerView:
-        load = worker.engine.load()
-        return WorkerView(
-            worker_id=worker.worker_id,
-            running=load.running,
-            waiting=load.waiting,
-            kv_usage=load.kv_blocks_used / load.kv_blocks_total,
-            in_flight=worker.routed,
-            cached_blocks=overlaps.get(worker.worker_id, 0),
-            waiting_prefill_tokens=load.waiting_prefill_tokens,
-            block_size=worker.engine.block_size,
-            kv_capacity_tokens=load.kv_blocks_total * worker.engine.block_size,
-        )
 
     def _index_of(self, worker_id: str) -> int:
         return next(k for k, v in enumerate(self._workers) if v.worker_id == worker_id)
@@ -267,11 +265,12 @@ class OfflineReplay:
         w, whole, _ = self._handoffs.pop(i)
         self._stream(now, i, resumed.first, stalled=False)
         self._workers[w].engine.import_blocks(whole.block_hashes)
-        rest = resumed.rest
-        assert rest is not None  # a prompt prefills remotely for more than one token
-        self._submit(now, w, i, rest, resumed.handed_off_tokens)
+        if resumed.rest is None:  # the first token was the last: nothing left to decode
+            self._finished(i, self._workers[w])
+        else:
+            self._submit(now, w, i, resumed.rest, resumed.handed_off_tokens)
 
-    def _start_step(self, now: float, worker: _Worker, w: int) -> None:
+    def _start_step(self, now: float, worker: SimWorker, w: int) -> None:
         result = worker.engine.step()
         if result.duration_s <= 0 and not result.outputs:
             self._fold(worker, result.kv_changes)
@@ -282,7 +281,7 @@ class OfflineReplay:
         worker.busy_in_role += result.duration_s
         self._push(now + result.duration_s, _STEP_END, w, result)
 
-    def _step_end(self, now: float, worker: _Worker, w: int, result: StepResult) -> None:
+    def _step_end(self, now: float, worker: SimWorker, w: int, result: StepResult) -> None:
         # A live worker publishes a step's KV events when the step is done; so does this.
         self._fold(worker, result.kv_changes)
         stalled = result.prefill_tokens > 0
@@ -297,13 +296,18 @@ class OfflineReplay:
                 if prefilled:
                     self._hand_off(now, worker, i, output)
                 else:
-                    worker.routed -= 1
-                    del self._streams[i]
+                    self._finished(i, worker)
         worker.stepping = False
         if worker.engine.has_work():
             self._start_step(now, worker, w)
         elif worker.next_role is not None and worker.in_flight == 0:
             self._switch(now, worker)
+
+    def _finished(self, i: int, worker: SimWorker) -> None:
+        """Request ``i``'s last token was streamed from ``worker``."""
+        worker.routed -= 1
+        emitted = self._streams.pop(i).emitted
+        self._lengths.finished(i, self._trace[i].input_length, emitted)
 
     def _plan(self, now: float) -> None:
         assert self._capacity is not None
@@ -331,7 +335,7 @@ class OfflineReplay:
         if decision.move is not None:
             pool = decode if decision.move == "to_prefill" else prefill
             target: Role = "prefill" if decision.move == "to_prefill" else "decode"
-            moved = workers_to_move([self._view(w, {}) for w in pool], decision.workers)
+            moved = workers_to_move([w.view({}, self._index) for w in pool], decision.workers)
             for worker in (self._workers[self._index_of(w)] for w in moved):
                 worker.next_role = target
                 if worker.in_flight == 0:
@@ -339,13 +343,13 @@ class OfflineReplay:
             self._record_roles(now, decision.reason)
         self._push(now + interval, _PLAN, 0)
 
-    def _switch(self, now: float, worker: _Worker) -> None:
+    def _switch(self, now: float, worker: SimWorker) -> None:
         assert worker.next_role is not None
         self._close_role(now, worker)
         worker.role, worker.next_role = worker.next_role, None
         self._record_roles(now, f"{worker.worker_id} is now {worker.role}")
 
-    def _close_role(self, now: float, worker: _Worker) -> None:
+    def _close_role(self, now: float, worker: SimWorker) -> None:
         self._pools.add(worker.role, now - worker.role_since, worker.busy_in_role)
         worker.role_since, worker.busy_in_role = now, 0.0
 
@@ -374,7 +378,7 @@ class OfflineReplay:
                 self._interval_gaps.add(gap)
                 self._interval_stalled += stalled
 
-    def _hand_off(self, now: float, prefill: _Worker, i: int, output: RequestOutput) -> None:
+    def _hand_off(self, now: float, prefill: SimWorker, i: int, output: RequestOutput) -> None:
         """The prefill worker sampled request ``i``'s first token (``output``): its KV crosses
         the link to the decode worker, which then streams the first token and goes on."""
         _, whole, cached = self._handoffs[i]
@@ -392,7 +396,7 @@ class OfflineReplay:
             now + self._disagg.transfer.transfer_ms(tokens) / 1000.0, _KV_ARRIVED, i, resumed
         )
 
-    def _fold(self, worker: _Worker, changes: list[KvChange]) -> None:
+    def _fold(self, worker: SimWorker, changes: list[KvChange]) -> None:
         for change in changes:
             worker.kv_seq += 1
             self._index.apply(kv_event(change, worker.worker_id, worker.kv_seq))

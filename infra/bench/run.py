@@ -16,6 +16,7 @@ from infra.bench.live import replay_live
 from infra.bench.metrics import ReplayResult
 from infra.bench.offline import OfflineReplay
 from infra.bench.report import format_table, write_json
+from infra.bench.tiers import TierSettings, add_tier_arguments, tier_settings
 from infra.bench.traces import TraceRequest, load_trace
 from infra.cluster import ClusterConfig, LocalCluster
 from infra.embedded import free_port
@@ -143,6 +144,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="a simulation in this process, or through the real services",
     )
     add_perf_model_argument(bench)
+    add_tier_arguments(bench)
     bench.add_argument(
         "--block-size",
         type=int,
@@ -191,15 +193,18 @@ def _offline(
     args: argparse.Namespace,
     progress: Callable[[int], None],
 ) -> ReplayResult:
+    tiers: TierSettings = args.tiers
     config = SimConfig(
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         perf_model=args.perf_model,
+        num_host_blocks=round(tiers.host_kv_ratio * args.num_gpu_blocks),
+        host_link_gb_s=tiers.host_link_gb_s,
+        kv_bytes_per_token=args.kv_bytes_per_token,
     )
-    prefill = args.prefill_workers
-    decode = args.decode_workers if args.decode_workers is not None else args.workers - prefill
+    prefill, decode = _pools(args)
     disagg = DisaggSettings(
         mode=args.disagg,
         min_remote_tokens=args.min_remote_tokens,
@@ -221,14 +226,21 @@ def _offline(
         if args.autoscale
         else None
     )
+    kv = KvSettings(
+        itl_target_ms=args.itl_target_ms,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        host_link_gb_s=tiers.host_link_gb_s,
+        kv_moves=tiers.topology is not None,
+    )
     replay = OfflineReplay(
         trace,
-        make_policy(policy, args.seed, KvSettings(itl_target_ms=args.itl_target_ms)),
+        make_policy(policy, args.seed, kv),
         decode,
         config,
         prefill_workers=prefill,
         disagg=disagg,
         autoscale=autoscale,
+        tiers=tiers,
     )
     if args.decisions:
         replay.decisions = []
@@ -258,8 +270,7 @@ def _live(
     args: argparse.Namespace,
     progress: Callable[[int], None],
 ) -> ReplayResult:
-    prefill = args.prefill_workers
-    decode = args.decode_workers if args.decode_workers is not None else args.workers - prefill
+    prefill, decode = _pools(args)
     with tempfile.TemporaryDirectory(prefix="laneway-bench-") as state:
         cluster = LocalCluster(
             ClusterConfig(
@@ -300,9 +311,21 @@ def _live(
             cluster.stop()
 
 
+def _pools(args: argparse.Namespace) -> tuple[int, int]:
+    """Prefill and decode workers."""
+    prefill = args.prefill_workers
+    decode = args.decode_workers if args.decode_workers is not None else args.workers - prefill
+    return prefill, decode
+
+
 def main(args: argparse.Namespace) -> int:
     if not args.trace.exists():
         print(f"laneway bench: no trace at {args.trace} (give one with --trace)", file=sys.stderr)
+        return 2
+    try:
+        args.tiers = tier_settings(args, _pools(args)[1])
+    except ValueError as e:
+        print(f"laneway bench: {e}", file=sys.stderr)
         return 2
     trace = load_trace(args.trace, args.format, args.speedup, args.limit)
     # Made now, not after minutes of replay: an output under a folder not yet made (the README's

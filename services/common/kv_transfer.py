@@ -21,3 +21,26 @@ class KvTransferModel:
         if tokens <= 0:
             return 0.0
         return self.latency_ms + tokens * self.kv_bytes_per_token / (self.bandwidth_gb_s * 1e6)
+
+
+# A PCIe transfer's fixed cost (DMA setup), far below a network link's.
+PCIE_LATENCY_MS = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class LinkModel:
+    """The link between two workers by where they are: GPUs of one node talk over NVLink, nodes
+    of one rack and nodes across racks over RDMA networks (the defaults: 300 GB/s NVLink-class,
+    50 and 25 GB/s RDMA-class). A worker whose node is unknown ('') is on a node of its own."""
+
+    same_node: KvTransferModel = KvTransferModel(bandwidth_gb_s=300.0, latency_ms=0.05)
+    same_rack: KvTransferModel = KvTransferModel(bandwidth_gb_s=50.0, latency_ms=0.5)
+    across_racks: KvTransferModel = KvTransferModel(bandwidth_gb_s=25.0, latency_ms=1.0)
+
+    def between(self, a: tuple[str, str], b: tuple[str, str]) -> KvTransferModel:
+        """The link between workers placed at ``a`` and ``b``, each ``(node, rack)``."""
+        if a[0] and a[0] == b[0]:
+            return self.same_node
+        if a[1] and a[1] == b[1]:
+            return self.same_rack
+        return self.across_racks

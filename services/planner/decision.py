@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from schemas.events import PrefillPlacement, RouteCandidate, RouteDecided
+from schemas.events import KvMove, PrefillPlacement, RouteCandidate, RouteDecided
 from services.planner.disagg import DisaggSettings, pick_decoder, plan_prefill
 from services.planner.kv_policy import KvAware
 from services.planner.policy import Choice, Policy, RouteRequest, WorkerView
@@ -45,6 +45,10 @@ class Decision:
     queued_tokens: int
     # The policy's turn before it decided: with the inputs, all it takes to decide again.
     policy_turn: int = 0
+    # KV the decode worker pulls from another worker before prefilling, and why.
+    kv_move: KvMove | None = None
+    # The output length the cost model assumed (None: the request's max_tokens).
+    expected_output_tokens: int | None = None
 
     @property
     def prefill_worker_id(self) -> str | None:
@@ -59,6 +63,8 @@ class Decision:
             "candidates": self.candidates,
             "prefill": self.prefill,
             "policy_turn": self.policy_turn,
+            "kv_move": self.kv_move,
+            "expected_output_tokens": self.expected_output_tokens,
         }
 
 
@@ -68,9 +74,10 @@ def decide(policy: Policy, disagg: DisaggSettings, inputs: DecisionInputs) -> De
     request, decoders = inputs.request, inputs.decoders
     turn = policy.turn
     choice = policy.choose(request, decoders)
-    worker_id, reason = choice.worker_id, choice.reason
+    worker_id, reason, move = choice.worker_id, choice.reason, choice.move
     placement = _place_prefill(policy, disagg, inputs, _view(decoders, worker_id))
     if placement is not None and placement.prefill_worker_id is not None:
+        move = None  # the prompt is computed on the prefill worker instead
         assert isinstance(policy, KvAware)  # only its cost model places prefills
         able = [c for c in decoders if c.worker_id in inputs.handoff]
         worker_id = pick_decoder(policy, request, able, disagg).worker_id
@@ -81,8 +88,10 @@ def decide(policy: Policy, disagg: DisaggSettings, inputs: DecisionInputs) -> De
         reason=reason,
         candidates=tuple(_candidate(c, choice, inputs) for c in decoders),
         prefill=placement,
-        queued_tokens=_queued_tokens(inputs, worker_id, placement),
+        queued_tokens=_queued_tokens(inputs, worker_id, placement, move),
         policy_turn=turn,
+        kv_move=move,
+        expected_output_tokens=request.expected_tokens,
     )
 
 
@@ -95,6 +104,7 @@ def inputs_of(event: RouteDecided) -> DecisionInputs:
         spec.block_hashes,
         event.session_id,
         spec.sampling.max_tokens,
+        event.expected_output_tokens,
     )
     prefillers = event.prefill.candidates if event.prefill is not None else ()
     weighed = (*event.candidates, *prefillers)
@@ -118,17 +128,21 @@ def _view_of(candidate: RouteCandidate) -> WorkerView:
         block_size=candidate.block_size,
         kv_capacity_tokens=candidate.kv_capacity_tokens,
         owns_session=candidate.owns_session,
+        host_blocks=candidate.host_blocks,
+        node=candidate.node,
+        rack=candidate.rack,
     )
 
 
 def rebind(decision: Decision, inputs: DecisionInputs, worker_id: str, reason: str) -> Decision:
     """The same decision, decoded on ``worker_id`` instead (a session another planner replica
-    bound first)."""
+    bound first); a KV move it planned to another worker is off."""
     return replace(
         decision,
         worker_id=worker_id,
         reason=reason,
         queued_tokens=_queued_tokens(inputs, worker_id, decision.prefill),
+        kv_move=None,
     )
 
 
@@ -160,10 +174,15 @@ def _place_prefill(
     )
 
 
-def _queued_tokens(inputs: DecisionInputs, worker_id: str, prefill: PrefillPlacement | None) -> int:
-    """The prompt queues where it is prefilled, less what that worker caches."""
+def _queued_tokens(
+    inputs: DecisionInputs,
+    worker_id: str,
+    prefill: PrefillPlacement | None,
+    move: KvMove | None = None,
+) -> int:
+    """The prompt queues where it is prefilled, less what that worker caches or is sent."""
     view = _view(inputs.decoders, worker_id)
-    cached = view.cached_blocks
+    cached = view.cached_blocks + view.host_blocks + (move.blocks if move is not None else 0)
     if prefill is not None and prefill.prefill_worker_id is not None:
         cached = next(
             c.cached_blocks for c in prefill.candidates if c.worker_id == prefill.prefill_worker_id
@@ -198,6 +217,9 @@ def _route_candidate(
         block_size=view.block_size,
         kv_capacity_tokens=view.kv_capacity_tokens,
         owns_session=view.owns_session,
+        host_blocks=view.host_blocks,
+        node=view.node,
+        rack=view.rack,
         kv_handoff=view.worker_id in inputs.handoff,
         cost=cost,
         predicted_queue_ms=queue_ms,

@@ -79,7 +79,7 @@ def plan_prefill(
         return PrefillPlan(best.worker_id, local_ms, remote_ms, "static disaggregation")
     if uncached < settings.min_remote_tokens:
         return PrefillPlan(None, local_ms, remote_ms, f"only {uncached} uncached tokens")
-    per_token = handoff_ms_per_token(settings.transfer, uncached, request.max_tokens)
+    per_token = handoff_ms_per_token(settings.transfer, uncached, request.output_tokens)
     if (
         settings.max_handoff_ms_per_token > 0
         and per_token > settings.max_handoff_ms_per_token
@@ -121,7 +121,8 @@ def pick_decoder(
 
     def itl_ms(worker: WorkerView) -> float:
         uncached = request.prompt_tokens - worker.cached_blocks * worker.block_size
-        step = policy.decode_step_ms(worker, request.prompt_tokens + request.max_tokens)
-        return step + handoff_ms_per_token(settings.transfer, uncached, request.max_tokens)
+        output = request.output_tokens
+        step = policy.decode_step_ms(worker, request.prompt_tokens + output)
+        return step + handoff_ms_per_token(settings.transfer, uncached, output)
 
     return min(decode, key=lambda w: (itl_ms(w), w.load, w.worker_id))

@@ -7,6 +7,12 @@ A decode-load penalty keeps long generations off crowded workers, and the KV a w
 holds (which slows every decode step there) counts against it. Hot spots need no special
 rule: a worker that owns a popular prefix stops winning as soon as its queue costs more than
 recomputing the prefix elsewhere.
+
+Beyond one worker's GPU memory: blocks in a worker's host tier load at the PCIe link's cost, and
+with ``kv_moves`` a candidate may instead pull the prompt's KV from the worker caching most of it
+(GPU or host tier) over the link between the two (NVLink within a node, RDMA across), then
+prefill the rest. Each candidate is predicted both ways and keeps the sooner, so the choice is
+run on the owner (queue there), move the KV to a less loaded worker, or recompute elsewhere.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from schemas.events import KvMove, TtftAlternative
+from services.common.kv_transfer import PCIE_LATENCY_MS, KvTransferModel, LinkModel
 from services.common.perf_model import PerfModel, perf_model
 from services.planner.policy import Choice, RouteRequest, WorkerView, decision_rng
 
@@ -48,17 +56,35 @@ class KvSettings:
     session_slack_ms: float = 1000.0
     # Predicted costs this close (ms) count as a tie, broken by load.
     tie_ms: float = 0.0
+    # KV bytes a token's cache takes, and the PCIe link a host-tier hit loads over (GB/s).
+    kv_bytes_per_token: int = 131_072
+    host_link_gb_s: float = 25.0
+    # Weigh pulling the prompt's KV from the worker caching most of it over the link between
+    # the two (GB/s: same node, same rack, across racks); off, KV is only ever recomputed.
+    kv_moves: bool = False
+    node_link_gb_s: float = 300.0
+    rack_link_gb_s: float = 50.0
+    cross_link_gb_s: float = 25.0
 
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
     queue_ms: float
+    # Its own prefill, host-tier loads included.
     prefill_ms: float
     decode_penalty_ms: float
+    # A KV move before it queues: the source worker, the blocks it sends and their transfer.
+    move_from: str | None = None
+    move_blocks: int = 0
+    move_ms: float = 0.0
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.move_ms + self.queue_ms + self.prefill_ms
 
     @property
     def cost(self) -> float:
-        return self.queue_ms + self.prefill_ms + self.decode_penalty_ms
+        return self.ttft_ms + self.decode_penalty_ms
 
 
 class KvAware:
@@ -67,6 +93,16 @@ class KvAware:
     def __init__(self, settings: KvSettings | None = None, seed: int = 0) -> None:
         self.settings = settings or KvSettings()
         self._perf: PerfModel = perf_model(self.settings.perf_model)
+        s = self.settings
+        self._host_link = KvTransferModel(s.kv_bytes_per_token, s.host_link_gb_s, PCIE_LATENCY_MS)
+        defaults = LinkModel()
+        self._links = LinkModel(
+            KvTransferModel(s.kv_bytes_per_token, s.node_link_gb_s, defaults.same_node.latency_ms),
+            KvTransferModel(s.kv_bytes_per_token, s.rack_link_gb_s, defaults.same_rack.latency_ms),
+            KvTransferModel(
+                s.kv_bytes_per_token, s.cross_link_gb_s, defaults.across_racks.latency_ms
+            ),
+        )
         self._seed = seed
         self.turn = 0
 
@@ -80,7 +116,8 @@ class KvAware:
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Choice:
         if request.session_id is None and self._short(request):
             return self._two_choices(request, workers)
-        predictions = {w.worker_id: self.predict(request, w) for w in workers}
+        source = _deepest(workers) if self.settings.kv_moves else None
+        predictions = {w.worker_id: self._sooner(request, w, source) for w in workers}
         costs = {w.worker_id: predictions[w.worker_id].cost + self._held_kv_ms(w) for w in workers}
         best = self._cheapest(costs, workers)
         reason = "lowest predicted TTFT"
@@ -97,12 +134,49 @@ class KvAware:
             reason = "softmax over predicted TTFT"
         top = predictions[best]
         cached = next(w.cached_blocks for w in workers if w.worker_id == best)
+        move = None
+        if top.move_from is not None:
+            move = self._explain_move(request, workers, top, best)
+            reason += f"; {top.move_blocks} blocks pulled from {top.move_from}"
         return Choice(
             best,
             costs,
             f"{reason}: {cached} cached blocks, queue {top.queue_ms:.0f} ms, "
             f"prefill {top.prefill_ms:.0f} ms",
             {w: (p.queue_ms, p.prefill_ms) for w, p in predictions.items()},
+            move,
+        )
+
+    def _sooner(
+        self, request: RouteRequest, worker: WorkerView, source: WorkerView | None
+    ) -> Prediction:
+        """The cheaper of recomputing what ``worker`` lacks and pulling it from ``source``."""
+        local = self.predict(request, worker)
+        if source is None or source.worker_id == worker.worker_id:
+            return local
+        moved = self.predict(request, worker, source)
+        return moved if moved.move_from is not None and moved.cost < local.cost else local
+
+    def _explain_move(
+        self, request: RouteRequest, workers: Sequence[WorkerView], top: Prediction, best: str
+    ) -> KvMove:
+        """The move chosen, beside running on the KV's owner and the best recompute."""
+        owner = next(w for w in workers if w.worker_id == top.move_from)
+        others = [w for w in workers if w.worker_id != owner.worker_id]
+        recompute = min(others, key=lambda w: (self.predict(request, w).cost, w.worker_id))
+        options = [
+            ("owner", owner, self.predict(request, owner)),
+            ("move", next(w for w in workers if w.worker_id == best), top),
+            ("recompute", recompute, self.predict(request, recompute)),
+        ]
+        return KvMove(
+            source_worker_id=owner.worker_id,
+            blocks=top.move_blocks,
+            transfer_ms=top.move_ms,
+            alternatives=tuple(
+                TtftAlternative(action=a, worker_id=w.worker_id, predicted_ttft_ms=p.ttft_ms)
+                for a, w, p in options
+            ),
         )
 
     def _cheapest(self, costs: dict[str, float], workers: Sequence[WorkerView]) -> str:
@@ -116,25 +190,39 @@ class KvAware:
         self.turn += 1
         return least[self.turn % len(least)]
 
-    def predict(self, request: RouteRequest, worker: WorkerView) -> Prediction:
-        cached = min(worker.cached_blocks * worker.block_size, request.prompt_tokens - 1)
-        uncached = request.prompt_tokens - max(0, cached)
+    def predict(
+        self, request: RouteRequest, worker: WorkerView, source: WorkerView | None = None
+    ) -> Prediction:
+        """TTFT and penalties on ``worker``; with ``source``, after pulling from it the prompt's
+        KV it caches beyond what ``worker`` has (no move when it has nothing more)."""
+        bs, limit = worker.block_size, request.prompt_tokens - 1
+        cached = max(0, min(worker.cached_blocks * bs, limit))
+        host = max(0, min(worker.host_blocks * bs, limit - cached))
+        move_from, move_blocks, move_ms = None, 0, 0.0
+        if source is not None:
+            depth = min((source.cached_blocks + source.host_blocks) * bs, limit)
+            moved = max(0, depth - cached - host) // bs * bs
+            if moved:
+                link = self._links.between((source.node, source.rack), (worker.node, worker.rack))
+                move_from, move_blocks = source.worker_id, moved // bs
+                move_ms = link.transfer_ms(moved)
+                host += moved  # arrives before the request queues: like a host hit, not computed
+        uncached = request.prompt_tokens - cached - host
         queued = worker.waiting_prefill_tokens
         queue_ms = self._prefill_ms(queued, worker)
         prefill_ms = self._prefill_ms(queued + uncached, worker) - queue_ms
+        prefill_ms += self._host_link.transfer_ms(host - move_blocks * bs)
+        output = request.output_tokens
         # Decode steps slow down as the worker's KV fills (the perf model's decode term), and
         # this request's tokens will be generated at that pace: long answers weigh more.
-        step_ms = self.decode_step_ms(worker, uncached + request.max_tokens)
-        penalty = self.settings.decode_weight * max(1, request.max_tokens) * step_ms
+        step_ms = self.decode_step_ms(worker, uncached + output)
+        penalty = self.settings.decode_weight * max(1, output) * step_ms
         penalty += self.settings.stall_weight * worker.running * self._prefill_ms(uncached, worker)
         target = self.settings.itl_target_ms
-        if (
-            target
-            and self.decode_step_ms(worker, request.prompt_tokens + request.max_tokens) > target
-        ):
-            slow_tokens = max(1, request.max_tokens) * (1 + worker.running)
+        if target and self.decode_step_ms(worker, request.prompt_tokens + output) > target:
+            slow_tokens = max(1, output) * (1 + worker.running)
             penalty += self.settings.slow_step_ms_per_token * slow_tokens
-        return Prediction(queue_ms, prefill_ms, penalty)
+        return Prediction(queue_ms, prefill_ms, penalty, move_from, move_blocks, move_ms)
 
     def _held_kv_ms(self, worker: WorkerView) -> float:
         held_blocks = worker.kv_usage * worker.kv_capacity_tokens / worker.block_size
@@ -171,3 +259,11 @@ class KvAware:
         names = sorted(costs)
         weights = [math.exp(-(costs[w] - low) / self.settings.temperature) for w in names]
         return decision_rng(self._seed, request).choices(names, weights)[0]
+
+
+def _deepest(workers: Sequence[WorkerView]) -> WorkerView | None:
+    """The worker caching most of the prompt in either tier: where a move would pull from."""
+    best = max(workers, key=lambda w: (w.cached_blocks + w.host_blocks, w.worker_id), default=None)
+    if best is None or best.cached_blocks + best.host_blocks == 0:
+        return None
+    return best

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from schemas.events import KvMove
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerView:
@@ -31,6 +33,11 @@ class WorkerView:
     kv_capacity_tokens: int = 0
     # This worker owns the request's session (its conversation's cache lives there).
     owns_session: bool = False
+    # Blocks after ``cached_blocks`` in its host-memory tier: loaded, not recomputed, there.
+    host_blocks: int = 0
+    # Where it runs ('' unknown): the link a KV move to or from it takes depends on it.
+    node: str = ""
+    rack: str = ""
 
     @property
     def load(self) -> int:
@@ -45,6 +52,14 @@ class RouteRequest:
     block_hashes: tuple[int, ...]
     session_id: str | None = None
     max_tokens: int = 0
+    # The output length the planner expects (a predictor's), at most ``max_tokens``; None:
+    # assume ``max_tokens``.
+    expected_tokens: int | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        """Output tokens the cost model assumes."""
+        return self.max_tokens if self.expected_tokens is None else self.expected_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +70,8 @@ class Choice:
     reason: str
     # Per candidate, when the policy predicts them: (queueing ms, own prefill ms).
     predictions: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # The KV the chosen worker pulls from another first, and the options weighed; None: none.
+    move: KvMove | None = None
 
 
 def decision_rng(seed: int, request: RouteRequest) -> random.Random:

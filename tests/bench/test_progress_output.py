@@ -9,6 +9,7 @@ import pytest
 
 from infra.bench.offline import OfflineReplay
 from infra.bench.report import format_table, write_json
+from infra.bench.tiers import TierSettings
 from infra.bench.traces import load_trace
 from infra.cli import main
 from services.engine.sim import SimConfig
@@ -39,6 +40,7 @@ def test_offline_bench_shows_progress_lines_off_a_terminal(
         make_policy("round_robin", 0),
         2,
         SimConfig(num_gpu_blocks=2048),
+        tiers=TierSettings(),  # the command's defaults
     )
     quiet = tmp_path / "quiet.json"
     write_json(quiet, {"round_robin": replay.run().report})

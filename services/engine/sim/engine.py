@@ -52,6 +52,11 @@ class SimEngine(ScheduledEngine):
         """How many leading blocks of ``block_hashes`` are cached here (and how many idle)."""
         return self._pool.count_hits(block_hashes, len(block_hashes))
 
+    def held_prefix(self, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``block_hashes`` this worker could send, GPU or host tier."""
+        gpu = self.cached_prefix(block_hashes)[0]
+        return gpu + self._pool.count_host(block_hashes, gpu, len(block_hashes))
+
     def export_prefix(self, block_hashes: Sequence[int]) -> tuple[int, bytes]:
         # Modelled KV has no contents to send: the receiver models the transfer's time.
         return self.cached_prefix(block_hashes)[0], b""

@@ -1,0 +1,56 @@
+"""One simulated worker of an offline replay: its engine, role, place and bookkeeping, and the
+view of it the planner's decision gets."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from infra.bench.metrics import WorkerRecord
+from schemas.events import Role
+from services.engine.sim import SimEngine
+from services.kv_indexer.index import PrefixIndex
+from services.planner.policy import WorkerView
+
+
+@dataclass
+class SimWorker:
+    worker_id: str
+    engine: SimEngine
+    record: WorkerRecord
+    role: Role = "both"
+    # The node it runs on ('': no topology).
+    node: str = ""
+    # The role it moves to once its in-flight work is done (the capacity loop moved it).
+    next_role: Role | None = None
+    # Requests its engine holds (a prefill worker's included): it switches roles at none.
+    in_flight: int = 0
+    # Requests routed to it to decode that have not ended, its KV wait included: what the live
+    # planner counts in flight there.
+    routed: int = 0
+    stepping: bool = False
+    kv_seq: int = 0
+    # Since when it has served in `role`, and its busy seconds since.
+    role_since: float = 0.0
+    busy_in_role: float = 0.0
+
+    def view(
+        self, overlaps: dict[str, int], index: PrefixIndex, hashes: Sequence[int] = ()
+    ) -> WorkerView:
+        """What the planner knows of it for a prompt of ``hashes`` (``overlaps``: the index's
+        answer for them); the host tier is looked up only when ``hashes`` are given."""
+        load = self.engine.load()
+        cached = overlaps.get(self.worker_id, 0)
+        return WorkerView(
+            worker_id=self.worker_id,
+            running=load.running,
+            waiting=load.waiting,
+            kv_usage=load.kv_blocks_used / load.kv_blocks_total,
+            in_flight=self.routed,
+            cached_blocks=cached,
+            waiting_prefill_tokens=load.waiting_prefill_tokens,
+            block_size=self.engine.block_size,
+            kv_capacity_tokens=load.kv_blocks_total * self.engine.block_size,
+            host_blocks=index.host_run(self.worker_id, hashes, cached) if hashes else 0,
+            node=self.node,
+        )
