@@ -12,6 +12,7 @@ from schemas.events import WorkerLoadReported
 from schemas.messages import WorkerRegistration
 from services.planner.decision import DecisionInputs
 from services.planner.policy import RouteRequest, WorkerView
+from services.planner.room import with_room
 
 # Roles that decode, and so can serve a request end to end in aggregated mode.
 SERVING_ROLES = frozenset({"both", "decode"})
@@ -83,9 +84,10 @@ class ClusterView:
         self, request: RouteRequest, cached_blocks: dict[str, int] | None, session_owner: str | None
     ) -> DecisionInputs:
         """What a routing decision for ``request`` needs to know about the workers now."""
+        slots = {worker_id: reg.max_num_seqs for worker_id, reg in self.workers.items()}
         return DecisionInputs(
             request,
-            self.candidates(cached_blocks, session_owner),
+            with_room(self.candidates(cached_blocks, session_owner), slots),
             self.prefill_candidates(cached_blocks),
             frozenset(w for w, reg in self.workers.items() if reg.kv_handoff),
         )
