@@ -28,6 +28,8 @@ KEY_ID_PATTERN = r"^[0-9a-f]{16}$"
 
 Scope = Literal["inference", "metrics"]
 SCOPES: tuple[Scope, ...] = ("inference", "metrics")
+# The ingress's admission priorities (services.ingress.admission), highest first.
+KeyPriority = Literal["high", "normal", "low"]
 
 
 class ApiKeyRecord(BaseModel):
@@ -39,6 +41,9 @@ class ApiKeyRecord(BaseModel):
     rate_per_s: float | None = Field(default=None, gt=0, description="requests per second")
     max_concurrency: int | None = Field(default=None, ge=1, description="requests at once")
     scopes: tuple[Scope, ...] = Field(default=("inference",), min_length=1)
+    max_priority: KeyPriority = Field(
+        default="normal", description="the highest admission priority its requests get"
+    )
     startup: bool = Field(default=False, description="made by `laneway up` for its own run")
     created_at: datetime = Field(default_factory=utc_now)
 
@@ -60,6 +65,7 @@ async def create_key(
     rate_per_s: float | None = None,
     max_concurrency: int | None = None,
     scopes: tuple[Scope, ...] = ("inference",),
+    max_priority: KeyPriority = "normal",
     startup: bool = False,
 ) -> tuple[ApiKeyRecord, str]:
     """Store a new key's record; returns it with the key, which is not kept anywhere."""
@@ -71,6 +77,7 @@ async def create_key(
         rate_per_s=rate_per_s,
         max_concurrency=max_concurrency,
         scopes=scopes,
+        max_priority=max_priority,
         startup=startup,
     )
     await client.put(record_key(record.key_id), record.model_dump_json().encode())

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, get_args
 
 import aetcd
 
@@ -26,6 +26,7 @@ from bus.api_keys import (
     SCOPES,
     TENANT_PATTERN,
     ApiKeyRecord,
+    KeyPriority,
     create_key,
     list_keys,
     revoke_key,
@@ -46,6 +47,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     create.add_argument("--tenant", required=True, help="whose key it is (letters, digits, _.-)")
     create.add_argument("--rate", type=float, help="the tenant's requests per second")
     create.add_argument("--max-concurrency", type=int, help="the tenant's requests at once")
+    create.add_argument(
+        "--max-priority",
+        choices=get_args(KeyPriority),
+        default="normal",
+        help="the highest admission priority (x-laneway-priority) the tenant's requests get",
+    )
     create.add_argument(
         "--scope",
         action="append",
@@ -91,6 +98,7 @@ def _create(args: argparse.Namespace) -> int:
             rate_per_s=args.rate,
             max_concurrency=args.max_concurrency,
             scopes=tuple(dict.fromkeys(args.scope or ["inference"])),
+            max_priority=args.max_priority,
         ),
     )
     print(f"created key {record.key_id} for tenant {record.tenant} ({_limits(record)})")
@@ -103,13 +111,14 @@ def _list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.model_dump(mode="json", exclude={"sha256"}) for r in records]))
         return 0
-    rows = [("KEY ID", "TENANT", "LIMITS", "SCOPES", "CREATED")]
+    rows = [("KEY ID", "TENANT", "LIMITS", "SCOPES", "MAX PRIORITY", "CREATED")]
     rows += [
         (
             r.key_id,
             r.tenant + (" (laneway up)" if r.startup else ""),
             _limits(r),
             ",".join(r.scopes),
+            r.max_priority,
             r.created_at.strftime("%Y-%m-%d %H:%M:%S UTC"),
         )
         for r in records

@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 from services.common.tokenizer import Tokenizer
 from services.ingress.access_log import log_request
 from services.ingress.admission import Admission, AdmissionSettings
-from services.ingress.auth import TENANT, AuthGate, KeyBook
+from services.ingress.auth import TENANT, AuthGate, KeyBook, capped
 from services.ingress.body import read_json_body
 from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.errors import ApiError, internal_error
@@ -152,9 +152,11 @@ class _CompletionEndpoint:
             session = session_id(request.headers.get("x-session-id"), parsed.params.user)
             spec = self.intake.spec(parsed, scope.get(TENANT))
             # Last: a request the cluster could not take anyway is refused for that, not shed.
-            priority = request_priority(
+            # No higher than the key allows: a tenant cannot shed others by asking.
+            asked = request_priority(
                 request.headers.get("x-laneway-priority"), parsed.params.priority
             )
+            priority = capped(scope, asked)
             ticket = await self.admission.admit(priority)
         except ClientDisconnect:
             self._done(scope, CLIENT_CLOSED_STATUS, received, parsed)

@@ -14,12 +14,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from bus.api_keys import ApiKeyRecord, key_hash
 from bus.api_keys import Scope as KeyScope
 from services.ingress.access_log import log_request
+from services.ingress.admission import PRIORITIES, Priority
 from services.ingress.errors import ApiError
 from services.ingress.limits import TenantGate, TenantLimits
 from services.ingress.responses import JSON_HEADERS, Headers, send_json
 
 TENANT = "laneway.tenant"
 """The ASGI scope's entry for the tenant of an authenticated request."""
+_MAX_PRIORITY = "laneway.max_priority"
 # A longer header is no key of ours; it is refused without hashing it.
 _MAX_AUTHORIZATION = 256
 
@@ -90,6 +92,7 @@ class AuthGate:
             await _refuse(scope, send, _limited(record.tenant), retry_after=wait_s)
             return
         scope[TENANT] = record.tenant
+        scope[_MAX_PRIORITY] = record.max_priority
         try:
             await self._app(scope, receive, send)
         finally:
@@ -119,6 +122,14 @@ class AuthGate:
                 type="invalid_request_error",
             )
         return record
+
+
+def capped(scope: Scope, priority: Priority) -> Priority:
+    """A request's priority, no higher than its key's ``max_priority`` (where keys are taken)."""
+    highest = scope.get(_MAX_PRIORITY)
+    if highest is None:
+        return priority
+    return max(priority, highest, key=PRIORITIES.index)  # later in PRIORITIES: lower
 
 
 def _limited(tenant: str) -> ApiError:

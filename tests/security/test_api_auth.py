@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import pytest
 
-from bus.api_keys import ApiKeyRecord, Scope, key_hash
+from bus.api_keys import ApiKeyRecord, KeyPriority, Scope, key_hash
 from services.common.tokenizer import ByteTokenizer
+from services.ingress.admission import PRIORITIES
 from services.ingress.api import create_app
-from services.ingress.auth import KeyBook
+from services.ingress.auth import KeyBook, capped
 from services.ingress.settings import IngressApiSettings
 from tests.ingress.fakes import FakeGateway
 from tests.ingress.helpers import chat_body
@@ -158,3 +159,22 @@ async def test_tenant_limits_are_those_of_its_newest_key() -> None:
         for _ in range(5):
             assert book.gate.enter("acme") is None
         assert book.gate.enter("acme") == 1
+
+
+async def test_requests_get_no_higher_priority_than_their_key_allows() -> None:
+    assert get_args(KeyPriority) == PRIORITIES
+    async with api(record(KEY, "batch", max_priority="low")) as (client, _, _):
+        for asked in ("high", "normal", "low"):
+            reply = await client.post(
+                "/v1/chat/completions",
+                json=chat_body(),
+                headers={**bearer(KEY), "x-laneway-priority": asked},
+            )
+            assert reply.status_code == 200
+        scraped = (await client.get("/metrics")).text
+    assert 'laneway_ingress_admitted_total{priority="low"} 3.0' in scraped
+    assert 'priority="high"} 1' not in scraped
+    # A key allowed high keeps what a request asks below it.
+    request = {"type": "http", "path": "/", "laneway.max_priority": "high"}
+    assert [capped(request, p) for p in PRIORITIES] == list(PRIORITIES)
+    assert capped({"type": "http"}, "high") == "high"
