@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from services.engine.protocol import BlocksRemoved, BlocksStored, StepResult
 from services.engine.scheduling.block_pool import BlockPool
+from services.engine.scheduling.kv_manager import KvCacheManager
+from services.engine.scheduling.request import SimRequest
 from services.engine.sim import FixedPerf, SimConfig, SimEngine
 from tests.engine._sim_support import make_request, run_to_end
 
@@ -81,3 +83,29 @@ def test_a_host_hit_is_loaded_at_the_links_cost_instead_of_computed() -> None:
         isinstance(c, BlocksStored) and c.tier == "gpu" and len(c.block_hashes) == 4
         for c in loaded[0].kv_changes
     )
+
+
+def test_blocks_about_to_load_are_the_last_the_host_tier_drops() -> None:
+    # The admission that loads them evicts GPU blocks into a full host tier: those push out
+    # the oldest host blocks, never the ones being loaded.
+    pool = BlockPool(num_blocks=2, host_blocks=3)
+    kv = KvCacheManager(pool, block_size=4)
+    req = SimRequest.from_engine_request(make_request("p", range(9)), 4)
+    head = req.hashes[:2]
+
+    def idle(*hashes: int) -> None:
+        pool.allocate(len(hashes))
+        pool.cache(None, hashes)
+        pool.release(hashes)
+
+    idle(*head)
+    assert pool.allocate(2)  # the prompt's blocks go to host memory
+    pool.release([None, None])
+    idle(111)
+    assert pool.allocate(2)  # so does 111, the newest there
+    pool.release([None, None])
+    idle(222)
+    assert kv.host_hits(req, 0) == 2
+    assert pool.allocate(2)  # 222 goes to host memory: 111 is dropped, not the prompt's
+    assert pool.count_host(head, 0, 2) == 2
+    assert pool.count_host([111], 0, 1) == 0

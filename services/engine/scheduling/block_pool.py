@@ -74,9 +74,11 @@ class BlockPool:
         return end - start
 
     def touch_host(self, hashes: Sequence[int]) -> None:
-        """``hashes`` (all in host memory) were loaded: evicted there after everything older."""
+        """``hashes`` (in host memory) are being loaded: evicted there after everything older."""
+        host = self._host
         for h in hashes:
-            self._host.move_to_end(h)
+            if h in host:
+                host.move_to_end(h)
 
     def take_cached(self, hashes: Sequence[int]) -> None:
         """Share the cached blocks of ``hashes`` (all cached) with one more request."""

@@ -19,9 +19,13 @@ class KvCacheManager:
 
     def host_hits(self, req: SimRequest, hits: int) -> int:
         """Blocks after a waiting request's ``hits`` that host memory holds: loaded, not
-        computed. The last token is never one, as for GPU hits."""
+        computed. The last token is never one, as for GPU hits. They become the most recently
+        used there, so that the evictions of its admission push other blocks out first."""
         limit = (req.num_tokens - 1) // self.block_size
-        return self.pool.count_host(req.hashes_upto(limit, self.block_size), hits, limit)
+        hashes = req.hashes_upto(limit, self.block_size)
+        loaded = self.pool.count_host(hashes, hits, limit)
+        self.pool.touch_host(hashes[hits : hits + loaded])
+        return loaded
 
     def admit(self, req: SimRequest, hits: int, idle_hits: int, num_new: int) -> bool:
         """Give a waiting request its ``hits`` cached blocks and room for ``num_new`` tokens after
@@ -38,12 +42,6 @@ class KvCacheManager:
         req.num_offered = hits
         req.num_computed = hits * bs
         return True
-
-    def load_from_host(self, req: SimRequest, hits: int, loaded: int) -> None:
-        """An admitted request's ``loaded`` blocks after its ``hits`` come from host memory into
-        blocks ``admit`` gave it: computed now, cached like computed ones after the step."""
-        self.pool.touch_host(req.hashes[hits : hits + loaded])
-        req.num_computed = (hits + loaded) * self.block_size
 
     def grow(self, req: SimRequest, num_new: int) -> bool:
         """Room for a running request's next ``num_new`` tokens; False if the pool is short."""

@@ -73,9 +73,8 @@ class Scheduler:
             num_new = min(req.num_tokens - cached, budget)
             if not kv.admit(req, hits, idle_hits, cached - hits * kv.block_size + num_new):
                 break
-            if loaded:
-                kv.load_from_host(req, hits, loaded)
-                batch.loaded_tokens += loaded * kv.block_size
+            # Loaded blocks count computed: cached like computed ones after the step.
+            batch.loaded_tokens += loaded * kv.block_size
             req.num_computed = cached
             if req.handed_off:
                 self._settle_hand_off(req, whole)
