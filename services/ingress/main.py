@@ -29,8 +29,10 @@ from services.ingress.admission import Admission, AdmissionSettings
 from services.ingress.api import create_app
 from services.ingress.auth import KeyBook
 from services.ingress.context_limit import WorkerContextLimit
+from services.ingress.follow import Recovery
 from services.ingress.health import Readiness
 from services.ingress.metrics import IngressMetrics
+from services.ingress.migration import MIGRATION_LIMIT
 from services.ingress.nats_gateway import NatsGateway
 from services.ingress.settings import IngressApiSettings
 
@@ -51,6 +53,8 @@ class IngressSettings(ServiceSettings):
     default_max_tokens: int = _API.default_max_tokens
     request_timeout_s: float = _API.request_timeout_s
     max_body_bytes: int = _API.max_body_bytes
+    # Times a request may move to another worker when its own goes (LANEWAY_MIGRATION_LIMIT).
+    migration_limit: int = Field(default=MIGRATION_LIMIT, ge=0)
     admission_queue_per_worker: int = _ADMISSION.queue_per_worker
     admission_max_in_flight: int | None = _ADMISSION.max_in_flight
     admission_max_queue: int = _ADMISSION.max_queue
@@ -110,7 +114,9 @@ def main() -> None:
         setup_tracing("laneway-ingress", settings.instance_id, settings.trace_exporter)
         bus = await Bus.connect(settings.nats_url, f"ingress-{settings.instance_id}")
         await bus.ensure_streams(settings.stream_replicas)
-        gateway = NatsGateway(bus, settings.instance_id)
+        gateway = NatsGateway(
+            bus, settings.instance_id, Recovery(migration_limit=settings.migration_limit)
+        )
         await gateway.start()
         etcd = connect_etcd(settings.etcd_endpoints)
         limit = WorkerContextLimit()

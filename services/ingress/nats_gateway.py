@@ -1,10 +1,13 @@
-"""The live Gateway: requests out as RequestAccepted, answers back from this instance's subjects."""
+"""The live Gateway: requests out as RequestAccepted, answers back from this instance's subjects;
+a lost batch is asked for again (``lw.resend``) and a request whose worker went moves on
+(:mod:`services.ingress.follow`)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 
+from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError
 from opentelemetry import trace
 
@@ -17,18 +20,16 @@ from schemas.events import (
     RequestAccepted,
     RequestFailed,
     RequestSpec,
-    TerminalEvent,
 )
+from schemas.messages import ResendQuery, ResendReply
+from services.ingress.follow import Follow, Recovery
 from services.ingress.gateway import CancelReason, GatewayEvent
-from services.ingress.stream_order import StreamOrder
 
 
 class NatsGateway:
-    def __init__(self, bus: Bus, instance_id: str, completion_wait_s: float = 2.0) -> None:
-        """``completion_wait_s``: how long a terminal event waits for the tokens it counts that
-        have not arrived, before the request ends with an error instead."""
+    def __init__(self, bus: Bus, instance_id: str, recovery: Recovery | None = None) -> None:
         self._bus = bus
-        self._completion_wait_s = completion_wait_s
+        self._recovery = recovery or Recovery()
         self._instance_id = instance_id
         self._source = f"ingress/{instance_id}"
         self._streams: dict[str, asyncio.Queue[GatewayEvent]] = {}
@@ -66,34 +67,34 @@ class NatsGateway:
                     # The engine could hold it, the bus cannot carry it: the client's to fix.
                     yield self._too_large(accepted)
                     return
-                order = StreamOrder()
-                while order.held is None:
-                    for event in order.take(await queue.get()):
-                        yield event
-                        if isinstance(event, TerminalEvent):
-                            span.set_attribute("laneway.outcome", event.type)
-                            return
-                # The terminal overtook tokens it counts: they are still on their way.
-                for event in await self._complete(queue, order):
+                follow = Follow(
+                    accepted,
+                    queue,
+                    self._recovery,
+                    self.ask,
+                    lambda moved: self._bus.publish(Subjects.request_accepted, moved),
+                    self._source,
+                )
+                async for event in follow.events():
                     yield event
-                span.set_attribute("laneway.outcome", event.type)
+                if follow.ended is not None:
+                    span.set_attribute("laneway.outcome", follow.ended.type)
+                span.set_attribute("laneway.attempts", follow.attempt + 1)
             finally:
                 del self._streams[request_id]
 
-    async def _complete(
-        self, queue: asyncio.Queue[GatewayEvent], order: StreamOrder
-    ) -> list[GatewayEvent]:
-        """The rest of a request whose terminal is held: the missing tokens, then the terminal;
-        or, if they do not come in time, the tokens that did, then the incomplete answer's end.
-        The wait is bounded here, not around a yield, where it would cancel the caller's work."""
-        ready: list[GatewayEvent] = []
+    async def ask(self, request_id: str, index: int, attempt: int) -> ResendReply | None:
+        """The holder's kept events of ``attempt`` of ``request_id`` from token ``index`` on;
+        None when no worker holds it (or none answers in time)."""
         try:
-            async with asyncio.timeout(self._completion_wait_s):
-                while not ready or not isinstance(ready[-1], TerminalEvent):
-                    ready.extend(order.take(await queue.get()))
-        except TimeoutError:
-            ready.append(order.give_up(self._source))
-        return ready
+            return await self._bus.request(
+                Subjects.resend,
+                ResendQuery(request_id=request_id, index=index, attempt=attempt),
+                ResendReply,
+                timeout=min(self._recovery.silence_s, 0.5),
+            )
+        except (NatsError, TimeoutError):
+            return None
 
     def _too_large(self, accepted: RequestAccepted) -> RequestFailed:
         limit = self._bus.nc.max_payload

@@ -23,11 +23,13 @@ def tokens_before(terminal: TerminalEvent) -> int:
 
 
 class StreamOrder:
-    __slots__ = ("_early", "delivered", "held")
+    __slots__ = ("_early", "delivered", "held", "token_ids")
 
     def __init__(self) -> None:
         self.delivered = 0
         """Tokens passed on so far: the index the next batch to go out starts at."""
+        self.token_ids: list[int] = []
+        """The tokens passed on so far (what a continuation on another worker starts from)."""
         self._early: dict[int, TokensGenerated] = {}
         self.held: TerminalEvent | None = None
         """The terminal event, while tokens it counts are still missing."""
@@ -39,13 +41,15 @@ class StreamOrder:
                 if event.index > self.delivered:
                     self._early.setdefault(event.index, event)
                 return ()
-            self.delivered += len(event.token_ids)
+            self._pass(event)
             if not self._early and self.held is None:
                 return (event,)  # the usual case: in order, nothing waiting on it
             ready: list[GatewayEvent] = [event]
             while (following := self._early.pop(self.delivered, None)) is not None:
                 ready.append(following)
-                self.delivered += len(following.token_ids)
+                self._pass(following)
+            for stale in [index for index in self._early if index < self.delivered]:
+                del self._early[stale]  # a copy of a batch that went out (a resend's)
             if self.held is not None and self.delivered >= tokens_before(self.held):
                 ready.append(self.held)
             return ready
@@ -55,6 +59,15 @@ class StreamOrder:
             self.held = event
             return ()
         return (event,)
+
+    @property
+    def gap(self) -> bool:
+        """A later batch came while an earlier one is missing (or the terminal did)."""
+        return bool(self._early) or self.held is not None
+
+    def _pass(self, batch: TokensGenerated) -> None:
+        self.delivered += len(batch.token_ids)
+        self.token_ids.extend(batch.token_ids)
 
     def give_up(self, source: str) -> TerminalEvent:
         """How the held request ends when its missing tokens will not come: a failure stays

@@ -24,6 +24,8 @@ class Routed:
     worker_id: str
     reply_to: str
     session_id: str | None
+    attempt: int = 0
+    """Times the request moved to another worker before this route (migration)."""
 
 
 class ClusterView:
@@ -67,17 +69,24 @@ class ClusterView:
     ) -> None:
         """``now``: wall-clock seconds, comparable with the reports' ``occurred_at``. The prompt
         queues on ``prefill_worker`` when it prefills remotely, else on the decode worker."""
+        self.finished(request_id)  # an earlier attempt's route, where it moved from
         self._routed[request_id] = route
         self._in_flight[route.worker_id] = self._in_flight.get(route.worker_id, 0) + 1
         queue = prefill_worker or route.worker_id
         self._unreported.setdefault(queue, deque()).append((now, prefill_tokens))
 
-    def is_routed(self, request_id: str) -> bool:
-        return request_id in self._routed
+    def is_routed(self, request_id: str, attempt: int = 0) -> bool:
+        """This attempt of the request (or a later one) has its route already."""
+        route = self._routed.get(request_id)
+        return route is not None and route.attempt >= attempt
 
-    def finished(self, request_id: str) -> None:
-        route = self._routed.pop(request_id, None)
-        if route is not None and route.worker_id in self._in_flight:
+    def finished(self, request_id: str, worker_id: str | None = None) -> None:
+        """The request ended; ``worker_id``: on that worker, so not a later attempt's route."""
+        route = self._routed.get(request_id)
+        if route is None or (worker_id is not None and route.worker_id != worker_id):
+            return
+        del self._routed[request_id]
+        if route.worker_id in self._in_flight:
             self._in_flight[route.worker_id] -= 1
 
     def decision_inputs(

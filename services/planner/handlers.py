@@ -73,7 +73,7 @@ class Planner:
     async def on_request(self, event: RequestAccepted) -> None:
         if event.request_id is None:
             return
-        if self.cluster.is_routed(event.request_id):  # redelivered after a lost ack
+        if self.cluster.is_routed(event.request_id, event.spec.attempt):  # a redelivery
             return
         if event.spec.deadline < utc_now():  # replayed or stuck: nobody waits for it any more
             await self._fail(event, "timeout", "the request's deadline passed before routing")
@@ -124,26 +124,30 @@ class Planner:
             span.set_attribute("laneway.prefill_worker_id", remote)
         self.cluster.routed(
             event.request_id,
-            Routed(worker_id, spec.reply_to, event.session_id),
+            Routed(worker_id, spec.reply_to, event.session_id, spec.attempt),
             decision.queued_tokens,
             time.time(),
             remote,
         )
+        fields = decision.route_fields()
+        if spec.attempt:
+            # The same decision, recorded as a move: its worker went before the answer ended.
+            fields["reason"] = f"migrated (attempt {spec.attempt}): {decision.reason}"
         route_decided = RouteDecided(
-            # One decision per request: a re-routing after a crash is dropped as a duplicate.
-            event_id=f"route-{event.request_id}",
+            # One decision per attempt: a re-routing after a crash is dropped as a duplicate.
+            event_id=f"route-{_attempt_id(event.request_id, spec.attempt)}",
             source=self._source,
             request_id=event.request_id,
             session_id=event.session_id,
             trace=trace_context(),
             spec=spec,
-            **decision.route_fields(),
+            **fields,
         )
         await self._bus.publish(Subjects.route(worker_id), route_decided)
         if remote is not None:
             # The same decision, to the worker that computes the prompt.
             prefill_copy = route_decided.model_copy(
-                update={"event_id": f"route-{event.request_id}-prefill"}
+                update={"event_id": f"{route_decided.event_id}-prefill"}
             )
             await self._bus.publish(Subjects.route(remote), prefill_copy)
 
@@ -170,13 +174,14 @@ class Planner:
         await self._bus.publish(
             Subjects.request_terminal(event.spec.reply_to),
             RequestFailed(
-                event_id=f"failed-{event.request_id}",
+                event_id=f"failed-{_attempt_id(event.request_id, event.spec.attempt)}",
                 source=self._source,
                 request_id=event.request_id,
                 session_id=event.session_id,
                 trace=trace_context(),
                 code=code,
                 message=message,
+                attempt=event.spec.attempt,
             ),
         )
 
@@ -200,7 +205,7 @@ class Planner:
 
     async def on_terminal(self, event: TerminalEvent) -> None:
         if event.request_id:
-            self.cluster.finished(event.request_id)
+            self.cluster.finished(event.request_id, event.worker_id)
 
     async def on_load(self, event: WorkerLoadReported) -> None:
         self.cluster.report(event)
@@ -216,12 +221,18 @@ class Planner:
             await self._bus.publish(
                 Subjects.request_terminal(route.reply_to),
                 RequestFailed(
-                    event_id=f"failed-{request_id}",
+                    event_id=f"failed-{_attempt_id(request_id, route.attempt)}",
                     source=self._source,
                     request_id=request_id,
                     session_id=route.session_id,
                     code="worker_lost",
                     message=f"worker {route.worker_id} stopped responding (lease expired)",
                     worker_id=route.worker_id,
+                    attempt=route.attempt,
                 ),
             )
+
+
+def _attempt_id(request_id: str | None, attempt: int) -> str:
+    """The request's id in its events' ids: each attempt (migration) decides and fails anew."""
+    return f"{request_id}-{attempt}" if attempt else f"{request_id}"

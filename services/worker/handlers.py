@@ -37,6 +37,8 @@ class Handlers:
         self._tokenizer = tokenizer
         self._stream_interval_s = stream_interval_s
         self._early_cancels: dict[str, float] = {}
+        # Stopping: a route that still comes moves on to another worker at once.
+        self.draining = False
         self._tracer = trace.get_tracer("laneway.worker")
 
     async def on_route(self, event: RouteDecided | PrefillCompleted) -> None:
@@ -46,7 +48,12 @@ class Handlers:
         if event.request_id is None:
             return
         request_id = event.request_id
-        if self._requests.holds(request_id):  # a redelivery
+        held = self._requests.active.get(request_id)
+        if held is not None and held.spec.attempt < event.spec.attempt:
+            # It moved away from here (this worker stalled) and back: the new attempt replaces it.
+            self._requests.abort(request_id)
+            self._requests.forget(request_id)
+        elif self._requests.holds(request_id):  # a redelivery
             return
         remote = event.prefill.prefill_worker_id if event.prefill is not None else None
         if remote == self._worker_id and event.worker_id != self._worker_id:
@@ -56,16 +63,21 @@ class Handlers:
         span.set_attribute("laneway.request_id", request_id)
         span.set_attribute("laneway.worker_id", self._worker_id)
         spec = event.spec
+        offset = spec.sampling.offset
         stream = RequestStream(
-            len(spec.prompt_token_ids),
+            len(spec.prompt_token_ids) - offset,
             time.monotonic(),
             self._stream_interval_s,
             IncrementalDetokenizer(self._tokenizer, spec.sampling.stop),
+            offset=offset,
         )
         state = Active(spec, event.session_id, span, stream)
-        self._requests.active[request_id] = state
+        self._requests.hold(request_id, state)
         if self._early_cancels.pop(request_id, None) is not None:
             await self._requests.cancelled(request_id, "client_disconnected")
+            return
+        if self.draining:
+            await self._requests.fail(request_id, "the worker is draining", "worker_lost")
             return
         if remote is not None and event.prefill is not None:
             self._decode.await_prefill(request_id, state, event)

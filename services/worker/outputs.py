@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Coroutine
+
+from nats.aio.msg import Msg
+from pydantic import ValidationError
 
 from bus.client import Bus
 from bus.topology import Subjects
+from schemas.codec import decode_as, encode
 from schemas.events import (
     KvTransferred,
+    RequestSpec,
     Role,
     TerminalEvent,
     TokensGenerated,
     WorkerLoadReported,
 )
+from schemas.messages import ResendQuery
 from services.engine.kv_events import kv_event
 from services.engine.protocol import EngineLoad, KvChange
 from services.worker.stream import Chunk
+from services.worker.token_log import TokenLog
+
+log = logging.getLogger(__name__)
 
 
 class Background:
@@ -42,24 +53,39 @@ class Outputs:
         self.source = f"worker/{worker_id}"
         self._background = background
         self._kv_seq = 0
+        self.kept = TokenLog()
 
     async def tokens(
-        self, reply_to: str, request_id: str, session_id: str | None, chunk: Chunk
+        self, spec: RequestSpec, request_id: str, session_id: str | None, chunk: Chunk
     ) -> None:
-        await self._bus.publish(
-            Subjects.tokens(reply_to),
-            TokensGenerated(
-                source=self.source,
-                request_id=request_id,
-                session_id=session_id,
-                worker_id=self.worker_id,
-                index=chunk.position,
-                token_ids=chunk.token_ids,
-                text=chunk.text,
-            ),
+        batch = TokensGenerated(
+            source=self.source,
+            request_id=request_id,
+            session_id=session_id,
+            worker_id=self.worker_id,
+            index=chunk.position,
+            token_ids=chunk.token_ids,
+            text=chunk.text,
+            attempt=spec.attempt,
         )
+        self.kept.published(batch)
+        await self._bus.publish(Subjects.tokens(spec.reply_to), batch)
+
+    async def on_resend(self, msg: Msg) -> None:
+        """Answer a resend query for a request held here; one for another's stays unanswered
+        (every worker hears it)."""
+        try:
+            query = decode_as(ResendQuery, msg.data)
+        except (ValidationError, ValueError):
+            log.warning("dropping a malformed resend query")
+            return
+        self.kept.expire(time.monotonic())
+        reply = self.kept.reply(query.request_id, query.index, query.attempt)
+        if reply is not None and msg.reply:
+            await msg.respond(encode(reply))
 
     def terminal(self, reply_to: str, event: TerminalEvent) -> None:
+        self.kept.ended(event, time.monotonic())
         # Awaiting the stream's confirmation here would stall every other request's next step;
         # the publish is queued on the connection behind this request's token deltas, so order
         # holds.

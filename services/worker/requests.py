@@ -75,6 +75,21 @@ class Requests:
         self.active: dict[str, Active] = {}
         self.prefills: dict[str, PrefillJob] = {}
 
+    def hold(self, request_id: str, state: Active) -> None:
+        """Serve ``request_id``; what it publishes is kept for resend queries from now on."""
+        self.active[request_id] = state
+        self._outputs.kept.started(request_id, state.spec.attempt)
+
+    def forget(self, request_id: str) -> None:
+        """Let go of a request without ending it: another attempt of it replaces it here."""
+        state = self.active.pop(request_id)
+        state.span.end()
+        if state.awaiting is not None:
+            state.awaiting.settle("replaced")
+            if state.awaiting.timer is not None:
+                state.awaiting.timer.cancel()
+        self._outputs.kept.forget(request_id)
+
     def holds(self, request_id: str) -> bool:
         return request_id in self.active or request_id in self.prefills
 
@@ -145,7 +160,7 @@ class Requests:
             return
         chunk = state.stream.push(output, time.monotonic(), stalled)
         if chunk is not None:
-            await self._outputs.tokens(state.spec.reply_to, request_id, state.session_id, chunk)
+            await self._outputs.tokens(state.spec, request_id, state.session_id, chunk)
         if not state.stream.finished:
             return
         if not output.finished:  # a stop string ended it before the engine did
@@ -158,6 +173,7 @@ class Requests:
             trace_context(state.span),
             self._outputs.worker_id,
             state.prefilled_by,
+            state.spec.attempt,
         )
         state.span.set_attribute("laneway.completion_tokens", state.stream.emitted)
         state.span.end()
@@ -200,9 +216,10 @@ class Requests:
         return True
 
     async def end_all(self) -> None:
-        """Fail every request still held: the worker stops."""
+        """End every request still held: the worker stops. ``worker_lost`` has the ingress
+        continue each on another worker."""
         for request_id in list(self.active):
-            await self.fail(request_id, "worker shut down before the request finished")
+            await self.fail(request_id, "the worker stopped before the answer ended", "worker_lost")
         for request_id in list(self.prefills):
             self.prefill_failed(request_id, "prefill worker shut down")
 
@@ -221,6 +238,7 @@ class Requests:
             "session_id": state.session_id,
             "trace": trace_context(state.span),
             "worker_id": self._outputs.worker_id,
+            "attempt": state.spec.attempt,
         }
 
     def _terminal(self, state: Active, event: TerminalEvent) -> None:

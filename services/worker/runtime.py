@@ -92,7 +92,7 @@ class Worker:
             max_model_len=self._opt.max_model_len or engine.max_model_len,
             kv_events=self._opt.kv_events,
             kv_handoff=self._driver.portable is not None,
-            draining=self._next_role is not None,
+            draining=self._next_role is not None or self._handlers.draining,
             pid=os.getpid(),
         )
 
@@ -105,6 +105,7 @@ class Worker:
         self._lease = lease
         await lease.start()
         await self._bus.subscribe(Subjects.cancellation_requested, self._handlers.on_cancel)
+        await self._bus.subscribe_bytes(Subjects.resend, self._outputs.on_resend)
         await self._bus.subscribe_bytes(
             Subjects.kv_handoff(self._opt.worker_id), self._receiver.blobs.on_msg
         )
@@ -121,10 +122,15 @@ class Worker:
         self.serving = True
         await stop.wait()
         self.serving = False
-        # Leave the pool first so that no new work is routed here, then let in-flight work end.
-        await lease.stop()
+        # Draining: still registered (so the planner does not declare its requests lost) but
+        # taking no new work; what does not finish in time moves to other workers (the ingress
+        # continues it from its tokens when it hears worker_lost), then the worker leaves.
+        self._handlers.draining = True
+        await self._register()
         await self._drained(self._opt.drain_timeout_s)
         await self._requests.end_all()
+        await self._background.finish()
+        await lease.stop()
         for task in loops:
             task.cancel()
         await asyncio.gather(*loops, return_exceptions=True)

@@ -25,7 +25,8 @@ class RequestStream:
     """``received``: when the request arrived (same clock as every ``now``). Without a
     ``detokenizer`` chunks carry no text and no stop string can end the answer. ``histogram``
     False: the caller keeps every gap itself (:attr:`last_gap_ms`), so ``token_gaps`` stays
-    empty."""
+    empty. ``offset``: answer tokens another worker already generated (a migrated request): the
+    first chunk's position, and counted in the usage."""
 
     def __init__(
         self,
@@ -34,6 +35,7 @@ class RequestStream:
         stream_interval_s: float = 0.0,
         detokenizer: IncrementalDetokenizer | None = None,
         histogram: bool = True,
+        offset: int = 0,
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.received = received
@@ -45,7 +47,7 @@ class RequestStream:
         self.finish_reason: FinishReason | None = None
         self.cached_tokens = 0
         # Tokens published so far, and those generated but not yet published.
-        self.emitted = 0
+        self.emitted = self._offset = offset
         self._pending_ids: tuple[int, ...] = ()
         self._pending_text = ""
         self._flushed_at = 0.0
@@ -95,7 +97,7 @@ class RequestStream:
         # tokens are coalesced for `stream_interval_s` so that a long answer is not one message
         # per step per request.
         if pending and (
-            finished or self.emitted == 0 or now - self._flushed_at >= self._interval_s
+            finished or self.emitted == self._offset or now - self._flushed_at >= self._interval_s
         ):
             chunk = Chunk(self.emitted, pending, self._pending_text)
             self.emitted += len(pending)
@@ -113,6 +115,7 @@ class RequestStream:
         trace: TraceContext | None,
         worker_id: str,
         prefill_worker_id: str | None = None,
+        attempt: int = 0,
     ) -> RequestFinished:
         """The terminal event of a finished stream."""
         assert self.finish_reason is not None and self.finished_at is not None
@@ -134,4 +137,5 @@ class RequestStream:
             token_gaps=self.token_gaps,
             stalled_gaps=self.stalled_gaps,
             prefill_worker_id=prefill_worker_id,
+            attempt=attempt,
         )

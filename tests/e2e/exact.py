@@ -28,8 +28,9 @@ class Streamed:
     events: list[object]
 
 
-async def answers(http: httpx.AsyncClient) -> dict[int, str]:
-    """The unstreamed answer of each seed, at the most tokens any stream asks for."""
+async def answers(http: httpx.AsyncClient, seeds: int = SEEDS) -> dict[int, str]:
+    """The unstreamed answer of each of the first ``seeds`` seeds, at the most tokens any
+    stream asks for."""
 
     async def one(seed: int) -> str:
         body = {"model": MODEL, "prompt": prompt(seed), "max_tokens": MAX_TOKENS, "seed": seed}
@@ -39,7 +40,7 @@ async def answers(http: httpx.AsyncClient) -> dict[int, str]:
         text: str = reply["choices"][0]["text"]
         return text
 
-    texts = await asyncio.gather(*(one(seed) for seed in range(SEEDS)))
+    texts = await asyncio.gather(*(one(seed) for seed in range(seeds)))
     return dict(enumerate(texts))
 
 

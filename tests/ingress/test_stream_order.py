@@ -22,6 +22,7 @@ from schemas.events import (
     TokensGenerated,
     Usage,
 )
+from services.ingress.follow import Recovery
 from services.ingress.gateway import GatewayEvent
 from services.ingress.nats_gateway import NatsGateway
 from services.ingress.stream_order import StreamOrder
@@ -146,7 +147,7 @@ def spec() -> RequestSpec:
 async def answer(bus: Bus, request_id: str, script: Script) -> list[GatewayEvent]:
     """Submit ``request_id`` and answer it, once accepted, with ``script``: each token batch or
     terminal published, flushed, and given time to be taken before the next goes out."""
-    gateway = NatsGateway(bus, INGRESS, completion_wait_s=0.3)
+    gateway = NatsGateway(bus, INGRESS, Recovery(completion_wait_s=0.3))
     await gateway.start()
     accepted = asyncio.Event()
 

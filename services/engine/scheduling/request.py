@@ -57,12 +57,15 @@ class SimRequest:
         if seed is None:
             # crc32, not hash(): str hashes change with every interpreter run.
             seed = zlib.crc32(request.request_id.encode())
+        words = WordStream(seed)
+        # A migrated request keeps its id, so its seed: the text goes on where it broke off.
+        words.skip(sampling.offset)
         return cls(
             request_id=request.request_id,
             prompt=prompt,
             max_tokens=sampling.max_tokens,
             stop_token_ids=frozenset(sampling.stop_token_ids),
-            words=WordStream(seed),
+            words=words,
             hashes=hashes,
             num_tokens=len(prompt),
             prefill_len=len(prompt),

@@ -30,3 +30,8 @@ class WordStream:
             # Reversed so that pop() hands the bytes out in order.
             self._pending = list(reversed(self._rng.choice(_WORDS) + b" "))
         return self._pending.pop()
+
+    def skip(self, tokens: int) -> None:
+        """Move past ``tokens`` tokens: a continued answer goes on where its first part ended."""
+        for _ in range(tokens):
+            self.next_token()

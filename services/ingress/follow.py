@@ -1,0 +1,175 @@
+"""One request's events as its client gets them, across the workers it runs on.
+
+Token batches are core messages, so one can be lost on its way (a NATS node going, say); the
+worker keeps what it published and answers a resend query for it. A request asks when a batch is
+missing, when the terminal came before tokens it counts, or when its stream is silent. When its
+worker is gone (the planner saw the worker's lease lapse, the worker drained, or it answers
+nothing after it had started) the request continues on another worker from the tokens the client
+has (:mod:`services.ingress.migration`); events of an attempt it left are dropped from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from schemas.events import RequestAccepted, RequestFailed, TerminalEvent
+from schemas.messages import ResendReply
+from services.ingress.gateway import GatewayEvent
+from services.ingress.migration import MIGRATION_LIMIT, continued, limit_reached, without_worker
+from services.ingress.stream_order import StreamOrder
+
+# How soon a missing batch is asked for: the stream may go on past it meanwhile.
+GAP_WAIT_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    completion_wait_s: float = 2.0
+    """How long a terminal waits for tokens it counts that nobody answers for, before the request
+    ends with an error instead."""
+    silence_s: float = 1.0
+    """How long a stream is silent before its worker is asked."""
+    orphan_s: float = 6.0
+    """How long a started request's worker answers nothing before the request moves on (past
+    the workers' lease, after which the planner says so itself)."""
+    migration_limit: int = MIGRATION_LIMIT
+
+
+# (request id, first missing token, attempt) → the holder's answer, or None when none holds it.
+Ask = Callable[[str, int, int], Awaitable[ResendReply | None]]
+Resubmit = Callable[[RequestAccepted], Awaitable[None]]
+
+
+class Follow:
+    def __init__(
+        self,
+        accepted: RequestAccepted,
+        queue: asyncio.Queue[GatewayEvent],
+        recovery: Recovery,
+        ask: Ask,
+        resubmit: Resubmit,
+        source: str,
+    ) -> None:
+        self._accepted = accepted
+        self._request_id = accepted.request_id or ""
+        self._queue = queue
+        self._rec = recovery
+        self._ask_holder = ask
+        self._resubmit = resubmit
+        self._source = source
+        self._order = StreamOrder()
+        self._loop = asyncio.get_running_loop()
+        self.attempt = 0
+        self._worker: str | None = None  # this attempt's, once one of its events came
+        now = self._loop.time()
+        self._heard = now  # this attempt's latest sign of life
+        self._next_ask = now + recovery.silence_s
+        self._held_since: float | None = None
+        self.ended: TerminalEvent | None = None
+
+    async def events(self) -> AsyncIterator[GatewayEvent]:
+        """The request's batches in order, then its terminal event."""
+        while self.ended is None:
+            wait = max(0.0, self._next_ask - self._loop.time())
+            try:
+                event = await asyncio.wait_for(self._queue.get(), wait)
+            except TimeoutError:
+                ready = await self._ask()
+            else:
+                ready = await self._take(event)
+            for out in ready:
+                yield out
+
+    async def _take(self, event: GatewayEvent) -> list[GatewayEvent]:
+        if event.attempt != self.attempt:
+            return []  # of an attempt the request moved away from
+        if isinstance(event, RequestFailed) and event.code == "worker_lost":
+            return await self._migrate()
+        if event.worker_id:
+            self._worker = event.worker_id
+        self._heard = self._loop.time()
+        return self._pass(event)
+
+    def _pass(self, event: GatewayEvent) -> list[GatewayEvent]:
+        ready = list(self._order.take(event))
+        for i, out in enumerate(ready):
+            if isinstance(out, TerminalEvent):
+                self.ended = out
+                return ready[: i + 1]
+        now = self._loop.time()
+        if self._order.held is not None and self._held_since is None:
+            self._held_since = now
+        if not self._order.gap:
+            self._next_ask = now + self._rec.silence_s
+        else:
+            self._next_ask = min(self._next_ask, now + GAP_WAIT_S)
+        return ready
+
+    async def _ask(self) -> list[GatewayEvent]:
+        order = self._order
+        reply = await self._ask_holder(self._request_id, order.delivered, self.attempt)
+        now = self._loop.time()
+        if reply is None:
+            if self._held_since is not None:
+                if now - self._held_since >= self._rec.completion_wait_s:
+                    return self._end(order.give_up(self._source))
+                self._next_ask = now + GAP_WAIT_S
+                return []
+            if self._worker is not None and now - self._heard >= self._rec.orphan_s:
+                return await self._migrate()
+            self._next_ask = now + (GAP_WAIT_S if order.gap else self._rec.silence_s)
+            return []
+        self._heard = now
+        ready: list[GatewayEvent] = []
+        for batch in reply.batches:
+            self._worker = batch.worker_id
+            ready.extend(self._pass(batch))
+        if self.ended is None and reply.terminal is not None:
+            ready.extend(await self._take(reply.terminal))
+            if self.ended is None and reply.complete and order.held is not None:
+                # The holder told all it kept, and the tokens the terminal counts are not there.
+                ready.extend(self._end(order.give_up(self._source)))
+        if self.ended is None:
+            self._next_ask = now + (0.0 if not reply.complete else self._rec.silence_s)
+        return ready
+
+    def _end(self, terminal: TerminalEvent) -> list[GatewayEvent]:
+        self.ended = terminal
+        return [terminal]
+
+    async def _migrate(self) -> list[GatewayEvent]:
+        """Continue the request on another worker from the tokens the client has."""
+        order, accepted = self._order, self._accepted
+        done = without_worker(
+            accepted.spec, order.delivered, self._request_id, accepted.session_id, self._source
+        )
+        if done is not None:
+            return self._end(done)
+        self.attempt += 1
+        if self.attempt > self._rec.migration_limit:
+            return self._end(
+                limit_reached(
+                    self._rec.migration_limit,
+                    order.delivered,
+                    self._request_id,
+                    accepted.session_id,
+                    self._source,
+                )
+            )
+        # Batches that came past a gap are the new attempt's to send again.
+        self._order = StreamOrder()
+        self._order.delivered, self._order.token_ids = order.delivered, order.token_ids
+        now = self._loop.time()
+        self._worker, self._held_since = None, None
+        self._heard, self._next_ask = now, now + self._rec.silence_s
+        await self._resubmit(
+            accepted.model_copy(
+                update={
+                    "event_id": f"{accepted.event_id}-{self.attempt}",
+                    "spec": continued(accepted.spec, order.token_ids, self.attempt),
+                }
+            )
+        )
+        return []

@@ -1,0 +1,65 @@
+"""A request moved to another worker, pure: its continuation from the tokens the client already
+has, and when it may move no more."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from schemas.block_hash import chain_block_hashes
+from schemas.events import RequestFailed, RequestFinished, RequestSpec, TerminalEvent, Usage
+
+MIGRATION_LIMIT = 3
+
+
+def continued(spec: RequestSpec, delivered: Sequence[int], attempt: int) -> RequestSpec:
+    """``spec`` (the request as the client sent it) continued after its ``delivered`` answer
+    tokens: they end the prompt, the sampling goes on at their count, and the answer may have
+    what is left of ``max_tokens``. The request keeps its id, so a seeded sampler its seed."""
+    prompt = (*spec.prompt_token_ids, *delivered)
+    sampling = spec.sampling
+    return spec.model_copy(
+        update={
+            "prompt_token_ids": prompt,
+            "block_hashes": chain_block_hashes(prompt, spec.block_size),
+            "sampling": sampling.model_copy(
+                update={
+                    "max_tokens": sampling.max_tokens - len(delivered),
+                    "offset": len(delivered),
+                }
+            ),
+            "attempt": attempt,
+        }
+    )
+
+
+def without_worker(
+    spec: RequestSpec, delivered: int, request_id: str, session_id: str | None, source: str
+) -> TerminalEvent | None:
+    """How a request whose worker is gone ends without another one, if it does: every token
+    it may have was delivered (only the terminal event was lost)."""
+    if delivered < spec.sampling.max_tokens:
+        return None
+    return RequestFinished(
+        source=source,
+        request_id=request_id,
+        session_id=session_id,
+        worker_id="",
+        finish_reason="length",
+        usage=Usage(prompt_tokens=len(spec.prompt_token_ids), completion_tokens=delivered),
+        ttft_ms=0.0,
+        e2e_ms=0.0,
+    )
+
+
+def limit_reached(
+    limit: int, delivered: int, request_id: str, session_id: str | None, source: str
+) -> RequestFailed:
+    return RequestFailed(
+        source=source,
+        request_id=request_id,
+        session_id=session_id,
+        code="worker_lost",
+        message=f"the request lost its worker {limit + 1} times (LANEWAY_MIGRATION_LIMIT is "
+        f"{limit}) after {delivered} tokens: retry the request",
+        completion_tokens=delivered,
+    )

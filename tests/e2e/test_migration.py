@@ -1,0 +1,124 @@
+"""A worker that goes mid-stream: its unfinished requests continue on another worker, and every
+stream is still byte for byte the unstreamed answer for its seed (no token lost or repeated),
+with a ``migrated`` routing decision recorded for each move. Killed outright, or restarted one by
+one with SIGTERM (each drains, hands the rest on, exits); past LANEWAY_MIGRATION_LIMIT the stream
+ends with a clear error instead. The 10-second SIGSTOP runs under ``make chaos``
+(tests/chaos/test_worker_loss.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+import httpx
+
+from bus.client import Bus
+from bus.topology import Subjects
+from infra.cluster import LocalCluster
+from schemas.events import Event, RouteDecided
+from tests.e2e.exact import MAX_TOKENS, Streamed, answers, mismatch, stream
+from tests.helpers import eventually
+from tests.live import ClusterFactory, registrations
+
+# A 48-token answer streams for about two seconds.
+SLOW = {"LANEWAY_SPEEDUP": "0.1"}
+STREAMS = 12
+
+
+class Moves:
+    """The migrated routing decisions the planner records."""
+
+    def __init__(self) -> None:
+        self.routes: list[RouteDecided] = []
+
+    async def on_event(self, event: Event) -> None:
+        if isinstance(event, RouteDecided) and event.reason.startswith("migrated"):
+            self.routes.append(event)
+
+
+async def under_fault(
+    cluster: LocalCluster, fault: Callable[[], Awaitable[None]]
+) -> tuple[list[Streamed], dict[int, str]]:
+    """Streams ``STREAMS`` seeded completions, runs ``fault`` while they are in flight; what
+    each client got, and the unstreamed answers to compare them with."""
+    async with httpx.AsyncClient(base_url=cluster.config.base_url, timeout=60) as http:
+        whole = await answers(http, STREAMS)
+        streams = [asyncio.create_task(stream(http, seed, MAX_TOKENS)) for seed in range(STREAMS)]
+        await asyncio.sleep(0.5)
+        await fault()
+        return list(await asyncio.gather(*streams)), whole
+
+
+async def observe_moves(cluster: LocalCluster) -> tuple[Bus, Moves]:
+    bus = await Bus.connect(cluster.nats_url, "test-moves")
+    moves = Moves()
+    await bus.subscribe(Subjects.route_decisions, moves.on_event)
+    return bus, moves
+
+
+async def test_a_killed_workers_streams_continue_exactly_on_the_other(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = cluster_factory(workers=2, env=SLOW)
+    bus, moves = await observe_moves(cluster)
+    workers = await registrations(cluster.etcd_endpoints)
+    victim = next(iter(workers.values()))
+
+    async def kill() -> None:
+        os.kill(victim.pid, signal.SIGKILL)
+
+    streamed, whole = await under_fault(cluster, kill)
+    assert [m for s in streamed if (m := mismatch(s, whole[s.seed]))] == []
+    await eventually(lambda: moves.routes, timeout=2)
+    assert {r.worker_id for r in moves.routes} == set(workers) - {victim.worker_id}
+    assert all(r.spec.attempt == 1 and r.spec.sampling.offset > 0 for r in moves.routes)
+    await bus.close()
+
+
+async def test_a_rolling_restart_fails_no_stream(cluster_factory: ClusterFactory) -> None:
+    cluster = cluster_factory(workers=2, env={**SLOW, "LANEWAY_DRAIN_TIMEOUT_S": "0.5"})
+    bus, moves = await observe_moves(cluster)
+    workers = [s for s in cluster.services if "worker" in s.name]
+    assert len(workers) == 2
+
+    async def restart_each() -> None:
+        for service in workers:
+            assert service.proc is not None
+            service.proc.send_signal(signal.SIGTERM)
+            # It drains (half a second), hands its unfinished requests on, and exits.
+            await asyncio.wait_for(asyncio.to_thread(service.proc.wait), 10)
+            cluster.spawn(service)
+            worker_id = service.env["LANEWAY_WORKER_ID"]
+            await eventually(partial(_registered, cluster, worker_id), timeout=15)
+
+    streamed, whole = await under_fault(cluster, restart_each)
+    assert [m for s in streamed if (m := mismatch(s, whole[s.seed]))] == []
+    assert moves.routes, "no request was in flight on a restarted worker"
+    await bus.close()
+
+
+async def test_past_the_migration_limit_the_stream_ends_with_a_clear_error(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = cluster_factory(workers=2, env={**SLOW, "LANEWAY_MIGRATION_LIMIT": "0"})
+    workers = await registrations(cluster.etcd_endpoints)
+    victim = next(iter(workers.values()))
+
+    async def kill() -> None:
+        os.kill(victim.pid, signal.SIGKILL)
+
+    streamed, whole = await under_fault(cluster, kill)
+    failed = [s for s in streamed if mismatch(s, whole[s.seed])]
+    assert 0 < len(failed) < STREAMS
+    for s in failed:
+        # Committed to a 200 stream, it ends with an error event and no [DONE].
+        assert s.status == 200 and s.events[-1:] != ["[DONE]"]
+        error = s.events[-1]
+        assert isinstance(error, dict) and "LANEWAY_MIGRATION_LIMIT" in str(error)
+
+
+async def _registered(cluster: LocalCluster, worker_id: str) -> bool:
+    return worker_id in await registrations(cluster.etcd_endpoints)

@@ -1,0 +1,53 @@
+"""A request continued on another worker: the ingress's continuation of the request and the sim's
+answer to it, pure. The seeded answer's second part, from its own engine, is byte for byte what
+the first engine would have gone on with."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from schemas.block_hash import chain_block_hashes
+from schemas.events import RequestSpec, SamplingParams
+from services.engine.protocol import EngineRequest
+from services.ingress.migration import continued
+from tests.engine._sim_support import make_engine, run_to_end, tokens_by_request
+
+PROMPT = tuple(b"tell me a story, a long one")
+
+
+def spec(max_tokens: int, seed: int | None) -> RequestSpec:
+    return RequestSpec(
+        model="m",
+        prompt_token_ids=PROMPT,
+        block_size=4,
+        block_hashes=chain_block_hashes(PROMPT, 4),
+        sampling=SamplingParams(max_tokens=max_tokens, seed=seed),
+        reply_to="i",
+        deadline=datetime(2030, 1, 1, tzinfo=UTC),
+    )
+
+
+def answer(request_id: str, request: RequestSpec) -> list[int]:
+    engine = make_engine()
+    engine.add_request(
+        EngineRequest(request_id, request.prompt_token_ids, request.sampling, request.block_hashes)
+    )
+    return tokens_by_request(run_to_end(engine))[request_id]
+
+
+def test_the_continuation_ends_the_prompt_with_the_delivered_tokens() -> None:
+    original = spec(40, seed=None)
+    moved = continued(original, [104, 105], attempt=2)
+    assert moved.prompt_token_ids == (*PROMPT, 104, 105)
+    assert moved.block_hashes == chain_block_hashes(moved.prompt_token_ids, 4)
+    assert (moved.sampling.max_tokens, moved.sampling.offset, moved.attempt) == (38, 2, 2)
+    assert moved.reply_to == original.reply_to and moved.deadline == original.deadline
+
+
+def test_a_continued_sim_answer_is_the_rest_of_the_whole_one() -> None:
+    for seed in (None, 7):
+        whole = answer("req-1", spec(40, seed))
+        for k in (1, 13, 39):
+            first = whole[:k]
+            rest = answer("req-1", continued(spec(40, seed), first, attempt=1))
+            assert first + rest == whole, (seed, k)

@@ -1,0 +1,70 @@
+"""What a worker keeps of its requests' published batches for resend queries, pure."""
+
+from __future__ import annotations
+
+from schemas.events import RequestCancelled, TokensGenerated
+from services.worker.token_log import TokenLog
+
+
+def batch(request_id: str, index: int, text: str) -> TokensGenerated:
+    return TokensGenerated(
+        source="worker/w",
+        request_id=request_id,
+        worker_id="w",
+        index=index,
+        token_ids=tuple(text.encode()),
+        text=text,
+    )
+
+
+def ended(request_id: str) -> RequestCancelled:
+    return RequestCancelled(source="worker/w", request_id=request_id, reason="timeout")
+
+
+def test_a_held_request_is_answered_from_the_asked_token_on() -> None:
+    log = TokenLog()
+    assert log.reply("r", 0) is None
+    log.started("r")
+    empty = log.reply("r", 0)
+    assert empty is not None and empty.batches == () and empty.terminal is None
+    for index, text in ((0, "ab"), (2, "cd"), (4, "ef")):
+        log.published(batch("r", index, text))
+    reply = log.reply("r", 3)
+    assert reply is not None
+    # The batch that holds token 3 starts before it; the asker keeps what it lacks.
+    assert [b.index for b in reply.batches] == [2, 4]
+    terminal = ended("r")
+    log.ended(terminal, now=10.0)
+    after = log.reply("r", 6)
+    assert after is not None and after.batches == () and after.terminal == terminal
+    assert log.reply("other", 0) is None
+
+
+def test_ended_requests_go_after_their_time_or_past_the_byte_bound() -> None:
+    log = TokenLog(keep_s=5.0, max_bytes=20_000)  # a 500-token batch: about 4.8 kB
+    for request_id in ("a", "b", "c"):
+        log.started(request_id)
+        log.published(batch(request_id, 0, "x" * 500))
+    log.ended(ended("a"), now=0.0)
+    log.expire(now=4.0)
+    assert log.reply("a", 0) is not None
+    log.expire(now=5.0)
+    assert log.reply("a", 0) is None
+    log.ended(ended("b"), now=6.0)
+    # Running ones are never let go, however large; the oldest ended goes first past the bound.
+    log.published(batch("c", 500, "y" * 1_500))
+    log.expire(now=6.5)
+    assert log.reply("b", 0) is None
+    assert log.reply("c", 0) is not None and len(log) == 1
+
+
+def test_a_long_answer_comes_back_in_bounded_replies() -> None:
+    log = TokenLog()
+    log.started("r")
+    for i in range(200):
+        log.published(batch("r", i * 4_000, "z" * 4_000))
+    first = log.reply("r", 0)
+    assert first is not None and not first.complete and 0 < len(first.batches) < 200
+    rest = log.reply("r", first.batches[-1].index + 4_000)
+    assert rest is not None
+    assert len(first.batches) + len(rest.batches) == 200 or not rest.complete
