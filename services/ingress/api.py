@@ -94,7 +94,14 @@ def create_app(
     ]
     middleware = []
     if keys is not None:
-        middleware.append(Middleware(AuthGate, book=keys, metrics_keyed=settings.metrics_auth))
+        middleware.append(
+            Middleware(
+                AuthGate,
+                book=keys,
+                metrics_keyed=settings.metrics_auth,
+                refused=metrics.auth_refused,
+            )
+        )
     return Starlette(
         routes=routes,
         middleware=middleware,

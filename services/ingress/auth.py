@@ -9,6 +9,7 @@ as the watch delivers it (milliseconds).
 
 from __future__ import annotations
 
+from prometheus_client import Counter
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bus.api_keys import ApiKeyRecord, key_hash
@@ -50,10 +51,11 @@ class KeyBook:
 class AuthGate:
     """ASGI middleware in front of the API's routes."""
 
-    def __init__(self, app: ASGIApp, book: KeyBook, metrics_keyed: bool) -> None:
+    def __init__(self, app: ASGIApp, book: KeyBook, metrics_keyed: bool, refused: Counter) -> None:
         self._app = app
         self._book = book
         self._metrics_keyed = metrics_keyed
+        self._refused = refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -72,7 +74,7 @@ class AuthGate:
         record = self._record(scope)
         if isinstance(record, ApiError):
             extra = [(b"www-authenticate", b"Bearer")] if record.status == 401 else []
-            await _refuse(scope, send, record, extra)
+            await self._refuse(scope, send, record, "", extra)
             return
         if needs not in record.scopes:
             error = ApiError(
@@ -81,7 +83,7 @@ class AuthGate:
                 code="insufficient_scope",
                 type="invalid_request_error",
             )
-            await _refuse(scope, send, error)
+            await self._refuse(scope, send, error, record.tenant)
             return
         if needs == "metrics":
             await self._app(scope, receive, send)
@@ -89,7 +91,9 @@ class AuthGate:
         gate = self._book.gate
         wait_s = gate.enter(record.tenant)
         if wait_s is not None:
-            await _refuse(scope, send, _limited(record.tenant), retry_after=wait_s)
+            await self._refuse(
+                scope, send, _limited(record.tenant), record.tenant, retry_after=wait_s
+            )
             return
         scope[TENANT] = record.tenant
         scope[_MAX_PRIORITY] = record.max_priority
@@ -98,9 +102,29 @@ class AuthGate:
         finally:
             gate.leave(record.tenant)
 
+    async def _refuse(
+        self,
+        scope: Scope,
+        send: Send,
+        error: ApiError,
+        tenant: str,
+        extra: Headers | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        headers = [*JSON_HEADERS, *(extra or [])]
+        if error.status == 503:
+            retry_after = 1
+        if retry_after is not None:
+            headers.append((b"retry-after", str(retry_after).encode()))
+        self._refused.labels(error.code or "", tenant).inc()
+        log_request(scope, error.status)
+        await send_json(send, error.status, error.body(), headers)
+
     def _record(self, scope: Scope) -> ApiKeyRecord | ApiError:
         if not self._book.loaded:
-            return ApiError(503, "The API keys are still loading; retry in a moment.")
+            return ApiError(
+                503, "The API keys are still loading; retry in a moment.", code="keys_loading"
+            )
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
         if header is None:
             return ApiError(
@@ -139,19 +163,3 @@ def _limited(tenant: str) -> ApiError:
         code="rate_limit_exceeded",
         type="rate_limit_error",
     )
-
-
-async def _refuse(
-    scope: Scope,
-    send: Send,
-    error: ApiError,
-    extra: Headers | None = None,
-    retry_after: int | None = None,
-) -> None:
-    headers = [*JSON_HEADERS, *(extra or [])]
-    if error.status == 503:
-        retry_after = 1
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    log_request(scope, error.status)
-    await send_json(send, error.status, error.body(), headers)

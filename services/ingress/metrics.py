@@ -42,6 +42,14 @@ class IngressMetrics:
             ["reason", "priority"],
             registry=self.registry,
         )
+        self.auth_refused = Counter(
+            "laneway_ingress_auth_refused",
+            "Requests refused at the API-key check, by error code (missing_api_key, "
+            "invalid_api_key, insufficient_scope, rate_limit_exceeded, keys_loading) and "
+            "tenant (empty before a key is known).",
+            ["code", "tenant"],
+            registry=self.registry,
+        )
         self.admission_queue = Gauge(
             "laneway_ingress_admission_queue_depth",
             "Requests waiting at this ingress for room in the cluster.",

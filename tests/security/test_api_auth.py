@@ -78,6 +78,8 @@ async def test_no_or_wrong_key_is_401_in_openai_shape(headers: dict[str, str], c
             assert error["type"] == "invalid_request_error"
             assert set(error) == {"message", "type", "param", "code"}
         assert gateway.submitted == []
+        scraped = (await client.get("/metrics")).text
+    assert f'laneway_ingress_auth_refused_total{{code="{code}",tenant=""}} 2.0' in scraped
 
 
 async def test_valid_key_is_served_and_its_tenant_is_on_the_request() -> None:
@@ -129,6 +131,7 @@ async def test_keys_not_loaded_yet_is_503_with_retry_after() -> None:
         reply = await client.get("/v1/models", headers=bearer(KEY))
         assert reply.status_code == 503
         assert reply.headers["retry-after"] == "1"
+        assert reply.json()["error"]["code"] == "keys_loading"
         assert (await client.get("/health")).status_code == 200
 
 
@@ -140,6 +143,9 @@ async def test_tenant_over_its_rate_gets_429_with_retry_after() -> None:
         assert 1 <= int(reply.headers["retry-after"]) <= 5
         assert reply.json()["error"]["code"] == "rate_limit_exceeded"
         assert book.gate.in_flight("acme") == 0
+        scraped = (await client.get("/metrics")).text
+    refused = 'laneway_ingress_auth_refused_total{code="rate_limit_exceeded",tenant="acme"} 1.0'
+    assert refused in scraped
 
 
 async def test_concurrency_slot_is_given_back_when_a_request_ends() -> None:
