@@ -128,7 +128,7 @@ LOAD_REPORTS: Channel[WorkerLoadReported] = Channel(
     "lw.load.{worker}",
     (WorkerLoadReported,),
     ("worker",),
-    ("planner", "bench"),
+    ("planner", "ingress (admission)", "bench"),
     "stored",
     LOAD,
     "the stream keeps each worker's latest report",
