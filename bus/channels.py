@@ -93,8 +93,7 @@ class Channel(Generic[E]):
     @property
     def key_name(self) -> str | None:
         """The name of the pattern's key (``worker`` for ``{worker}``), None without one."""
-        found = _KEY.search(self.pattern)
-        return found.group(0)[1:-1] if found else None
+        return key_name(self.pattern)
 
     def key_of(self, subject: str) -> str | None:
         """The key ``subject`` carries if it is one of this channel's subjects, else None."""
@@ -166,6 +165,11 @@ class Topic(Generic[E]):
         return self.channels[0].delivery
 
 
+def key_name(pattern: str) -> str | None:
+    found = _KEY.search(pattern)
+    return found.group(0)[1:-1] if found else None
+
+
 def view(subject: str, *channels: Channel[Any]) -> Topic[Any]:
     """One subscription over several channels (an observer of a whole stream)."""
     return Topic(subject, tuple(t for c in channels for t in c.events), channels)
@@ -185,6 +189,10 @@ class Endpoint:
 
     def at(self, key: str) -> str:
         return _KEY.sub(lambda _: key, self.pattern)
+
+    @property
+    def key_name(self) -> str | None:
+        return key_name(self.pattern)
 
 
 @dataclass(frozen=True)
@@ -206,6 +214,14 @@ class Consumer(Generic[E]):
         if stream is None:
             raise ValueError(f"{self.topic.subject} is in no stream")
         return stream
+
+    @property
+    def deliver_subject(self) -> str | None:
+        """Where a shared durable delivers: replicas starting together may each create it, and
+        with an inbox of their own as its deliver subject the last create would take every
+        message; a subject named after the durable makes the creates identical. None: the
+        subscriber's own inbox."""
+        return f"_lw.deliver.{self.durable}" if self.queue else None
 
 
 def stream_subjects(channels: tuple[Channel[Any], ...]) -> dict[Stream, list[str]]:

@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
 from nats.js.errors import (
     BadRequestError,
     NoStreamResponseError,
@@ -24,6 +25,8 @@ from opentelemetry import context as otel_context
 from pydantic import BaseModel, ValidationError
 
 from bus.channels import Consumer, Topic
+from bus.credentials import NATS_CREDS_ENV, Credentials, inbox_prefix, split_credentials
+from bus.tls import nats_tls_from_env
 from bus.topology import RETIRED_STREAMS, STREAM_SUBJECTS
 from observability.tracing import context_of_headers, trace_headers
 from schemas.codec import decode_as, decode_event, encode
@@ -67,6 +70,29 @@ def _for_handler(topic: Topic[E], event: Event, subject: str) -> E | None:
     return None
 
 
+_DECLARED = (
+    "subjects",
+    "num_replicas",
+    "storage",
+    "max_age",
+    "max_msgs_per_subject",
+    "max_bytes",
+    "discard",
+    "duplicate_window",
+)
+
+
+def _as_declared(found: StreamConfig, declared: StreamConfig) -> bool:
+    """Whether a stream has every setting Laneway declares (the server fills in the rest)."""
+    return all(getattr(found, name) == getattr(declared, name) for name in _DECLARED)
+
+
+async def _log_error(error: Exception) -> None:
+    # A permission refused is the server's only answer to a publish or subscription it does not
+    # allow (the publisher's request then times out): say which.
+    log.warning("nats: %s", error)
+
+
 class Bus:
     def __init__(self, nc: NatsClient) -> None:
         self._nc = nc
@@ -74,13 +100,29 @@ class Bus:
         self._subs: list[Subscription] = []
 
     @classmethod
-    async def connect(cls, url: str, name: str) -> Bus:
+    async def connect(cls, url: str, name: str, tls: ssl.SSLContext | None = None) -> Bus:
         """``url`` may list several servers of one cluster, comma-separated: the connection
-        moves to another (those listed, or those the cluster tells of) when its server goes."""
-        servers = [u.strip() for u in url.split(",") if u.strip()]
+        moves to another (those listed, or those the cluster tells of) when its server goes.
+
+        Credentials come from the URL (``nats://user:password@host``) or else from the file
+        ``LANEWAY_NATS_CREDS_FILE`` names; TLS from ``tls`` or else the ``LANEWAY_NATS_TLS_*``
+        settings (see :mod:`bus.tls`)."""
+        creds, plain = split_credentials(url)
+        creds = creds or Credentials.from_env(NATS_CREDS_ENV)
+        login: dict[str, Any] = {}
+        if creds is not None:
+            login = {
+                "user": creds.user,
+                "password": creds.password,
+                "inbox_prefix": inbox_prefix(creds.user),
+            }
+        servers = [u.strip() for u in plain.split(",") if u.strip()]
         nc = await nats.connect(
             servers,
             name=name,
+            error_cb=_log_error,
+            tls=tls or nats_tls_from_env(),
+            **login,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             # A server that is up but silent (partitioned, frozen) is left after about 6 s of
@@ -96,15 +138,24 @@ class Bus:
 
     async def ensure_streams(self, replicas: int = 1) -> None:
         """Create or update the streams, stored on ``replicas`` servers (an existing stream
-        moves to that count); every service calls this, so start order is free."""
+        moves to that count); every service calls this, so start order is free. Streams
+        already as declared are only read, which is all the NATS permissions let most
+        services do (the planner and the admin keep them)."""
         for stream, subjects in STREAM_SUBJECTS.items():
             config = stream.config(subjects, replicas)
             try:
-                await self._js.add_stream(config)
-            except BadRequestError:
+                found = await self._js.stream_info(stream.name)
+            except NotFoundError:
+                try:
+                    await self._js.add_stream(config)
+                    continue
+                except BadRequestError:  # another service created it just now
+                    found = await self._js.stream_info(stream.name)
+            if not _as_declared(found.config, config):
                 await self._js.update_stream(config)
         for name in RETIRED_STREAMS:
             with contextlib.suppress(NotFoundError):
+                await self._js.stream_info(name)
                 await self._js.delete_stream(name)
 
     async def publish(self, topic: Topic[E], event: E) -> None:
@@ -176,10 +227,10 @@ class Bus:
             inactive_threshold=consumer.inactive_threshold_s,
             deliver_policy=DeliverPolicy.ALL,
             max_ack_pending=4096,
-            # Replicas starting together may each create the durable; with an inbox of their
-            # own as its deliver subject, the last create would take every message. A subject
-            # named after the durable makes the creates identical.
-            deliver_subject=f"_lw.deliver.{consumer.durable}" if consumer.queue else None,
+            deliver_subject=consumer.deliver_subject,
+            # Named, the create request names its filter in its subject, which is what lets
+            # the NATS permissions hold a worker to the durable of its own routes.
+            name=consumer.durable,
         )
 
         async def on_msg(msg: Msg) -> None:

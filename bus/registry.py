@@ -19,6 +19,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import aetcd
 
+from bus.credentials import ETCD_CREDS_ENV, Credentials, split_credentials
 from schemas.events import Role
 from schemas.messages import WorkerRegistration
 
@@ -35,16 +36,20 @@ LEADER_KEY = b"/laneway/planner/leader"
 
 
 def etcd_endpoints(endpoints: str) -> list[tuple[str, int]]:
-    """``host:port[,host:port…]`` (``http://`` allowed) as (host, port) pairs."""
+    """``host:port[,host:port…]`` (``http://`` and ``user:password@`` allowed) as (host, port)
+    pairs."""
     found = []
-    for endpoint in endpoints.split(","):
+    for endpoint in split_credentials(endpoints)[1].split(","):
         host, _, port = endpoint.strip().removeprefix("http://").rpartition(":")
         found.append((host or "127.0.0.1", int(port)))
     return found
 
 
 def connect_etcd(endpoints: str) -> EtcdCluster:
-    return EtcdCluster(etcd_endpoints(endpoints))
+    """Credentials come from the endpoints (``user:password@host:port``) or else from the file
+    ``LANEWAY_ETCD_CREDS_FILE`` names; none for an etcd without auth."""
+    creds = split_credentials(endpoints)[0] or Credentials.from_env(ETCD_CREDS_ENV)
+    return EtcdCluster(etcd_endpoints(endpoints), credentials=creds)
 
 
 # A member that is down, or that has no leader to forward to, answers these (or nothing).
@@ -64,11 +69,21 @@ class EtcdCluster(aetcd.Client):  # type: ignore[misc] # aetcd has no types
     """
 
     def __init__(
-        self, endpoints: list[tuple[str, int]], timeout: int = 2, failover_s: float = 30.0
+        self,
+        endpoints: list[tuple[str, int]],
+        timeout: int = 2,
+        failover_s: float = 30.0,
+        credentials: Credentials | None = None,
     ) -> None:
         # A short per-call timeout: a call stuck on a member whose leader died is retried
-        # well within a lease's TTL.
-        super().__init__(host=endpoints[0][0], port=endpoints[0][1], timeout=timeout)
+        # well within a lease's TTL. A move to another member authenticates again there.
+        super().__init__(
+            host=endpoints[0][0],
+            port=endpoints[0][1],
+            timeout=timeout,
+            username=credentials.user if credentials else None,
+            password=credentials.password if credentials else None,
+        )
         self.endpoints = endpoints
         self.at = 0
         self._failover_s = failover_s

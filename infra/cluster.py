@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from bus.registry import PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
+from infra.cluster_auth import ClusterAuth, identity_of, secure
 from infra.embedded import (
     EmbeddedServer,
     die_with_parent,
@@ -37,6 +38,7 @@ from infra.metrics_targets import assign_metrics_ports
 from infra.startup import StartupError, check_port_free, check_reachable, log_cause
 from infra.statedir import StateDir
 from infra.supervisor import Child, RestartPolicy, Supervisor
+from schemas.events import new_id
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,9 @@ class ClusterConfig:
     api_auth: bool = False
     # The API over HTTPS, with this PEM certificate (chain) and its private key.
     api_tls: tuple[Path, Path] | None = None
+    # A NATS user per service with only its subjects, and etcd auth, on the embedded servers
+    # (servers given by URL are their operator's to secure); False for experiments.
+    auth: bool = True
     # How `supervise` restarts a child that exits.
     restart: RestartPolicy = field(default_factory=RestartPolicy)
 
@@ -116,11 +121,20 @@ class LocalCluster:
                 )
             self._check_ports()
             self.logs.mkdir(parents=True, exist_ok=True)
+            # Planned first: the embedded servers' users are the services' identities.
+            self._plan_services()
+            auth = (
+                ClusterAuth(cfg.state_dir / "auth", [identity_of(s) for s in self.services])
+                if cfg.auth
+                else None
+            )
+            users = auth.nats_authorization() if auth and not cfg.nats_url else ""
             if not cfg.nats_url:
+                log = self.logs / "nats.log"
                 self.nats_url = self._embed(
-                    start_nats_cluster(cfg.state_dir, self.logs)
+                    start_nats_cluster(cfg.state_dir, self.logs, authorization=users)
                     if cfg.ha
-                    else [start_nats(cfg.state_dir, cfg.nats_port, self.logs / "nats.log")]
+                    else [start_nats(cfg.state_dir, cfg.nats_port, log, authorization=users)]
                 )
             if not cfg.etcd_endpoints:
                 self.etcd_endpoints = self._embed(
@@ -128,7 +142,7 @@ class LocalCluster:
                     if cfg.ha
                     else [start_etcd(cfg.state_dir, cfg.etcd_port, self.logs / "etcd.log")]
                 )
-            self._plan_services()
+            self._connect_services(auth)
             self._guard_api()
             assign_metrics_ports(self.services, self.prometheus_targets)
             for service in self.services:
@@ -163,14 +177,24 @@ class LocalCluster:
         elif cfg.etcd_port:
             check_port_free("127.0.0.1", cfg.etcd_port, "etcd", "--etcd-port")
 
+    def _connect_services(self, auth: ClusterAuth | None) -> None:
+        """Each service's servers and, where auth is on, the files of its own credentials; from
+        here on ``nats_url`` and ``etcd_endpoints`` carry the admin's, for tools and tests."""
+        cfg = self.config
+        common = {"LANEWAY_NATS_URL": self.nats_url, "LANEWAY_ETCD_ENDPOINTS": self.etcd_endpoints}
+        if auth is not None:
+            nats, etcd = not cfg.nats_url, not cfg.etcd_endpoints
+            self.nats_url, self.etcd_endpoints = secure(
+                auth, self.nats_url, self.etcd_endpoints, 3 if cfg.ha else 1, nats, etcd
+            )
+        for service in self.services:
+            service.env.update(common)
+            if auth is not None:
+                service.env.update(auth.env(identity_of(service)))
+
     def _plan_services(self) -> None:
         cfg = self.config
-        common = {
-            **cfg.env,
-            "LANEWAY_NATS_URL": self.nats_url,
-            "LANEWAY_ETCD_ENDPOINTS": self.etcd_endpoints,
-            **({"LANEWAY_STREAM_REPLICAS": "3"} if cfg.ha else {}),
-        }
+        common = {**cfg.env, **({"LANEWAY_STREAM_REPLICAS": "3"} if cfg.ha else {})}
         self.services = [
             Service(
                 "kv-indexer" if cfg.indexers == 1 else f"kv-indexer-{i}",
@@ -190,19 +214,33 @@ class LocalCluster:
         # Beside a prefill pool the others decode (the decode worker's own role); alone they
         # serve requests end to end.
         role = {} if cfg.prefill_workers else {"LANEWAY_ROLE": "both"}
+        # Ids given here, so that each has its own credentials (see infra.cluster_auth).
         self.services += [
-            Service(f"decode-worker-{i}", "services.worker.decode_worker", {**role, **common})
+            Service(
+                f"decode-worker-{i}",
+                "services.worker.decode_worker",
+                {**role, **common, "LANEWAY_WORKER_ID": new_id()},
+            )
             for i in range(cfg.workers)
         ]
         self.services += [
-            Service(f"prefill-worker-{i}", "services.worker.prefill_worker", common)
+            Service(
+                f"prefill-worker-{i}",
+                "services.worker.prefill_worker",
+                {**common, "LANEWAY_WORKER_ID": new_id()},
+            )
             for i in range(cfg.prefill_workers)
         ]
         self.services.append(
             Service(
                 "ingress",
                 "services.ingress",
-                {**common, "LANEWAY_HOST": cfg.http_host, "LANEWAY_PORT": str(cfg.http_port)},
+                {
+                    **common,
+                    "LANEWAY_HOST": cfg.http_host,
+                    "LANEWAY_PORT": str(cfg.http_port),
+                    "LANEWAY_INSTANCE_ID": new_id(),
+                },
             )
         )
 

@@ -149,13 +149,20 @@ def start_nats(
     port: int | None = None,
     log_file: Path | None = None,
     max_payload: int = NATS_MAX_PAYLOAD,
+    authorization: str = "",
 ) -> EmbeddedServer:
-    server = _spawn_nats(data_dir, "nats", port or free_port(), log_file, max_payload)
+    """``authorization``: the users block of its configuration (``ClusterAuth``); none lets
+    anyone connect."""
+    server = _spawn_nats(
+        data_dir, "nats", port or free_port(), log_file, max_payload, authorization
+    )
     wait_for_port(server.port, server.proc, "nats-server", 20, log_file)
     return server
 
 
-def start_nats_cluster(data_dir: Path, log_dir: Path, size: int = 3) -> list[EmbeddedServer]:
+def start_nats_cluster(
+    data_dir: Path, log_dir: Path, size: int = 3, authorization: str = ""
+) -> list[EmbeddedServer]:
     """``size`` JetStream servers routed to each other as one cluster, returned once JetStream
     answers on every one (its meta leader elected)."""
     ports = free_ports(3 * size)
@@ -170,7 +177,9 @@ def start_nats_cluster(data_dir: Path, log_dir: Path, size: int = 3) -> list[Emb
         )
         name = f"nats-{i}"
         servers.append(
-            _spawn_nats(data_dir, name, clients[i], log_dir / f"{name}.log", cluster=cluster)
+            _spawn_nats(
+                data_dir, name, clients[i], log_dir / f"{name}.log", config=cluster + authorization
+            )
         )
     try:
         for server in servers:
@@ -190,16 +199,19 @@ def _spawn_nats(
     port: int,
     log_file: Path | None,
     max_payload: int = NATS_MAX_PAYLOAD,
-    cluster: str = "",
+    config: str = "",
 ) -> EmbeddedServer:
     store = data_dir / name
     store.mkdir(parents=True, exist_ok=True)
     # A request event carries its prompt's token ids: NATS's default 1 MiB would cut prompts
     # at about 150k tokens, below what the engines hold.
-    config = data_dir / f"{name}.conf"
-    config.write_text(f"max_payload: {max_payload}\n{cluster}")
+    conf = data_dir / f"{name}.conf"
+    # Its users' passwords are in it: readable by its owner only, from the moment it exists.
+    conf.unlink(missing_ok=True)
+    with os.fdopen(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(f"max_payload: {max_payload}\n{config}")
     args = [
-        *(find_binary("nats-server"), "-c", str(config), "-a", "127.0.0.1"),
+        *(find_binary("nats-server"), "-c", str(conf), "-a", "127.0.0.1"),
         *("-p", str(port), "-js", "-sd", str(store)),
     ]
     proc = _spawn(args, log_file)
@@ -226,6 +238,9 @@ ETCD_QUOTA_BYTES = 512 * 1024**2
 ETCD_LIMITS = (
     *("--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m"),
     *("--quota-backend-bytes", str(ETCD_QUOTA_BYTES)),
+    # With auth on, a client's token lapses after this long unused; the default 5 minutes would
+    # log out a worker whose only etcd traffic is its lease's keep-alives.
+    *("--auth-token-ttl", str(24 * 3600)),
 )
 
 

@@ -25,6 +25,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from bus.credentials import split_credentials
 from bus.registry import LEADER_KEY, PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
 from bus.topology import KV, LOAD, Subjects, worker_routes
 from infra import status_local
@@ -164,6 +165,8 @@ async def _nats_server(url: str) -> tuple[dict[str, Any], NatsClient | None]:
     async def quiet(_: Exception) -> None:  # the failure is in the table, not a log line
         return None
 
+    shown = split_credentials(url)[1]  # never a password on the screen
+
     try:
         # nats-py keeps trying a lone server that refuses, reconnects off or not.
         nc = await asyncio.wait_for(
@@ -177,12 +180,12 @@ async def _nats_server(url: str) -> tuple[dict[str, Any], NatsClient | None]:
             _CONNECT_TIMEOUT_S,
         )
     except TimeoutError:
-        return {"url": url, "ok": False, "error": f"no answer in {_CONNECT_TIMEOUT_S}s"}, None
+        return {"url": shown, "ok": False, "error": f"no answer in {_CONNECT_TIMEOUT_S}s"}, None
     except Exception as exc:
-        return {"url": url, "ok": False, "error": _error(exc)}, None
+        return {"url": shown, "ok": False, "error": _error(exc)}, None
     info = nc._server_info  # the INFO the server sent: version, name, cluster
     entry = {
-        "url": url,
+        "url": shown,
         "ok": True,
         "version": info.get("version"),
         "name": info.get("server_name"),
@@ -193,13 +196,14 @@ async def _nats_server(url: str) -> tuple[dict[str, Any], NatsClient | None]:
 
 async def _etcd_member(endpoint: str) -> tuple[dict[str, Any], aetcd.Client | None]:
     client = connect_etcd(endpoint)
+    shown = split_credentials(endpoint)[1]
     try:
         status = await asyncio.wait_for(client.status(), _CONNECT_TIMEOUT_S * 2)
     except Exception as exc:
         await client.close()
-        return {"endpoint": endpoint, "ok": False, "error": _error(exc)}, None
+        return {"endpoint": shown, "ok": False, "error": _error(exc)}, None
     entry = {
-        "endpoint": endpoint,
+        "endpoint": shown,
         "ok": True,
         "version": status.version,
         "leader": status.leader.name if status.leader is not None else None,

@@ -13,11 +13,13 @@ from typing import Any
 
 import httpx
 
+from bus.credentials import ETCD_CREDS_ENV, NATS_CREDS_ENV
+from infra.cluster_auth import admin_within
 from infra.statedir import PIDS_FILE, start_time
 
 _NATS, _ETCD = "LANEWAY_NATS_URL", "LANEWAY_ETCD_ENDPOINTS"
 _METRICS_HOST, _METRICS_PORT = "LANEWAY_METRICS_HOST", "LANEWAY_METRICS_PORT"
-_SETTINGS = (_NATS, _ETCD, _METRICS_HOST, _METRICS_PORT)
+_SETTINGS = (_NATS, _ETCD, _METRICS_HOST, _METRICS_PORT, NATS_CREDS_ENV, ETCD_CREDS_ENV)
 _PROBE_TIMEOUT_S = 1.0
 
 
@@ -53,11 +55,15 @@ def processes(state_dir: Path) -> list[dict[str, Any]]:
 
 
 def urls(local: list[dict[str, Any]]) -> tuple[str, str] | None:
-    """The NATS URL(s) and etcd endpoint(s) the running services were given."""
+    """The NATS URL(s) and etcd endpoint(s) the running services were given; with the admin's
+    credentials in them where the services were given credentials (``laneway up`` with auth)."""
     for process in local:
         settings = process["settings"]
         if _NATS in settings and _ETCD in settings:
-            return settings[_NATS], settings[_ETCD]
+            return (
+                admin_within(settings.get(NATS_CREDS_ENV), settings[_NATS]),
+                admin_within(settings.get(ETCD_CREDS_ENV), settings[_ETCD]),
+            )
     return None
 
 

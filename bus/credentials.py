@@ -1,0 +1,112 @@
+"""A service's user name and password for NATS or etcd, kept in a file of its own.
+
+Services get the path of their file in an environment variable, never the secret on their
+command line (which every user of the machine can read in ``ps``). Tools and tests may carry the
+credentials in the address instead (``nats://user:password@host:port``, ``user:password@host:port``
+for etcd), as the NATS clients do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+NATS_CREDS_ENV = "LANEWAY_NATS_CREDS_FILE"
+ETCD_CREDS_ENV = "LANEWAY_ETCD_CREDS_FILE"
+
+# User names become subject tokens (a user's reply inbox) and etcd role names.
+_USER = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# A credentials file is a few dozen bytes; a larger one is not ours.
+_MAX_FILE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Credentials:
+    user: str
+    password: str
+
+    def __post_init__(self) -> None:
+        if not _USER.fullmatch(self.user):
+            raise ValueError(
+                f"a user name is 1-128 letters, digits, '_' or '-': {self.user[:64]!r}"
+            )
+        if not self.password or any(c in self.password for c in ":@/,\n"):
+            raise ValueError(f"the password of {self.user} is empty or has ':@/,' or a newline")
+
+    def __repr__(self) -> str:  # keeps the password out of logs and tracebacks
+        return f"Credentials(user={self.user!r})"
+
+    @classmethod
+    def new(cls, user: str) -> Credentials:
+        return cls(user, secrets.token_urlsafe(24))
+
+    @classmethod
+    def read(cls, path: Path) -> Credentials:
+        with open(path, "rb") as file:
+            raw = file.read(_MAX_FILE_BYTES + 1)
+        if len(raw) > _MAX_FILE_BYTES:
+            raise ValueError(f"{path} is over {_MAX_FILE_BYTES} bytes: not a credentials file")
+        found = json.loads(raw)
+        if not isinstance(found, dict) or not all(
+            isinstance(found.get(k), str) for k in ("user", "password")
+        ):
+            raise ValueError(f"{path} holds no user and password")
+        return cls(found["user"], found["password"])
+
+    @classmethod
+    def from_env(cls, variable: str) -> Credentials | None:
+        path = os.environ.get(variable)
+        return cls.read(Path(path)) if path else None
+
+    def write(self, path: Path) -> None:
+        """Readable by its owner only (0600), from the moment it exists."""
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as file:
+            json.dump({"user": self.user, "password": self.password}, file)
+        tmp.replace(path)
+
+    def within(self, addresses: str) -> str:
+        """``addresses`` (comma-separated, with or without a scheme) carrying these
+        credentials."""
+        return ",".join(
+            f"{scheme}{self.user}:{self.password}@{rest}"
+            for scheme, _, rest in (_parts(a) for a in addresses.split(","))
+        )
+
+
+def inbox_prefix(user: str) -> str:
+    """The subjects a user's replies come to: its own, so that no other user may read them."""
+    return f"_i.{user}"
+
+
+def split_credentials(addresses: str) -> tuple[Credentials | None, str]:
+    """The credentials ``addresses`` carry (those of its first address that has any) and the
+    addresses without them."""
+    found: Credentials | None = None
+    plain = []
+    for address in addresses.split(","):
+        scheme, userinfo, rest = _parts(address)
+        if userinfo and found is None:
+            user, _, password = userinfo.partition(":")
+            found = Credentials(user, password)
+        plain.append(scheme + rest)
+    return found, ",".join(plain)
+
+
+def _parts(address: str) -> tuple[str, str, str]:
+    """(scheme with its ``://``, user:password or empty, host:port and the rest)."""
+    address = address.strip()
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        scheme, rest = "", address
+    else:
+        scheme += sep
+    userinfo, at, host = rest.rpartition("@")
+    return scheme, userinfo if at else "", host

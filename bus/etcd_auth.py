@@ -1,0 +1,106 @@
+"""etcd's users and roles for Laneway, and auth turned on: each service identity a role holding
+only its keys (``bus.permissions.etcd_grants``), the root user for this bootstrap alone.
+
+Runs again on an etcd that has auth on already (a restart on the same data), as root then:
+roles and users are added where missing, passwords set to those given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aetcd
+import grpc
+from aetcd import rpc
+from aetcd.utils import prefix_range_end
+
+from bus.credentials import Credentials
+from bus.permissions import Identity, KeyGrant, etcd_grants
+from bus.registry import etcd_endpoints
+
+ROOT = "root"
+
+
+async def enable_auth(
+    endpoints: str, root: Credentials, users: dict[Identity, Credentials], timeout: int = 5
+) -> None:
+    if root.user != ROOT:
+        raise ValueError(f"etcd's bootstrap user is {ROOT}, not {root.user}")
+    host, port = etcd_endpoints(endpoints)[0]
+    # As root where auth is on already; etcd refuses the login where it is not.
+    client = aetcd.Client(
+        host=host, port=port, timeout=timeout, username=root.user, password=root.password
+    )
+    enabled = True
+    try:
+        try:
+            await client.connect()
+        except aetcd.exceptions.ClientError as exc:
+            if "authentication is not enabled" not in str(exc):
+                raise
+            await client.close()
+            client = aetcd.Client(host=host, port=port, timeout=timeout)
+            await client.connect()
+            enabled = False
+        await _Bootstrap(client).run(root, users, enable=not enabled)
+    finally:
+        await client.close()
+
+
+class _Bootstrap:
+    def __init__(self, client: aetcd.Client) -> None:
+        self._stub = rpc.AuthStub(client.channel)
+        self._metadata = client.metadata
+        self._timeout = client._timeout
+
+    async def run(
+        self, root: Credentials, users: dict[Identity, Credentials], enable: bool
+    ) -> None:
+        await self._add(self._stub.RoleAdd, rpc.AuthRoleAddRequest(name=ROOT))
+        await self._user(root, ROOT)
+        for identity, creds in users.items():
+            if creds.user == ROOT:
+                raise ValueError("no service runs as etcd's root")
+            await self._add(self._stub.RoleAdd, rpc.AuthRoleAddRequest(name=creds.user))
+            for grant in etcd_grants(identity):
+                await self._call(
+                    self._stub.RoleGrantPermission,
+                    rpc.AuthRoleGrantPermissionRequest(name=creds.user, perm=_permission(grant)),
+                )
+            await self._user(creds, creds.user)
+        if enable:
+            await self._call(self._stub.AuthEnable, rpc.AuthEnableRequest())
+
+    async def _user(self, creds: Credentials, role: str) -> None:
+        added = await self._add(
+            self._stub.UserAdd, rpc.AuthUserAddRequest(name=creds.user, password=creds.password)
+        )
+        # Root logged in with the password it has: changing it would end this very session.
+        if not added and creds.user != ROOT:
+            await self._call(
+                self._stub.UserChangePassword,
+                rpc.AuthUserChangePasswordRequest(name=creds.user, password=creds.password),
+            )
+        await self._call(
+            self._stub.UserGrantRole, rpc.AuthUserGrantRoleRequest(user=creds.user, role=role)
+        )
+
+    async def _add(self, call: Callable[..., Awaitable[Any]], request: Any) -> bool:
+        """False if it exists already."""
+        try:
+            await self._call(call, request)
+        except grpc.aio.AioRpcError as exc:
+            if "already exists" not in (exc.details() or ""):
+                raise
+            return False
+        return True
+
+    async def _call(self, call: Callable[..., Awaitable[Any]], request: Any) -> Any:
+        return await call(request, timeout=self._timeout, metadata=self._metadata)
+
+
+def _permission(grant: KeyGrant) -> Any:
+    kind = rpc.Permission.READWRITE if grant.write else rpc.Permission.READ
+    end = prefix_range_end(grant.key) if grant.prefix else b""
+    return rpc.Permission(permType=kind, key=grant.key, range_end=end)

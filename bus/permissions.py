@@ -1,0 +1,205 @@
+"""Least privilege on the bus and in etcd, derived from the declared topology.
+
+Each service role gets a NATS user whose permissions come from the channels of
+:mod:`bus.topology`: a role named among a channel's producers may publish to it, one named among
+its consumers may subscribe. On a channel with a subject per worker or instance, the role that
+key stands for (a worker for ``{worker}``) gets only its own subject, unless the channel lists it
+in ``publish_any`` (a prefill worker sends to its decode worker's). Added to that: the JetStream
+API calls each role makes, on its own streams, durables and reply inbox only.
+
+Workers, ingress and kv-indexer instances therefore each have a user of their own; the planner's
+replicas share one. The admin user (``laneway status``, recording, tests) may do everything.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from bus.api_keys import KEYS_PREFIX
+from bus.channels import Channel, Consumer, Endpoint
+from bus.credentials import inbox_prefix
+from bus.registry import LEADER_KEY, PLANNERS_PREFIX, ROLES_PREFIX, WORKERS_PREFIX, role_key
+from bus.sessions import SESSIONS_PREFIX
+from bus.topology import (
+    CHANNELS,
+    ENDPOINTS,
+    INDEX_SNAPSHOTS,
+    PLANNER_INTAKE,
+    RETIRED_STREAMS,
+    STREAM_SUBJECTS,
+    Subjects,
+    worker_routes,
+)
+
+Role = Literal["ingress", "planner", "kv-indexer", "worker", "admin"]
+ROLES: tuple[Role, ...] = ("ingress", "planner", "kv-indexer", "worker", "admin")
+# The role a subject key stands for.
+KEY_ROLES: dict[str, Role] = {"worker": "worker", "ingress": "ingress", "indexer": "kv-indexer"}
+_INSTANCE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_JS = "$JS.API"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who connects: a role, and for a role with subjects of its own, its key (worker id,
+    ingress or indexer instance id)."""
+
+    role: Role
+    instance: str = ""
+
+    def __post_init__(self) -> None:
+        keyed = self.role in KEY_ROLES.values()
+        if keyed != bool(self.instance):
+            raise ValueError(f"a {self.role} {'needs' if keyed else 'takes no'} instance id")
+        if self.instance and not _INSTANCE.fullmatch(self.instance):
+            raise ValueError(f"an instance id is letters, digits, '_' or '-': {self.instance!r}")
+
+    @property
+    def user(self) -> str:
+        return f"{self.role}-{self.instance}" if self.instance else self.role
+
+
+@dataclass(frozen=True)
+class NatsPermissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    # May answer requests it received (to the asker's inbox, once each).
+    responds: bool = False
+
+    def config(self) -> dict[str, Any]:
+        """The user's ``permissions`` in a nats-server configuration."""
+        found: dict[str, Any] = {
+            "publish": {"allow": list(self.publish)},
+            "subscribe": {"allow": list(self.subscribe)},
+        }
+        if self.responds:
+            found["allow_responses"] = True
+        return found
+
+
+# Beyond the channels: the JetStream state each role keeps. The planner keeps the streams
+# themselves (creates and updates them; others only read their settings).
+_STREAM_KEEPERS: tuple[Role, ...] = ("planner",)
+_REPLAYS = {"kv-indexer": (Subjects.all_kv,)}
+_OBJECT_STORES = {"kv-indexer": (INDEX_SNAPSHOTS,)}
+
+
+def _durables(identity: Identity) -> tuple[Consumer[Any], ...]:
+    if identity.role == "planner":
+        return (PLANNER_INTAKE,)
+    if identity.role == "worker":
+        return (worker_routes(identity.instance),)
+    return ()
+
+
+def nats_permissions(identity: Identity) -> NatsPermissions:
+    if identity.role == "admin":
+        return NatsPermissions((">",), (">",))
+    publish: list[str] = []
+    subscribe: list[str] = [inbox_prefix(identity.user) + ".>"]
+    responds = False
+    declarations: tuple[Channel[Any] | Endpoint, ...] = (*CHANNELS, *ENDPOINTS)
+    for declared in declarations:
+        if identity.role in map(_role_of, declared.producers):
+            publish.append(_subject(declared, identity, publishing=True))
+        if identity.role in map(_role_of, declared.consumers):
+            subscribe.append(_subject(declared, identity, publishing=False))
+            # An endpoint that carries `Query` → `Reply` is answered by its consumers.
+            responds |= isinstance(declared, Endpoint) and "→" in declared.carries
+    streams = [stream.name for stream in STREAM_SUBJECTS]
+    publish += [f"{_JS}.STREAM.INFO.{name}" for name in (*streams, *RETIRED_STREAMS)]
+    if identity.role in _STREAM_KEEPERS:
+        publish += [f"{_JS}.STREAM.{op}.{name}" for name in streams for op in ("CREATE", "UPDATE")]
+        publish += [f"{_JS}.STREAM.DELETE.{name}" for name in RETIRED_STREAMS]
+    for consumer in _durables(identity):
+        stream, durable = consumer.stream.name, consumer.durable
+        publish += [
+            f"{_JS}.CONSUMER.CREATE.{stream}.{durable}.{consumer.topic.subject}",
+            f"{_JS}.CONSUMER.INFO.{stream}.{durable}",
+            f"$JS.ACK.{stream}.{durable}.>",
+        ]
+        if consumer.deliver_subject is not None:
+            subscribe.append(consumer.deliver_subject)
+    for topic in _REPLAYS.get(identity.role, ()):
+        # An ordered consumer: ephemeral, unnamed (so any filter, on a stream it reads whole),
+        # with flow control answered by the client.
+        assert topic.stream is not None
+        publish += [f"{_JS}.CONSUMER.CREATE.{topic.stream.name}", f"$JS.FC.{topic.stream.name}.>"]
+    for bucket in _OBJECT_STORES.get(identity.role, ()):
+        publish += _object_store(bucket)
+    return NatsPermissions(
+        tuple(dict.fromkeys(publish)),
+        tuple(dict.fromkeys(subscribe)),
+        responds=responds,
+    )
+
+
+def _object_store(bucket: str) -> list[str]:
+    """Everything on one JetStream object store: its stream's API and its chunk subjects."""
+    stream = f"OBJ_{bucket}"
+    return [
+        f"{_JS}.*.*.{stream}",
+        f"{_JS}.*.*.{stream}.>",
+        f"{_JS}.STREAM.MSG.GET.{stream}",
+        # Reading an object finds its stream by subject.
+        f"{_JS}.STREAM.NAMES",
+        f"$JS.FC.{stream}.>",
+        f"$O.{bucket}.>",
+    ]
+
+
+def _role_of(entry: str) -> str:
+    """``"worker (prefill side)"`` → ``worker``: a channel names its roles first, then why."""
+    return entry.split(maxsplit=1)[0]
+
+
+def _subject(declared: Channel[Any] | Endpoint, identity: Identity, publishing: bool) -> str:
+    key = declared.key_name
+    if key is None:
+        return declared.at("").subject if isinstance(declared, Channel) else declared.pattern
+    own = KEY_ROLES.get(key) == identity.role
+    if publishing and identity.role in declared.publish_any:
+        own = False
+    token = identity.instance if own else "*"
+    return declared.at(token).subject if isinstance(declared, Channel) else declared.at(token)
+
+
+@dataclass(frozen=True)
+class KeyGrant:
+    """An etcd permission: ``key`` itself, or every key under it when ``prefix``."""
+
+    key: bytes
+    prefix: bool
+    write: bool
+
+
+def etcd_grants(identity: Identity) -> tuple[KeyGrant, ...]:
+    """The keys a role reads or writes in etcd; nothing else is open to it."""
+    workers = KeyGrant(WORKERS_PREFIX, prefix=True, write=False)
+    match identity.role:
+        case "worker":
+            own = WORKERS_PREFIX + identity.instance.encode()
+            return (
+                KeyGrant(own, prefix=False, write=True),
+                KeyGrant(role_key(identity.instance), prefix=True, write=False),
+            )
+        case "planner":
+            return (
+                workers,
+                KeyGrant(PLANNERS_PREFIX, prefix=True, write=True),
+                KeyGrant(LEADER_KEY, prefix=False, write=True),
+                KeyGrant(ROLES_PREFIX, prefix=True, write=True),
+                KeyGrant(SESSIONS_PREFIX, prefix=True, write=True),
+            )
+        case "ingress":
+            return (
+                workers,
+                KeyGrant(PLANNERS_PREFIX, prefix=True, write=False),
+                KeyGrant(KEYS_PREFIX, prefix=True, write=False),
+            )
+        case "kv-indexer":
+            return (workers,)
+        case "admin":
+            return (KeyGrant(b"/laneway/", prefix=True, write=True),)

@@ -1,0 +1,55 @@
+"""TLS for the connections to NATS and etcd, as certificate paths.
+
+``LANEWAY_NATS_TLS_CA`` (the CA that signed the server's certificate) turns TLS on for NATS;
+``LANEWAY_NATS_TLS_CERT`` and ``LANEWAY_NATS_TLS_KEY`` add a client certificate for servers
+that ask for one. ``LANEWAY_ETCD_TLS_*`` are the same for etcd.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    ca: Path
+    cert: Path | None = None
+    key: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate needs its key, and a key its certificate")
+
+    @classmethod
+    def from_env(cls, server: str) -> TlsFiles | None:
+        """``server``: NATS or ETCD, as in the variables' names."""
+        ca = os.environ.get(f"LANEWAY_{server}_TLS_CA")
+        cert = os.environ.get(f"LANEWAY_{server}_TLS_CERT")
+        key = os.environ.get(f"LANEWAY_{server}_TLS_KEY")
+        if not ca:
+            if cert or key:
+                raise ValueError(f"LANEWAY_{server}_TLS_CERT/KEY need LANEWAY_{server}_TLS_CA")
+            return None
+        return cls(Path(ca), Path(cert) if cert else None, Path(key) if key else None)
+
+    def env(self, server: str) -> dict[str, str]:
+        """The variables that hand these files to a service."""
+        found = {f"LANEWAY_{server}_TLS_CA": str(self.ca)}
+        if self.cert is not None and self.key is not None:
+            found[f"LANEWAY_{server}_TLS_CERT"] = str(self.cert)
+            found[f"LANEWAY_{server}_TLS_KEY"] = str(self.key)
+        return found
+
+    def client_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca))
+        if self.cert is not None and self.key is not None:
+            context.load_cert_chain(str(self.cert), str(self.key))
+        return context
+
+
+def nats_tls_from_env() -> ssl.SSLContext | None:
+    files = TlsFiles.from_env("NATS")
+    return files.client_context() if files is not None else None

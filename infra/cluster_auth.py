@@ -1,0 +1,126 @@
+"""The credentials of a local cluster: one NATS and one etcd user per service identity, an
+admin for tools and etcd's root for the bootstrap, kept in ``<state dir>/auth/`` (0700, each
+file 0600) so that a restart on the same data finds them. Services get the paths of their own
+files in their environment."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+from bus.client import Bus
+from bus.credentials import ETCD_CREDS_ENV, NATS_CREDS_ENV, Credentials
+from bus.etcd_auth import ROOT, enable_auth
+from bus.permissions import Identity, nats_permissions
+
+ADMIN = Identity("admin")
+
+
+class Planned(Protocol):
+    """A service as the cluster plans it (``infra.cluster.Service``)."""
+
+    @property
+    def module(self) -> str: ...
+
+    @property
+    def env(self) -> dict[str, str]: ...
+
+
+def identity_of(service: Planned) -> Identity:
+    """Who a planned service is, from its module and the ids it is given."""
+    if service.module.startswith("services.worker."):
+        return Identity("worker", service.env["LANEWAY_WORKER_ID"])
+    if service.module == "services.planner":
+        return Identity("planner")
+    if service.module == "services.kv_indexer":
+        return Identity("kv-indexer", service.env["LANEWAY_INSTANCE_ID"])
+    if service.module == "services.ingress":
+        return Identity("ingress", service.env["LANEWAY_INSTANCE_ID"])
+    raise ValueError(f"no identity for {service.module}")
+
+
+def admin_within(service_creds: str | None, addresses: str) -> str:
+    """``addresses`` with the credentials of the admin beside a service's (``laneway up`` keeps
+    them in one folder), for a tool of the same user that finds the services' settings."""
+    if not service_creds:
+        return addresses
+    admin = Path(service_creds).parent / f"{ADMIN.user}.json"
+    return Credentials.read(admin).within(addresses) if admin.exists() else addresses
+
+
+def secure(
+    auth: ClusterAuth, nats_url: str, etcd_endpoints: str, replicas: int, nats: bool, etcd: bool
+) -> tuple[str, str]:
+    """Once the embedded servers listen: etcd's users and auth turned on (where ``etcd``), the
+    streams made as the admin (where ``nats``: the services may only read them), and the
+    servers' addresses with the admin's credentials in them."""
+
+    async def run() -> None:
+        if etcd:
+            await enable_auth(etcd_endpoints, auth.etcd_root, auth.etcd_users())
+        if nats:
+            bus = await Bus.connect(auth.admin("nats").within(nats_url), "laneway-up")
+            try:
+                await bus.ensure_streams(replicas)
+            finally:
+                await bus.close()
+
+    # A thread of its own, so that this also works when the caller runs an event loop.
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, run()).result()
+    return (
+        auth.admin("nats").within(nats_url) if nats else nats_url,
+        auth.admin("etcd").within(etcd_endpoints) if etcd else etcd_endpoints,
+    )
+
+
+class ClusterAuth:
+    def __init__(self, folder: Path, identities: list[Identity]) -> None:
+        self.folder = folder
+        self.identities = [ADMIN, *identities]
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def path(self, server: str, user: str) -> Path:
+        return self.folder / server / f"{user}.json"
+
+    def credentials(self, server: str, user: str) -> Credentials:
+        """The user's, made on first use."""
+        path = self.path(server, user)
+        if path.exists():
+            return Credentials.read(path)
+        creds = Credentials.new(user)
+        creds.write(path)
+        return creds
+
+    def nats_authorization(self) -> str:
+        """The ``authorization`` block of a nats-server configuration: these users only, so an
+        anonymous connection is refused."""
+        users = [
+            {
+                "user": identity.user,
+                "password": self.credentials("nats", identity.user).password,
+                "permissions": nats_permissions(identity).config(),
+            }
+            for identity in self.identities
+        ]
+        return "authorization: " + json.dumps({"users": users}, indent=1) + "\n"
+
+    def etcd_users(self) -> dict[Identity, Credentials]:
+        return {i: self.credentials("etcd", i.user) for i in self.identities}
+
+    @property
+    def etcd_root(self) -> Credentials:
+        return self.credentials("etcd", ROOT)
+
+    def admin(self, server: str) -> Credentials:
+        return self.credentials(server, ADMIN.user)
+
+    def env(self, identity: Identity) -> dict[str, str]:
+        """What hands a service its credentials: paths, not secrets."""
+        return {
+            NATS_CREDS_ENV: str(self.path("nats", identity.user)),
+            ETCD_CREDS_ENV: str(self.path("etcd", identity.user)),
+        }
