@@ -49,7 +49,7 @@ class AdmissionSettings:
     """A fixed bound on the requests in the cluster, besides the workers' (None: theirs only)."""
     max_queue: int = 256
     """Requests that may wait here for room, all priorities together."""
-    max_wait_s: float = 0.05
+    max_wait_s: float = 0.025
     """Longest a request waits here for room before it is shed."""
     retry_after_s: int = 1
     """What a shed request's ``Retry-After`` tells the client to wait, seconds."""
