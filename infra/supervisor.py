@@ -142,5 +142,7 @@ def _cause(child: Child, code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-code).name}"
         return f"killed by signal {-code}"
+    if code == 0:
+        return "exit code 0"  # it stopped as asked (a SIGTERM from outside, say)
     logged = log_cause(child.log_file) if child.log_file else None
     return f"exit code {code}: {logged or 'no output'}"

@@ -166,13 +166,13 @@ class Row:
     def line(self) -> str:
         n = self.count()
         recover = "never" if self.recover_s is None else f"{self.recover_s:.1f}"
-        cells = [f"{len(self.outcomes):>5}", *(f"{n[k]:>6}" for k in KINDS)]
+        cells = [f"{len(self.outcomes):>5}", *(f"{n[k]:>7}" for k in KINDS)]
         return f"{self.fault:<20}" + "".join(cells) + f"{self.pause_s():>9.1f}{recover:>10}"
 
 
 HEADER = (
     f"{'fault':<20}{'sent':>5}"
-    + "".join(f"{k:>6}" for k in KINDS)
+    + "".join(f"{k:>7}" for k in KINDS)
     + f"{'pause s':>9}"
     + (f"{'recover s':>10}")
 )
