@@ -10,10 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+import aetcd
 import httpx
 import openai
 import pytest
 
+from bus.api_keys import create_key, list_keys
+from bus.credentials import ETCD_CREDS_ENV, Credentials
+from bus.registry import EtcdCluster, etcd_endpoints
 from infra.cluster import LocalCluster
 from tests.live import ClusterFactory
 
@@ -143,3 +147,28 @@ def test_bad_arguments_are_refused_in_one_line(cluster: LocalCluster) -> None:
         done = keys(cluster, *args)
         assert done.returncode == 2, done
         assert done.stderr.startswith("laneway keys: ") and done.stderr.count("\n") == 1
+
+
+async def test_only_the_admin_writes_keys_and_the_ingress_alone_reads_them(
+    cluster: LocalCluster,
+) -> None:
+    """etcd auth as `laneway up` sets it: a service's own credentials cannot mint a key, and
+    no other service's than the ingress's can read the hashes."""
+
+    def as_service(name: str) -> EtcdCluster:
+        creds = Credentials.read(Path(cluster.service(name).env[ETCD_CREDS_ENV]))
+        endpoints = etcd_endpoints(cluster.etcd_endpoints)
+        return EtcdCluster(endpoints, failover_s=0.0, credentials=creds)
+
+    for name in ("ingress", "planner", "kv-indexer", "decode-worker-0"):
+        etcd = as_service(name)
+        try:
+            with pytest.raises(aetcd.exceptions.ClientError, match="permission denied"):
+                await create_key(etcd, f"minted-by-{name}")
+            if name == "ingress":
+                assert {r.tenant for r in await list_keys(etcd)} >= {"local"}
+            else:
+                with pytest.raises(aetcd.exceptions.ClientError, match="permission denied"):
+                    await list_keys(etcd)
+        finally:
+            await etcd.close()
