@@ -77,7 +77,10 @@ def judge(seed: int, max_tokens: int, status: int, raw: str, whole: str) -> tupl
     return ("ok", "") if wrong is None else ("lost", wrong)
 
 
-async def one_stream(http: httpx.AsyncClient, seed: int, max_tokens: int, whole: str) -> Outcome:
+async def one_stream(
+    http: httpx.AsyncClient, seed: int, max_tokens: int, whole: str, user: str
+) -> Outcome:
+    """``user``: its session (the planner binds it to a worker in etcd)."""
     sent = time.monotonic()
     chunks: list[float] = []
     raw: list[str] = []
@@ -86,7 +89,7 @@ async def one_stream(http: httpx.AsyncClient, seed: int, max_tokens: int, whole:
     async def run() -> None:
         nonlocal status
         async with http.stream(
-            "POST", "/completions", json=stream_body(seed, max_tokens)
+            "POST", "/completions", json={**stream_body(seed, max_tokens), "user": user}
         ) as response:
             status = response.status_code
             async for text in response.aiter_text():
@@ -118,12 +121,13 @@ async def closed_loop(
     until ``stop`` is set; every outcome."""
     outcomes: list[Outcome] = []
 
-    async def client(rng: random.Random) -> None:
+    async def client(i: int) -> None:
+        rng = random.Random(seed * 1000 + i)
         while not stop.is_set():
-            seed, n = rng.randrange(SEEDS), rng.randint(1, MAX_TOKENS)
-            outcomes.append(await one_stream(http, seed, n, whole[seed]))
+            prompt, n = rng.randrange(SEEDS), rng.randint(1, MAX_TOKENS)
+            outcomes.append(await one_stream(http, prompt, n, whole[prompt], f"client-{i}"))
 
-    await asyncio.gather(*(client(random.Random(seed * 1000 + i)) for i in range(clients)))
+    await asyncio.gather(*(client(i) for i in range(clients)))
     return outcomes
 
 

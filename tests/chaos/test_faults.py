@@ -1,8 +1,8 @@
 """One fault at a time under load (``make chaos``): the real ``laneway up`` with 4 sim workers on
-single-node NATS and etcd, 16 closed-loop clients streaming seeded completions, while a worker
-is SIGKILLed, SIGTERMed and SIGSTOPped for 10 s, and the kv-indexer, the planner, etcd and
-nats-server are SIGKILLed (``laneway up`` restarts what dies). Per fault it prints what the
-clients saw (every stream compared byte for byte with the unfaulted answer for its seed), the
+single-node NATS and etcd, 16 closed-loop clients (a session each) streaming seeded completions,
+while a worker is SIGKILLed, SIGTERMed and SIGSTOPped for 10 s, and the kv-indexer, the planner,
+etcd and nats-server are SIGKILLed (``laneway up`` restarts what dies). Per fault it prints what
+the clients saw (every stream compared byte for byte with the unfaulted answer for its seed), the
 longest pause a stream had near the fault, and the time until every request ended ``ok`` again
 with the cluster's ``/health`` ready; then it asserts issue #13's figures."""
 
