@@ -91,6 +91,12 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="local experiments: the API takes requests without a key (by default it needs "
         "one; a key for this run is printed at start, `laneway keys` makes more)",
     )
+    up.add_argument(
+        "--no-bus-auth",
+        action="store_true",
+        help="experiments: the embedded NATS and etcd let anyone in (by default each service "
+        "has a user of its own there, with only its subjects and keys; see README, Security)",
+    )
     up.add_argument("--tls-cert", type=Path, help="serve the API over HTTPS: PEM certificate")
     up.add_argument("--tls-key", type=Path, help="with --tls-cert: its PEM private key")
     up.add_argument(
@@ -160,6 +166,7 @@ def _up(args: argparse.Namespace) -> int:
             prefill_workers=args.prefill_workers,
             policy=args.policy,
             api_auth=not args.no_auth,
+            auth=not args.no_bus_auth,
             api_tls=tls,
             env={
                 "LANEWAY_PERF_MODEL": args.perf_model,
