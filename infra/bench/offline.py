@@ -13,8 +13,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pydantic import TypeAdapter
-
 from infra.bench.metrics import (
     PoolUsage,
     ReplayResult,
@@ -46,18 +44,11 @@ from services.planner.policy import Policy, RouteRequest
 from services.planner.room import with_room
 from services.worker.stream import RequestStream
 
-_ARRIVAL, _STEP_END, _KV_ARRIVED, _PLAN, _KV_MOVED = 0, 1, 2, 3, 4
-_FIELDS: TypeAdapter[dict[str, Any]] = TypeAdapter(dict[str, Any])
+_ARRIVAL, _STEP_END, _KV_ARRIVED, _PLAN = 0, 1, 2, 3
 # Arrivals between two calls of the progress callback: off the per-event path.
 _PROGRESS_EVERY = 64
 # Suffix of the id a request has on the prefill worker that computes its prompt.
 _PREFILL = "/prefill"
-
-
-def decision_record(request_id: str, decision: Decision) -> dict[str, Any]:
-    """A decision as ``laneway bench --decisions`` writes it: the fields live ``RouteDecided``
-    events carry, named alike."""
-    return {"request_id": request_id, **_FIELDS.dump_python(decision.route_fields(), mode="json")}
 
 
 class OfflineReplay:
@@ -149,8 +140,6 @@ class OfflineReplay:
                 self._step_end(now, self._workers[who], who, payload)
             elif kind == _KV_ARRIVED:
                 self._kv_arrived(now, who, payload)
-            elif kind == _KV_MOVED:
-                self._kv_moved(now, who, payload)
             elif len(self._events) > 0:  # plan while there is traffic left
                 self._plan(now)
         records = {w.worker_id: w.record for w in self._workers}
@@ -165,7 +154,7 @@ class OfflineReplay:
         report["output_length"] = self._lengths.report()
         if self._capacity is not None:
             report["roles_timeline"] = self._roles_timeline
-        decisions = [decision_record(i.request.request_id, d) for i, d in self.decisions or ()]
+        decisions = [d.record(i.request.request_id) for i, d in self.decisions or ()]
         return ReplayResult(report, self._records, decisions)
 
     def _arrive(self, now: float, i: int) -> None:
@@ -200,11 +189,11 @@ class OfflineReplay:
         if remote is None:
             if move is None:
                 self._submit(now, w, i, whole)
-            else:  # it waits for the KV as a decode worker waits on a hand-off, then queues
+            else:  # what the source holds (GPU or host tier) now is sent
                 self._kv_moves += 1
                 source = self._workers[self._index_of(move.source_worker_id)].engine
-                held = source.held_prefix(hashes)  # GPU or host tier
-                self._push(now + move.transfer_ms / 1000.0, _KV_MOVED, i, (w, whole, held))
+                blocks = source.held_prefix(hashes)
+                self._submit(now, w, i, whole, moved=(blocks, move.transfer_ms))
             return
         self._remote_prefills += 1
         self._records[i].prefill_worker_id = remote
@@ -214,11 +203,6 @@ class OfflineReplay:
         one = SamplingParams(max_tokens=1, ignore_eos=True)
         prefill = EngineRequest(request_id + _PREFILL, whole.prompt_token_ids, one, hashes)
         self._submit(now, self._index_of(remote), i, prefill)
-
-    def _kv_moved(self, now: float, i: int, moved: tuple[int, EngineRequest, int]) -> None:
-        w, whole, held = moved
-        self._workers[w].engine.import_blocks(whole.block_hashes[:held])
-        self._submit(now, w, i, whole)
 
     def _pool(self, role: Role) -> list[SimWorker]:
         """The workers the planner may send new work of ``role``: not the draining ones."""
@@ -239,13 +223,22 @@ class OfflineReplay:
         return next(k for k, v in enumerate(self._workers) if v.worker_id == worker_id)
 
     def _submit(
-        self, now: float, w: int, i: int, request: EngineRequest, handed_off: int = 0
+        self,
+        now: float,
+        w: int,
+        i: int,
+        request: EngineRequest,
+        handed_off: int = 0,
+        moved: tuple[int, float] | None = None,
     ) -> None:
-        """``handed_off``: leading prompt tokens whose KV a prefill worker sent along."""
+        """``handed_off``: leading prompt tokens whose KV a prefill worker sent along;
+        ``moved``: the blocks another worker sends it, and the transfer's ms."""
         worker = self._workers[w]
         try:
             if handed_off:
                 worker.engine.add_handed_off(request, handed_off)
+            elif moved is not None:
+                worker.engine.add_moved(request, *moved)
             else:
                 worker.engine.add_request(request)
         except ValueError:  # larger than the worker's whole KV cache

@@ -11,10 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from schemas.events import KvMove, PrefillPlacement, RouteCandidate, RouteDecided
 from services.planner.disagg import DisaggSettings, pick_decoder, plan_prefill
 from services.planner.kv_policy import KvAware
 from services.planner.policy import Choice, Policy, RouteRequest, WorkerView
+
+_FIELDS: TypeAdapter[dict[str, Any]] = TypeAdapter(dict[str, Any])
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +70,11 @@ class Decision:
             "kv_move": self.kv_move,
             "expected_output_tokens": self.expected_output_tokens,
         }
+
+    def record(self, request_id: str) -> dict[str, Any]:
+        """The decision as ``laneway bench --decisions`` writes it: the fields live
+        ``RouteDecided`` events carry, named alike."""
+        return {"request_id": request_id, **_FIELDS.dump_python(self.route_fields(), mode="json")}
 
 
 def decide(policy: Policy, disagg: DisaggSettings, inputs: DecisionInputs) -> Decision:

@@ -62,6 +62,9 @@ class KvSettings:
     # Weigh pulling the prompt's KV from the worker caching most of it over the link between
     # the two (GB/s: same node, same rack, across racks); off, KV is only ever recomputed.
     kv_moves: bool = False
+    # A move must be predicted this much sooner (ms) than recomputing there: its predictions
+    # err, and a copy of the KV evicts other blocks where it lands.
+    move_margin_ms: float = 0.0
     node_link_gb_s: float = 300.0
     rack_link_gb_s: float = 50.0
     cross_link_gb_s: float = 25.0
@@ -155,7 +158,8 @@ class KvAware:
         if source is None or source.worker_id == worker.worker_id:
             return local
         moved = self.predict(request, worker, source)
-        return moved if moved.move_from is not None and moved.cost < local.cost else local
+        pays = moved.cost + self.settings.move_margin_ms < local.cost
+        return moved if moved.move_from is not None and pays else local
 
     def _explain_move(
         self, request: RouteRequest, workers: Sequence[WorkerView], top: Prediction, best: str

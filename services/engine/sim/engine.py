@@ -28,6 +28,8 @@ class SimEngine(ScheduledEngine):
         self._host_link = KvTransferModel(
             config.kv_bytes_per_token, config.host_link_gb_s, config.host_link_latency_ms
         )
+        # Requests whose KV another worker sends: the transfer's ms, paid when first scheduled.
+        self._transfers_ms: dict[str, float] = {}
 
     def add_request(self, request: EngineRequest) -> None:
         self._admit(self._new_request(request))
@@ -42,6 +44,17 @@ class SimEngine(ScheduledEngine):
         req.prefill_len = prompt_tokens
         req.handed_off = True
         self._admit(req)
+
+    def add_moved(self, request: EngineRequest, blocks: int, transfer_ms: float) -> None:
+        """A request whose prompt's first ``blocks`` blocks another worker sends (a KV move): it
+        queues now, in arrival order, and the step that first schedules it waits out the
+        transfer, as a synchronous KV load does."""
+        self.add_request(request)
+        self.import_blocks(request.block_hashes[:blocks])
+        self._transfers_ms[request.request_id] = transfer_ms
+
+    def _forget(self, request_id: str) -> None:
+        self._transfers_ms.pop(request_id, None)
 
     def import_blocks(self, block_hashes: Sequence[int]) -> int:
         """Take a prompt's KV blocks handed over by a prefill worker into the prefix cache (as
@@ -72,8 +85,11 @@ class SimEngine(ScheduledEngine):
         kv_usage = self._pool.num_used / self.kv_blocks_total
         outputs = self._advance(batch, lambda req: req.words.next_token())
         step_ms = self._perf.step_ms(batch.prefill_tokens, batch.decode_seqs, kv_usage)
-        # Loads from host memory finish before the step's attention reads them.
+        # Loads from host memory, and moved KV, arrive before the step's attention reads them.
         step_ms += self._host_link.transfer_ms(batch.loaded_tokens)
+        if self._transfers_ms:
+            moves = self._transfers_ms
+            step_ms += max((moves.pop(r.request_id, 0.0) for r, _ in batch.scheduled), default=0.0)
         return StepResult(
             outputs=outputs,
             kv_changes=self._pool.drain_changes(),
