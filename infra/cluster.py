@@ -28,6 +28,7 @@ from infra.cluster_auth import ClusterAuth, identity_of, secure
 from infra.embedded import (
     EmbeddedServer,
     die_with_parent,
+    is_nats,
     start_etcd,
     start_etcd_cluster,
     start_nats,
@@ -97,6 +98,7 @@ class LocalCluster:
         self.nats_url = config.nats_url or ""
         self.etcd_endpoints = config.etcd_endpoints or ""
         self.state = StateDir(config.state_dir)
+        self._auth: ClusterAuth | None = None
         # The key this run made for itself, where the API takes keys.
         self.api_key: str | None = None
 
@@ -123,7 +125,7 @@ class LocalCluster:
             self.logs.mkdir(parents=True, exist_ok=True)
             # Planned first: the embedded servers' users are the services' identities.
             self._plan_services()
-            auth = (
+            self._auth = auth = (
                 ClusterAuth(cfg.state_dir / "auth", [identity_of(s) for s in self.services])
                 if cfg.auth
                 else None
@@ -272,7 +274,22 @@ class LocalCluster:
             child.respawn()  # the same ports and data; the services reconnect by themselves
             self.state.record(self.pids())
         else:
-            self.spawn(self.service(child.name))
+            service = self.service(child.name)
+            if "LANEWAY_WORKER_ID" in service.env:
+                self._new_worker_id(service)
+            self.spawn(service)
+
+    def _new_worker_id(self, service: Service) -> None:
+        """A restarted worker is a new worker: its KV events count from 1 again, and its
+        predecessor's lease and route consumer must not be taken for its own. With auth on it
+        gets credentials for the new id."""
+        service.env["LANEWAY_WORKER_ID"] = new_id()
+        if self._auth is not None:
+            identity = identity_of(service)
+            cfg = self.config
+            nats = [] if cfg.nats_url else [s for s in self.servers if is_nats(s)]
+            self._auth.add(identity, nats, None if cfg.etcd_endpoints else self.etcd_endpoints)
+            service.env.update(self._auth.env(identity))
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)

@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
+
+import nats
 
 from bus.client import Bus
 from bus.credentials import ETCD_CREDS_ENV, NATS_CREDS_ENV, Credentials
 from bus.etcd_auth import ROOT, enable_auth
 from bus.permissions import Identity, nats_permissions
+from infra.embedded import EmbeddedServer, reload_nats
 
 ADMIN = Identity("admin")
+logger = logging.getLogger(__name__)
 
 
 class Planned(Protocol):
@@ -40,6 +45,24 @@ def identity_of(service: Planned) -> Identity:
     if service.module == "services.ingress":
         return Identity("ingress", service.env["LANEWAY_INSTANCE_ID"])
     raise ValueError(f"no identity for {service.module}")
+
+
+async def _wait_login(url: str, timeout: float = 10.0) -> None:
+    """Until the server takes these credentials (a reload is applied in its own time)."""
+
+    async def quiet(_: Exception) -> None:
+        return None
+
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            nc = await nats.connect(url, allow_reconnect=False, error_cb=quiet)
+            await nc.close()
+            return
+        except nats.errors.Error:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
 
 
 def admin_within(service_creds: str | None, addresses: str) -> str:
@@ -107,6 +130,31 @@ class ClusterAuth:
             for identity in self.identities
         ]
         return "authorization: " + json.dumps({"users": users}, indent=1) + "\n"
+
+    def add(
+        self, identity: Identity, nats_servers: list[EmbeddedServer], etcd_endpoints: str | None
+    ) -> None:
+        """A new identity on the running embedded servers (a worker restarted under a new id):
+        the NATS servers reload their users, etcd (None: not ours) gets its user and role.
+        Returns once NATS lets it in, or says in the log why it may not."""
+        self.identities.append(identity)
+        users = self.nats_authorization()
+        for server in nats_servers:
+            reload_nats(server, users)
+
+        async def run() -> None:
+            if etcd_endpoints is not None:
+                creds = {identity: self.credentials("etcd", identity.user)}
+                await enable_auth(etcd_endpoints, self.etcd_root, creds)
+            login = self.credentials("nats", identity.user)
+            for server in nats_servers:
+                await _wait_login(login.within(server.url))
+
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(asyncio.run, run()).result()
+        except Exception:  # a server down now: the new service fails and is restarted later
+            logger.warning("%s may not be let in yet", identity.user, exc_info=True)
 
     def etcd_users(self) -> dict[Identity, Credentials]:
         return {i: self.credentials("etcd", i.user) for i in self.identities}

@@ -218,6 +218,23 @@ def _spawn_nats(
     return EmbeddedServer(name, proc, f"nats://127.0.0.1:{port}", args, log_file, port)
 
 
+def is_nats(server: EmbeddedServer) -> bool:
+    return server.url.startswith("nats://")
+
+
+def reload_nats(server: EmbeddedServer, authorization: str) -> None:
+    """New users for a running NATS server: its configuration's ``authorization`` (always its
+    last part) replaced, and the server told to reload it (SIGHUP)."""
+    conf = Path(server.args[server.args.index("-c") + 1])
+    head = conf.read_text().partition("authorization: ")[0]
+    tmp = conf.with_name(conf.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(head + authorization)
+    tmp.replace(conf)
+    server.proc.send_signal(signal.SIGHUP)
+
+
 def _wait_healthy(url: str, server: EmbeddedServer, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
