@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -150,11 +151,13 @@ def start_nats(
     log_file: Path | None = None,
     max_payload: int = NATS_MAX_PAYLOAD,
     authorization: str = "",
+    tls: tuple[Path, Path] | None = None,
 ) -> EmbeddedServer:
     """``authorization``: the users block of its configuration (``ClusterAuth``); none lets
-    anyone connect."""
+    anyone connect. ``tls``: its certificate and key (PEM), and then it takes TLS clients only."""
+    config = _tls_block(*tls) if tls is not None else ""
     server = _spawn_nats(
-        data_dir, "nats", port or free_port(), log_file, max_payload, authorization
+        data_dir, "nats", port or free_port(), log_file, max_payload, config + authorization
     )
     wait_for_port(server.port, server.proc, "nats-server", 20, log_file)
     return server
@@ -216,6 +219,10 @@ def _spawn_nats(
     ]
     proc = _spawn(args, log_file)
     return EmbeddedServer(name, proc, f"nats://127.0.0.1:{port}", args, log_file, port)
+
+
+def _tls_block(cert: Path, key: Path) -> str:
+    return f"tls {{\n  cert_file: {json.dumps(str(cert))}\n  key_file: {json.dumps(str(key))}\n}}\n"
 
 
 def is_nats(server: EmbeddedServer) -> bool:
