@@ -63,7 +63,10 @@ def continuation(
     rest = EngineRequest(
         request.request_id,
         tokens,
-        sampling.model_copy(update={"max_tokens": sampling.max_tokens - 1}),
+        # The first token was sampled there: a seeded sampler goes on from the second.
+        sampling.model_copy(
+            update={"max_tokens": sampling.max_tokens - 1, "offset": sampling.offset + 1}
+        ),
         hashes,
     )
     return Continuation(first, rest, handed_off)

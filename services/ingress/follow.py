@@ -4,8 +4,9 @@ Token batches are core messages, so one can be lost on its way (a NATS node goin
 worker keeps what it published and answers a resend query for it. A request asks when a batch is
 missing, when the terminal came before tokens it counts, or when its stream is silent. When its
 worker is gone (the planner saw the worker's lease lapse, the worker drained, or it answers
-nothing after it had started) the request continues on another worker from the tokens the client
-has (:mod:`services.ingress.migration`); events of an attempt it left are dropped from then on.
+nothing after it had started; or no worker took the request up at all) the request continues on
+another worker from the tokens the client has (:mod:`services.ingress.migration`); events of an
+attempt it left are dropped from then on.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ class Recovery:
     orphan_s: float = 6.0
     """How long a started request's worker answers nothing before the request moves on (past
     the workers' lease, after which the planner says so itself)."""
+    unrouted_s: float = 10.0
+    """How long no worker holds a request that none answered for yet before it is submitted
+    again as the next attempt (its decision or its route was lost on the bus: a durable
+    consumer would deliver it again only after 30 s)."""
     migration_limit: int = MIGRATION_LIMIT
 
 
@@ -117,7 +122,8 @@ class Follow:
                     return self._end(order.give_up(self._source))
                 self._next_ask = now + GAP_WAIT_S
                 return []
-            if self._worker is not None and now - self._heard >= self._rec.orphan_s:
+            bound = self._rec.unrouted_s if self._worker is None else self._rec.orphan_s
+            if now - self._heard >= bound:
                 return await self._migrate()
             self._next_ask = now + (GAP_WAIT_S if order.gap else self._rec.silence_s)
             return []

@@ -2,8 +2,8 @@
 stream is still byte for byte the unstreamed answer for its seed (no token lost or repeated),
 with a ``migrated`` routing decision recorded for each move. Killed outright, or restarted one by
 one with SIGTERM (each drains, hands the rest on, exits); past LANEWAY_MIGRATION_LIMIT the stream
-ends with a clear error instead. The 10-second SIGSTOP runs under ``make chaos``
-(tests/chaos/test_worker_loss.py)."""
+ends with a clear error instead. A worker stopped (SIGSTOP) past its lease is given up on the
+same way; the 10-second stop of the issue runs in ``make chaos`` (tests/chaos/test_faults.py)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,27 @@ async def test_a_killed_workers_streams_continue_exactly_on_the_other(
     await eventually(lambda: moves.routes, timeout=2)
     assert {r.worker_id for r in moves.routes} == set(workers) - {victim.worker_id}
     assert all(r.spec.attempt == 1 and r.spec.sampling.offset > 0 for r in moves.routes)
+    await bus.close()
+
+
+async def test_a_stopped_workers_streams_continue_on_the_other(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = cluster_factory(workers=2, env=SLOW)
+    bus, moves = await observe_moves(cluster)
+    workers = await registrations(cluster.etcd_endpoints)
+    victim = next(iter(workers.values()))
+
+    async def pause() -> None:
+        # Past its lease (2 s): the planner gives its requests up; back, it must not disturb
+        # the streams that moved away from it.
+        os.kill(victim.pid, signal.SIGSTOP)
+        await asyncio.sleep(4)
+        os.kill(victim.pid, signal.SIGCONT)
+
+    streamed, whole = await under_fault(cluster, pause)
+    assert [m for s in streamed if (m := mismatch(s, whole[s.seed]))] == []
+    assert moves.routes and {r.worker_id for r in moves.routes} == set(workers) - {victim.worker_id}
     await bus.close()
 
 

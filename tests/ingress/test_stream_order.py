@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from nats.aio.msg import Msg
 
 from bus.client import Bus
 from bus.topology import Subjects
+from schemas.codec import decode_as, encode
 from schemas.events import (
     RequestAccepted,
     RequestCancelled,
@@ -22,6 +24,7 @@ from schemas.events import (
     TokensGenerated,
     Usage,
 )
+from schemas.messages import ResendQuery, ResendReply
 from services.ingress.follow import Recovery
 from services.ingress.gateway import GatewayEvent
 from services.ingress.nats_gateway import NatsGateway
@@ -203,3 +206,78 @@ async def test_a_batch_that_never_comes_ends_the_stream_with_an_error(bus: Bus) 
     assert text_of(received) == "ab"
     ended = received[-1]
     assert isinstance(ended, RequestFailed) and ended.code == "incomplete_stream"
+
+
+# Asked again: the holder of a request answers resend queries (lw.resend) with what it kept.
+
+
+async def test_a_batch_lost_on_its_way_is_sent_again_by_its_holder(bus: Bus) -> None:
+    kept = [batch(0, "ab", "resent"), batch(2, "cd", "resent"), batch(4, "ef", "resent")]
+    end = finished(6, "resent")
+    asked: list[ResendQuery] = []
+
+    async def holder(msg: Msg) -> None:
+        query = decode_as(ResendQuery, msg.data)
+        asked.append(query)
+        batches = tuple(b for b in kept if b.index + len(b.token_ids) > query.index)
+        await msg.respond(encode(ResendReply(batches=batches, terminal=end)))
+
+    await bus.subscribe_bytes(Subjects.resend, holder)
+    script: Script = [("tokens", kept[0]), ("tokens", kept[2]), ("terminal", end)]
+    received = await answer(bus, "resent", script)
+    assert text_of(received) == "abcdef"
+    assert isinstance(received[-1], RequestFinished)
+    assert asked and asked[0].index == 2 and asked[0].request_id == "resent"
+
+
+async def test_a_request_whose_worker_is_lost_continues_from_the_delivered_tokens(
+    bus: Bus,
+) -> None:
+    """The next attempt starts from the tokens the client has; the old attempt's late events
+    are dropped."""
+    gateway = NatsGateway(bus, INGRESS, Recovery(completion_wait_s=0.3))
+    await gateway.start()
+    attempts: list[RequestSpec] = []
+
+    def of(event: TokensGenerated | RequestFinished, attempt: int) -> GatewayEvent:
+        return event.model_copy(update={"attempt": attempt})
+
+    async def worker(event: RequestAccepted) -> None:
+        if event.request_id != "moved":
+            return
+        attempts.append(event.spec)
+        script: list[GatewayEvent]
+        if event.spec.attempt == 0:
+            lost = RequestFailed(
+                source=SOURCE, request_id="moved", code="worker_lost", message="lease expired"
+            )
+            script = [batch(0, "ab", "moved"), lost]
+        else:
+            script = [
+                of(batch(2, "cd", "moved"), 1),
+                of(batch(2, "zz", "moved"), 0),  # the old worker, back from a stall
+                of(batch(4, "ef", "moved"), 1),
+                of(finished(6, "moved"), 1),
+            ]
+        for item in script:
+            if isinstance(item, TokensGenerated):
+                await bus.publish(Subjects.tokens(INGRESS), item)
+            else:
+                assert not isinstance(item, TokensGenerated)
+                await bus.publish(Subjects.request_terminal(INGRESS), item)
+            await bus.nc.flush()
+            await asyncio.sleep(0.05)
+
+    await bus.subscribe(Subjects.request_accepted, worker)
+    events = gateway.submit("moved", None, spec())
+    received = await asyncio.wait_for(_collect(events), 5)
+    assert text_of(received) == "abcdef"
+    assert isinstance(received[-1], RequestFinished)
+    moved = attempts[-1]
+    assert [a.attempt for a in attempts] == [0, 1]
+    assert moved.prompt_token_ids == (1, 2, 3, *b"ab")
+    assert (moved.sampling.max_tokens, moved.sampling.offset) == (4, 2)
+
+
+async def _collect(events: AsyncIterator[GatewayEvent]) -> list[GatewayEvent]:
+    return [event async for event in events]

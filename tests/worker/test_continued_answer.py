@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 
 from schemas.block_hash import chain_block_hashes
 from schemas.events import RequestSpec, SamplingParams
+from services.engine.continuation import continuation
 from services.engine.protocol import EngineRequest
 from services.ingress.migration import continued
 from tests.engine._sim_support import make_engine, run_to_end, tokens_by_request
@@ -51,3 +52,16 @@ def test_a_continued_sim_answer_is_the_rest_of_the_whole_one() -> None:
             first = whole[:k]
             rest = answer("req-1", continued(spec(40, seed), first, attempt=1))
             assert first + rest == whole, (seed, k)
+
+
+def test_a_handed_off_sim_answer_goes_on_after_the_prefill_workers_first_token() -> None:
+    request = spec(12, seed=3)
+    whole = answer("req-2", request)
+    engine_request = EngineRequest(
+        "req-2", request.prompt_token_ids, request.sampling, request.block_hashes
+    )
+    rest = continuation(engine_request, whole[0], block_size=4).rest
+    assert rest is not None
+    engine = make_engine()
+    engine.add_request(rest)
+    assert [whole[0], *tokens_by_request(run_to_end(engine))["req-2"]] == whole
