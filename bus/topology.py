@@ -10,12 +10,11 @@ in the README (between its marker comments).
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 from typing import Any
 
 from nats.js.api import StorageType
 
+from bus import readme
 from bus.channels import (
     Channel,
     Consumer,
@@ -252,20 +251,13 @@ def channel_table() -> str:
 
 def readme_table(text: str) -> str:
     """The table between the markers of a README's text."""
-    start = text.index(TABLE_BEGIN) + len(TABLE_BEGIN) + 1
-    return text[start : text.index(TABLE_END, start)]
+    return readme.section(text, TABLE_BEGIN, TABLE_END)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="The table of Laneway's channels, as markdown.")
-    parser.add_argument("--readme", type=Path, help="rewrite the table in this README")
-    args = parser.parse_args()
-    if args.readme is None:
-        print(channel_table(), end="")
-        return
-    text = args.readme.read_text()
-    old = TABLE_BEGIN + "\n" + readme_table(text)
-    args.readme.write_text(text.replace(old, TABLE_BEGIN + "\n" + channel_table()))
+    readme.main(
+        "The table of Laneway's channels, as markdown.", TABLE_BEGIN, TABLE_END, channel_table
+    )
 
 
 if __name__ == "__main__":

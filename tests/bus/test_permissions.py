@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from bus.credentials import Credentials, split_credentials
-from bus.permissions import Identity, etcd_grants, nats_permissions
+from bus.permissions import (
+    PERMISSIONS_BEGIN,
+    PERMISSIONS_END,
+    Identity,
+    etcd_grants,
+    nats_permissions,
+    permissions_table,
+)
+from bus.readme import section
 from bus.registry import WORKERS_PREFIX
 from bus.topology import CHANNELS
 
@@ -85,3 +93,10 @@ def test_credentials_travel_in_and_out_of_addresses() -> None:
     assert split_credentials(both) == (creds, "nats://h1:1,nats://h2:2")
     assert split_credentials(creds.within("127.0.0.1:2379")) == (creds, "127.0.0.1:2379")
     assert split_credentials("127.0.0.1:2379") == (None, "127.0.0.1:2379")
+
+
+def test_the_readme_table_is_the_generated_one() -> None:
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert section(text, PERMISSIONS_BEGIN, PERMISSIONS_END) == permissions_table(), (
+        "regenerate it: python -m bus.permissions --readme README.md"
+    )
