@@ -14,6 +14,20 @@ from services.planner.decision import DecisionInputs
 from services.planner.policy import RouteRequest, WorkerView
 from services.planner.room import with_room
 
+# How a recorded decision of a request that moved to another worker begins its reason.
+MIGRATED = "migrated (attempt {attempt}): "
+
+
+def migrated_reason(attempt: int, reason: str) -> str:
+    """The recorded reason of a decision; one of a later attempt (a migration) says so first."""
+    return MIGRATED.format(attempt=attempt) + reason if attempt else reason
+
+
+def decided_reason(recorded: str, attempt: int) -> str:
+    """The reason ``decide()`` gave for a recorded decision of ``attempt`` (a replay's)."""
+    return recorded.removeprefix(MIGRATED.format(attempt=attempt))
+
+
 # Roles that decode, and so can serve a request end to end in aggregated mode.
 SERVING_ROLES = frozenset({"both", "decode"})
 PREFILL_ROLES = frozenset({"prefill"})

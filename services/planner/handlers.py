@@ -25,7 +25,7 @@ from schemas.events import (
     utc_now,
 )
 from schemas.messages import OverlapQuery, OverlapReply, WorkerRegistration
-from services.planner.cluster import ClusterView, Routed
+from services.planner.cluster import ClusterView, Routed, migrated_reason
 from services.planner.decision import Decision, DecisionInputs, decide, rebind
 from services.planner.disagg import DisaggSettings
 from services.planner.metrics import PlannerMetrics
@@ -130,9 +130,7 @@ class Planner:
             remote,
         )
         fields = decision.route_fields()
-        if spec.attempt:
-            # The same decision, recorded as a move: its worker went before the answer ended.
-            fields["reason"] = f"migrated (attempt {spec.attempt}): {decision.reason}"
+        fields["reason"] = migrated_reason(spec.attempt, decision.reason)
         route_decided = RouteDecided(
             # One decision per attempt: a re-routing after a crash is dropped as a duplicate.
             event_id=f"route-{_attempt_id(event.request_id, spec.attempt)}",

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from schemas.events import PlannerConfigured, RouteCandidate, RouteDecided
 from services.common.kv_transfer import KvTransferModel
+from services.planner.cluster import decided_reason
 from services.planner.decision import Decision, decide, inputs_of
 from services.planner.disagg import DisaggSettings
 from services.planner.kv_policy import KvSettings
@@ -65,10 +66,16 @@ def redecide(event: RouteDecided, policy: Policy, disagg: DisaggSettings) -> Dec
 def differences(event: RouteDecided, decision: Decision) -> list[str]:
     """What ``decision`` does not reproduce of the recorded one, one line a term, as
     ``field: recorded -> now`` (candidates' terms as ``<worker>.<term>``); empty when identical."""
+
+    def recorded_field(name: str) -> Any:
+        if name == "reason":  # a migration's decision is recorded as one
+            return decided_reason(event.reason, event.spec.attempt)
+        return getattr(event, name)
+
     moved = [
-        f"{name}: {getattr(event, name)!r} -> {value!r}"
+        f"{name}: {recorded_field(name)!r} -> {value!r}"
         for name, value in decision.route_fields().items()
-        if name not in ("candidates", "prefill") and getattr(event, name) != value
+        if name not in ("candidates", "prefill") and recorded_field(name) != value
     ]
     moved += _candidate_terms("", event.candidates, decision.candidates)
     recorded, now = event.prefill, decision.prefill
