@@ -40,6 +40,7 @@ from services.ingress.openai_models import (
     request_priority,
     session_id,
 )
+from services.ingress.openapi import openapi_document
 from services.ingress.responses import (
     JSON_HEADERS,
     ChatFormat,
@@ -77,6 +78,11 @@ def create_app(
         endpoint = Endpoint(name, gateway, metrics, response_format, settings.request_timeout_s)
         return _CompletionEndpoint(endpoint, intake, admission, parse, settings.max_body_bytes)
 
+    document = openapi_document(settings, tokenizer.vocab_size)
+
+    async def openapi(request: Request) -> Response:
+        return Response(document, media_type=_JSON)
+
     routes = [
         Route(
             "/v1/chat/completions",
@@ -89,6 +95,7 @@ def create_app(
             methods=["POST"],
         ),
         Route("/v1/models", endpoints.models),
+        Route("/openapi.json", openapi),
         Route("/health", endpoints.health),
         Route("/metrics", endpoints.metrics),
     ]

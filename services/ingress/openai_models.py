@@ -28,6 +28,7 @@ MAX_MODEL_CHARS = 256
 MAX_MESSAGES = 2048
 # Far more than any model's special tokens; the list travels with the request to its worker.
 MAX_STOP_TOKEN_IDS = 1024
+_EXACT_DOUBLE = 2.0**53
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -214,14 +215,16 @@ def _prompt(value: object) -> str | tuple[int, ...]:
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value:
-        if all(type(t) is int for t in value):
-            return tuple(value)
+        ids = _integers(value)
+        if ids is not None:
+            return ids
         if len(value) == 1:
             (only,) = value
             if isinstance(only, str):
                 return only
-            if isinstance(only, list) and only and all(type(t) is int for t in only):
-                return tuple(only)
+            ids = _integers(only) if isinstance(only, list) and only else None
+            if ids is not None:
+                return ids
         elif all(isinstance(p, str | list) for p in value):
             raise InvalidRequest("Batched prompts are not supported: send one prompt.", "prompt")
     raise _type_error(
@@ -301,12 +304,32 @@ def _optional_int(data: dict[str, Any], name: str, minimum: int | None = None) -
     value = data.get(name)
     if value is None:
         return None
-    # bool is an int subclass; JSON true is not a count.
-    if type(value) is not int:
+    number = _integer(value)
+    if number is None:
         raise _type_error(name, "an integer", value)
-    if minimum is not None and value < minimum:
-        raise _range_error(name, f"at least {minimum}", value)
-    return value
+    if minimum is not None and number < minimum:
+        raise _range_error(name, f"at least {minimum}", number)
+    return number
+
+
+def _integer(value: object) -> int | None:
+    """``value`` as an integer, if it is one: JSON's 2.0 is (as JSON Schema has it, and the
+    clients that send every number as a double), JSON's true is not (bool is an int in Python).
+    A double is taken while exact (2**53), so that no integer the bus could not carry (past 64
+    bits) comes of it."""
+    if type(value) is int:
+        return value
+    if type(value) is float and value.is_integer() and abs(value) <= _EXACT_DOUBLE:
+        return int(value)
+    return None
+
+
+def _integers(values: list[Any]) -> tuple[int, ...] | None:
+    """``values`` as integers, if all are (the common case, all ints, checked first)."""
+    if all(type(t) is int for t in values):
+        return tuple(values)
+    ints = [_integer(t) for t in values]
+    return None if None in ints else tuple(i for i in ints if i is not None)
 
 
 def _optional_number(data: dict[str, Any], name: str, default: float) -> float:
@@ -322,13 +345,14 @@ def _int_list(data: dict[str, Any], name: str) -> tuple[int, ...]:
     value = data.get(name)
     if value is None:
         return ()
-    if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
+    ids = _integers(value) if isinstance(value, list) else None
+    if ids is None or not all(t >= 0 for t in ids):
         raise _type_error(name, "an array of token ids", value)
-    if len(value) > MAX_STOP_TOKEN_IDS:
+    if len(ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(
-            f"'{name}' accepts at most {MAX_STOP_TOKEN_IDS} token ids, got {len(value)}.", name
+            f"'{name}' accepts at most {MAX_STOP_TOKEN_IDS} token ids, got {len(ids)}.", name
         )
-    return tuple(value)
+    return ids
 
 
 _JSON_TYPE_NAMES = {

@@ -70,3 +70,20 @@ async def test_an_oversized_session_id_never_reaches_etcd(cluster_factory: Clust
     finally:
         await etcd.close()
     assert keys == [SESSIONS_PREFIX + b"fits"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "status"),
+    [
+        ("max_tokens", 3.0, 200),
+        ("max_tokens", 3.5, 400),
+        ("seed", 2.0**60, 400),
+        ("seed", 7.0, 200),
+    ],
+)
+async def test_an_integral_double_is_an_integer_while_exact(
+    field: str, value: float, status: int
+) -> None:
+    async with harness() as h:
+        response = await h.client.post("/v1/completions", json=completion_body(**{field: value}))
+    assert response.status_code == status, response.text
