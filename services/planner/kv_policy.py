@@ -153,12 +153,15 @@ class KvAware:
     def _sooner(
         self, request: RouteRequest, worker: WorkerView, source: WorkerView | None
     ) -> Prediction:
-        """The cheaper of recomputing what ``worker`` lacks and pulling it from ``source``."""
+        """The cheaper of recomputing what ``worker`` lacks and pulling it from ``source``; a
+        move is only for a first token sooner than on ``source`` itself (its queue is long)."""
         local = self.predict(request, worker)
         if source is None or source.worker_id == worker.worker_id:
             return local
         moved = self.predict(request, worker, source)
-        pays = moved.cost + self.settings.move_margin_ms < local.cost
+        margin = self.settings.move_margin_ms
+        sooner = moved.ttft_ms + margin < self.predict(request, source).ttft_ms
+        pays = sooner and moved.cost + margin < local.cost
         return moved if moved.move_from is not None and pays else local
 
     def _explain_move(

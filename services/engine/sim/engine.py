@@ -50,7 +50,7 @@ class SimEngine(ScheduledEngine):
         queues now, in arrival order, and the step that first schedules it waits out the
         transfer, as a synchronous KV load does."""
         self.add_request(request)
-        self.import_blocks(request.block_hashes[:blocks])
+        self.import_blocks(self._requests[request.request_id].hashes[:blocks])
         self._transfers_ms[request.request_id] = transfer_ms
 
     def _forget(self, request_id: str) -> None:
