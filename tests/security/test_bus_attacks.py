@@ -103,8 +103,11 @@ async def _refused(nc: NatsClient, refusals: list[str], subject: str) -> None:
     )
 
 
-async def _received(secured: Secured, subject: str, publish: NatsClient, data: bytes) -> bool:
-    """Whether a message ``publish`` sends on ``subject`` reaches an admin subscriber."""
+async def _received(
+    secured: Secured, subject: str, publish: NatsClient, data: bytes, expected: bool = False
+) -> bool:
+    """Whether a message ``publish`` sends on ``subject`` reaches an admin subscriber: waited
+    for where ``expected``, else given 0.3 s (the refusal checks say why it did not)."""
     admin = await secured.nats_as(ADMIN)
     got: list[Msg] = []
 
@@ -115,7 +118,10 @@ async def _received(secured: Secured, subject: str, publish: NatsClient, data: b
     await admin.flush()
     await publish.publish(subject, data)
     await publish.flush()
-    await asyncio.sleep(0.3)
+    if expected:
+        await eventually(lambda: bool(got), timeout=5, message=f"nothing on {subject}")
+    else:
+        await asyncio.sleep(0.3)
     return bool(got)
 
 
@@ -136,7 +142,7 @@ async def test_an_anonymous_nats_connection_is_refused(secured: Secured) -> None
 async def test_a_worker_publishes_its_own_kv_subject_only(secured: Secured) -> None:
     refusals: list[str] = []
     worker = await secured.nats_as(WORKER, refusals)
-    assert await _received(secured, Subjects.kv("w1").subject, worker, _kv("w1"))
+    assert await _received(secured, Subjects.kv("w1").subject, worker, _kv("w1"), True)
     victim = Subjects.kv("w2").subject
     assert not await _received(secured, victim, worker, _kv("w2"))
     await _refused(worker, refusals, victim)
@@ -165,7 +171,7 @@ async def test_only_the_ingress_cancels(secured: Secured) -> None:
     assert not await _received(secured, subject, worker, b"{}")
     await _refused(worker, refusals, subject)
     ingress = await secured.nats_as(INGRESS)
-    assert await _received(secured, subject, ingress, b"{}")
+    assert await _received(secured, subject, ingress, b"{}", True)
 
 
 @pytest.mark.parametrize("identity", [WORKER, INGRESS, INDEXER], ids=lambda i: i.role)
@@ -191,7 +197,7 @@ async def test_the_prompts_are_read_by_the_planner_alone(
     await asyncio.sleep(0.3)
     assert seen == []
     planner = await secured.nats_as(PLANNER)
-    assert await _received(secured, subject, ingress, b"{}")  # the channel itself works
+    assert await _received(secured, subject, ingress, b"{}", True)  # the channel works
     assert planner.is_connected
 
 
