@@ -64,7 +64,7 @@ class KvSettings:
     kv_moves: bool = False
     # A move must be predicted this much sooner (ms) than recomputing there: its predictions
     # err, and a copy of the KV evicts other blocks where it lands.
-    move_margin_ms: float = 0.0
+    move_margin_ms: float = 50.0
     node_link_gb_s: float = 300.0
     rack_link_gb_s: float = 50.0
     cross_link_gb_s: float = 25.0
