@@ -103,7 +103,8 @@ def secure(
 class ClusterAuth:
     def __init__(self, folder: Path, identities: list[Identity]) -> None:
         self.folder = folder
-        self.identities = [ADMIN, *identities]
+        # Replicas that share an identity (the planners) share its user.
+        self.identities = list(dict.fromkeys([ADMIN, *identities]))
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def path(self, server: str, user: str) -> Path:
@@ -137,7 +138,7 @@ class ClusterAuth:
         """A new identity on the running embedded servers (a worker restarted under a new id):
         the NATS servers reload their users, etcd (None: not ours) gets its user and role.
         Returns once NATS lets it in, or says in the log why it may not."""
-        self.identities.append(identity)
+        self.identities = list(dict.fromkeys([*self.identities, identity]))
         users = self.nats_authorization()
         for server in nats_servers:
             reload_nats(server, users)
