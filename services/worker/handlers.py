@@ -9,11 +9,11 @@ from opentelemetry import trace
 
 from observability.tracing import context_of
 from schemas.events import CancellationRequested, PrefillCompleted, RouteDecided
-from services.common.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.common.tokenizer import Tokenizer
 from services.worker.decode_side import DecodeSide
 from services.worker.handoff import PrefillSide
 from services.worker.requests import Active, Requests
-from services.worker.stream import RequestStream
+from services.worker.stream import RequestStream, request_detokenizer
 
 # How long a cancellation for a request this worker has not (yet) seen is remembered: the
 # cancel may overtake the route decision on its way here.
@@ -68,7 +68,7 @@ class Handlers:
             len(spec.prompt_token_ids) - offset,
             time.monotonic(),
             self._stream_interval_s,
-            IncrementalDetokenizer(self._tokenizer, spec.sampling.stop),
+            request_detokenizer(self._tokenizer, spec),
             offset=offset,
         )
         state = Active(spec, event.session_id, span, stream)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from schemas.events import FinishReason, RequestFinished, TraceContext, Usage
+from schemas.events import FinishReason, RequestFinished, RequestSpec, TraceContext, Usage
 from schemas.latency import LatencyHistogram
-from services.common.tokenizer import IncrementalDetokenizer
+from services.common.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.engine.protocol import RequestOutput
 
 
@@ -19,6 +19,18 @@ class Chunk(NamedTuple):
     position: int
     token_ids: tuple[int, ...]
     text: str
+
+
+def request_detokenizer(tokenizer: Tokenizer, spec: RequestSpec) -> IncrementalDetokenizer:
+    """The detokenizer of ``spec``'s answer. A continued one (a migrated request) has taken the
+    tokens already delivered first, so the text it gives is where the first worker's left off:
+    a character split across the move, or a stop string that spans it, come out as they would
+    have there."""
+    detokenizer = IncrementalDetokenizer(tokenizer, spec.sampling.stop)
+    offset = spec.sampling.offset
+    if offset:
+        detokenizer.push(spec.prompt_token_ids[len(spec.prompt_token_ids) - offset :])
+    return detokenizer
 
 
 class RequestStream:

@@ -8,9 +8,11 @@ from datetime import UTC, datetime
 
 from schemas.block_hash import chain_block_hashes
 from schemas.events import RequestSpec, SamplingParams
+from services.common.tokenizer import ByteTokenizer, IncrementalDetokenizer
 from services.engine.continuation import continuation
 from services.engine.protocol import EngineRequest
 from services.ingress.migration import continued
+from services.worker.stream import request_detokenizer
 from tests.engine._sim_support import make_engine, run_to_end, tokens_by_request
 
 PROMPT = tuple(b"tell me a story, a long one")
@@ -65,3 +67,25 @@ def test_a_handed_off_sim_answer_goes_on_after_the_prefill_workers_first_token()
     engine = make_engine()
     engine.add_request(rest)
     assert [whole[0], *tokens_by_request(run_to_end(engine))["req-2"]] == whole
+
+
+def test_a_continued_answers_text_goes_on_where_the_first_workers_left_off() -> None:
+    """Split anywhere, even inside a character or a stop string, the two workers' texts make the
+    one text of the whole answer."""
+    tokenizer = ByteTokenizer()
+    answer_ids = list("un café, puis STOP là".encode())
+
+    def texts(detokenizer: IncrementalDetokenizer, ids: list[int], last: bool) -> str:
+        out = "".join(detokenizer.push([token]) for token in ids)
+        return out + (detokenizer.flush() if last else "")
+
+    for stop in ((), ("STOP",)):
+        request = spec(len(answer_ids), seed=None).model_copy(
+            update={"sampling": SamplingParams(max_tokens=len(answer_ids), stop=stop)}
+        )
+        whole = texts(request_detokenizer(tokenizer, request), answer_ids, last=True)
+        for k in range(1, len(answer_ids)):
+            sent = texts(request_detokenizer(tokenizer, request), answer_ids[:k], last=False)
+            moved = continued(request, answer_ids[:k], attempt=1)
+            rest = texts(request_detokenizer(tokenizer, moved), answer_ids[k:], last=True)
+            assert sent + rest == whole, (stop, k)
