@@ -22,6 +22,7 @@ import pytest
 
 from bus.client import Bus
 from infra.cluster import ClusterConfig, LocalCluster
+from infra.cluster_auth import ClusterAuth, secure
 from infra.embedded import EmbeddedServer, free_port, start_etcd, start_nats
 from tests.live import ClusterFactory
 
@@ -58,17 +59,34 @@ FAST_WORKERS = {
 
 
 @pytest.fixture(scope="session")
-def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
-    server = start_nats(tmp_path_factory.mktemp("nats"))
+def bus_auth(tmp_path_factory: pytest.TempPathFactory) -> ClusterAuth:
+    """The session servers' users: the admin alone, whose credentials their ``url`` carries, so
+    that every test talks to servers that refuse anonymous clients."""
+    return ClusterAuth(tmp_path_factory.mktemp("auth"), [])
+
+
+@pytest.fixture(scope="session")
+def nats_server(
+    tmp_path_factory: pytest.TempPathFactory, bus_auth: ClusterAuth
+) -> Iterator[EmbeddedServer]:
+    server = start_nats(
+        tmp_path_factory.mktemp("nats"), authorization=bus_auth.nats_authorization()
+    )
+    server.url = bus_auth.admin("nats").within(server.url)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
-def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
+def etcd_server(
+    tmp_path_factory: pytest.TempPathFactory, bus_auth: ClusterAuth
+) -> Iterator[EmbeddedServer]:
     server = start_etcd(tmp_path_factory.mktemp("etcd"))
-    yield server
-    server.stop()
+    try:
+        server.url = secure(bus_auth, "", server.url, 1, nats=False, etcd=True)[1]
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture
