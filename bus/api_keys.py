@@ -17,7 +17,8 @@ from typing import Literal
 import aetcd
 from pydantic import BaseModel, ConfigDict, Field
 
-from bus.registry import Skipped, watch_records
+from bus.registry import watch_records
+from bus.skipped import Skipped
 from schemas.events import utc_now
 
 KEYS_PREFIX = b"/laneway/keys/"

@@ -20,6 +20,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import aetcd
 
 from bus.credentials import ETCD_CREDS_ENV, Credentials, split_credentials
+from bus.skipped import Skipped
 from schemas.events import Role
 from schemas.messages import WorkerRegistration
 
@@ -331,36 +332,6 @@ def _registration(key: bytes, value: bytes) -> WorkerRegistration:
     if key != WORKERS_PREFIX + reg.worker_id.encode():
         raise ValueError(f"the registration of {reg.worker_id!r} is under another key")
     return reg
-
-
-class Skipped:
-    """Values under a key we read that no reader here understands (a foreign tool's write, a
-    corrupted or older record): skipped, with one warning per key rather than one per read,
-    so that one bad key neither stops a watch nor floods the log."""
-
-    def __init__(self, what: str) -> None:
-        self._what = what
-        self._keys: set[bytes] = set()
-
-    def parse(self, key: bytes, value: bytes, parse: Callable[[bytes, bytes], T]) -> T | None:
-        try:
-            parsed = parse(key, value)
-        except ValueError as exc:  # pydantic's ValidationError and UnicodeDecodeError are too
-            if key not in self._keys:
-                self._keys.add(key)
-                log.warning(
-                    "skipping %s at %r (%d bytes): %s",
-                    self._what,
-                    key[:200],
-                    len(value),
-                    str(exc).splitlines()[0][:200],
-                )
-            return None
-        self.forget(key)  # a later bad value there is worth a warning again
-        return parsed
-
-    def forget(self, key: bytes) -> None:
-        self._keys.discard(key)
 
 
 def role_key(worker_id: str) -> bytes:

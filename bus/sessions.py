@@ -19,7 +19,8 @@ import aetcd
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from bus.registry import UNREACHABLE, Skipped
+from bus.registry import UNREACHABLE
+from bus.skipped import Skipped
 
 SESSIONS_PREFIX = b"/laneway/sessions/"
 
