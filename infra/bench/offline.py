@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from infra.bench.metrics import (
@@ -38,7 +39,7 @@ from services.planner.capacity import (
     workers_to_move,
 )
 from services.planner.decision import Decision, DecisionInputs, decide
-from services.planner.disagg import DisaggSettings
+from services.planner.disagg import DisaggSettings, handoff_link
 from services.planner.kv_policy import KvAware
 from services.planner.policy import Policy, RouteRequest
 from services.planner.room import with_room
@@ -73,8 +74,9 @@ class OfflineReplay:
         perf = perf_model(config.perf_model)
         # By default the planner is told the true output length, as a live client's max_tokens.
         self._tiers = tiers or TierSettings(output_length="oracle")
+        place = partial(placement, topology=self._tiers.topology)  # prefill workers first
         self._workers = [
-            SimWorker(f"p{i:03d}", SimEngine(config, perf), WorkerRecord(), "prefill")
+            SimWorker(f"p{i:03d}", SimEngine(config, perf), WorkerRecord(), "prefill", place(i))
             for i in range(prefill_workers)
         ]
         self._workers += [
@@ -83,7 +85,7 @@ class OfflineReplay:
                 SimEngine(config, perf),
                 WorkerRecord(),
                 "decode" if prefill_workers else "both",
-                placement(i, self._tiers.topology),
+                place(prefill_workers + i),
             )
             for i in range(workers)
         ]
@@ -374,8 +376,11 @@ class OfflineReplay:
     def _hand_off(self, now: float, prefill: SimWorker, i: int, output: RequestOutput) -> None:
         """The prefill worker sampled request ``i``'s first token (``output``): its KV crosses
         the link to the decode worker, which then streams the first token and goes on."""
-        _, whole, cached = self._handoffs[i]
+        w, whole, cached = self._handoffs[i]
         request = self._trace[i]
+        assert isinstance(self._policy, KvAware)  # disaggregation needs its cost model
+        views = prefill.view({}, self._index), self._workers[w].view({}, self._index)
+        link = handoff_link(self._policy, self._disagg, *views)
         first = output.new_token_ids[-1]
         resumed = continuation(
             whole,
@@ -385,9 +390,7 @@ class OfflineReplay:
             prompt=self._prompts.prompt(request, tail=(first,)),
         )
         tokens = handoff_tokens(request.input_length, cached, prefill.engine.block_size)
-        self._push(
-            now + self._disagg.transfer.transfer_ms(tokens) / 1000.0, _KV_ARRIVED, i, resumed
-        )
+        self._push(now + link.transfer_ms(tokens) / 1000.0, _KV_ARRIVED, i, resumed)
 
     def _fold(self, worker: SimWorker, changes: list[KvChange]) -> None:
         for change in changes:

@@ -323,7 +323,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"laneway bench: no trace at {args.trace} (give one with --trace)", file=sys.stderr)
         return 2
     try:
-        args.tiers = tier_settings(args, _pools(args)[1])
+        args.tiers = tier_settings(args, sum(_pools(args)))
     except ValueError as e:
         print(f"laneway bench: {e}", file=sys.stderr)
         return 2

@@ -73,7 +73,7 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def tier_settings(args: argparse.Namespace, decode_workers: int) -> TierSettings:
+def tier_settings(args: argparse.Namespace, workers: int) -> TierSettings:
     """The flags' settings; ValueError for a combination that makes no sense."""
     mode, *rest = args.output_length
     max_tokens = 0
@@ -81,7 +81,7 @@ def tier_settings(args: argparse.Namespace, decode_workers: int) -> TierSettings
         max_tokens = int(rest[0])
     elif mode not in ("oracle", "predicted") or rest:
         raise ValueError("--output-length takes oracle, predicted or max-tokens N")
-    if args.topology and args.topology[0] * args.topology[1] != decode_workers:
+    if args.topology and args.topology[0] * args.topology[1] != workers:
         raise ValueError(f"--topology {args.topology[0]}x{args.topology[1]} is not the workers")
     if args.host_kv_ratio < 0 or args.host_link_gb_s <= 0:
         raise ValueError("--host-kv-ratio must be >= 0 and --host-link-gb-s positive")
@@ -89,7 +89,8 @@ def tier_settings(args: argparse.Namespace, decode_workers: int) -> TierSettings
 
 
 def placement(index: int, topology: tuple[int, int] | None) -> str:
-    """The node of the ``index``-th worker: workers fill nodes in order ('' without topology)."""
+    """The node of the ``index``-th worker (prefill workers first): workers fill nodes in
+    order ('' without topology)."""
     return f"n{index // topology[1]}" if topology else ""
 
 

@@ -89,7 +89,8 @@ def decide(policy: Policy, disagg: DisaggSettings, inputs: DecisionInputs) -> De
         move = None  # the prompt is computed on the prefill worker instead
         assert isinstance(policy, KvAware)  # only its cost model places prefills
         able = [c for c in decoders if c.worker_id in inputs.handoff]
-        worker_id = pick_decoder(policy, request, able, disagg).worker_id
+        prefill = _view(inputs.prefillers, placement.prefill_worker_id)
+        worker_id = pick_decoder(policy, request, able, disagg, prefill).worker_id
         reason = f"decodes here after a remote prefill (first pick: {reason})"
     return Decision(
         worker_id=worker_id,

@@ -74,12 +74,13 @@ def plan_prefill(
     best = min(others, key=lambda w: (policy.predict(request, w).cost, w.worker_id))
     remote = policy.predict(request, best)
     # The candidate's own cost counts the stall its decodes suffer, when it has any.
-    remote_ms = remote.cost + settings.transfer.transfer_ms(uncached)
+    link = handoff_link(policy, settings, best, decode)
+    remote_ms = remote.cost + link.transfer_ms(uncached)
     if settings.mode == "always":
         return PrefillPlan(best.worker_id, local_ms, remote_ms, "static disaggregation")
     if uncached < settings.min_remote_tokens:
         return PrefillPlan(None, local_ms, remote_ms, f"only {uncached} uncached tokens")
-    per_token = handoff_ms_per_token(settings.transfer, uncached, request.output_tokens)
+    per_token = handoff_ms_per_token(link, uncached, request.output_tokens)
     if (
         settings.max_handoff_ms_per_token > 0
         and per_token > settings.max_handoff_ms_per_token
@@ -89,7 +90,7 @@ def plan_prefill(
             None, local_ms, remote_ms, f"hand-off adds {per_token:.1f} ms to each of its tokens"
         )
     # Costs count the stall each side's decodes suffer; first tokens come from the rest.
-    remote_ttft = remote.queue_ms + remote.prefill_ms + settings.transfer.transfer_ms(uncached)
+    remote_ttft = remote.queue_ms + remote.prefill_ms + link.transfer_ms(uncached)
     local_ttft = local.queue_ms + local.prefill_ms
     if 0 < settings.ttft_target_ms < remote_ttft and local_ttft < remote_ttft:
         return PrefillPlan(
@@ -104,6 +105,16 @@ def plan_prefill(
     )
 
 
+def handoff_link(
+    policy: KvAware, settings: DisaggSettings, a: WorkerView, b: WorkerView
+) -> KvTransferModel:
+    """The link a hand-off between ``a`` and ``b`` crosses: the topology's when both say where
+    they are, else the one configured link."""
+    if a.node and b.node:
+        return policy.links.between((a.node, a.rack), (b.node, b.rack))
+    return settings.transfer
+
+
 def handoff_ms_per_token(transfer: KvTransferModel, uncached: int, max_tokens: int) -> float:
     """What a hand-off of ``uncached`` tokens adds to a request's mean inter-token latency: the
     transfer delays its second token, and the mean is over its ``max_tokens - 1`` gaps."""
@@ -111,7 +122,11 @@ def handoff_ms_per_token(transfer: KvTransferModel, uncached: int, max_tokens: i
 
 
 def pick_decoder(
-    policy: KvAware, request: RouteRequest, decode: Sequence[WorkerView], settings: DisaggSettings
+    policy: KvAware,
+    request: RouteRequest,
+    decode: Sequence[WorkerView],
+    settings: DisaggSettings,
+    prefill: WorkerView | None = None,
 ) -> WorkerView:
     """The decode worker for a remotely prefilled request: where it will generate its tokens
     soonest. That is the decode step there once the request's KV is in (steps slow down as a
@@ -123,6 +138,11 @@ def pick_decoder(
         uncached = request.prompt_tokens - worker.cached_blocks * worker.block_size
         output = request.output_tokens
         step = policy.decode_step_ms(worker, request.prompt_tokens + output)
-        return step + handoff_ms_per_token(settings.transfer, uncached, output)
+        link = (
+            settings.transfer
+            if prefill is None
+            else handoff_link(policy, settings, prefill, worker)
+        )
+        return step + handoff_ms_per_token(link, uncached, output)
 
     return min(decode, key=lambda w: (itl_ms(w), w.load, w.worker_id))

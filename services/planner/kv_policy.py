@@ -99,7 +99,7 @@ class KvAware:
         s = self.settings
         self._host_link = KvTransferModel(s.kv_bytes_per_token, s.host_link_gb_s, PCIE_LATENCY_MS)
         defaults = LinkModel()
-        self._links = LinkModel(
+        self.links = LinkModel(
             KvTransferModel(s.kv_bytes_per_token, s.node_link_gb_s, defaults.same_node.latency_ms),
             KvTransferModel(s.kv_bytes_per_token, s.rack_link_gb_s, defaults.same_rack.latency_ms),
             KvTransferModel(
@@ -210,7 +210,7 @@ class KvAware:
             depth = min((source.cached_blocks + source.host_blocks) * bs, limit)
             moved = max(0, depth - cached - host) // bs * bs
             if moved:
-                link = self._links.between((source.node, source.rack), (worker.node, worker.rack))
+                link = self.links.between((source.node, source.rack), (worker.node, worker.rack))
                 move_from, move_blocks = source.worker_id, moved // bs
                 move_ms = link.transfer_ms(moved)
                 host += moved  # arrives before the request queues: like a host hit, not computed

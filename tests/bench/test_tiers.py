@@ -80,6 +80,10 @@ def test_the_bench_flags_are_in_the_report(small_trace: Path, tmp_path: Path) ->
         "max_tokens": 64,
     }
     assert report["output_length"]["mode"] == "max-tokens"
+    # Prefill workers are placed too (first), and their hand-offs cross the topology's links.
+    split = [*args, "--prefill-workers", "2", "--topology", "2x2", "--num-gpu-blocks", "2048"]
+    assert main([*split, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["kv"]["completed"] == 12
     assert main([*args, "--topology", "3x2"]) == 2
     assert main([*args, "--output-length", "max-tokens"]) == 2
 

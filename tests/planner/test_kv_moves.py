@@ -7,7 +7,7 @@ import dataclasses
 
 from services.common.kv_transfer import KvTransferModel, LinkModel
 from services.planner.decision import Decision, DecisionInputs, decide
-from services.planner.disagg import DisaggSettings
+from services.planner.disagg import DisaggSettings, plan_prefill
 from services.planner.kv_policy import KvAware, KvSettings
 from services.planner.policy import RouteRequest, WorkerView
 
@@ -79,3 +79,20 @@ def test_no_move_when_the_owner_is_free_or_the_link_too_slow() -> None:
     slow = KvSettings(kv_moves=True, rack_link_gb_s=0.1, cross_link_gb_s=0.1)
     decision = _decide(slow, busy, [view("b")])
     assert decision.worker_id == "b" and decision.kv_move is None
+
+
+def test_a_hand_off_crosses_the_link_between_the_two_workers() -> None:
+    # The configured link (for workers that do not say where they are) is a slow one.
+    policy = KvAware()
+    settings = DisaggSettings(mode="auto", transfer=KvTransferModel(bandwidth_gb_s=5.0))
+    decode = view("d", waiting_prefill_tokens=60_000, running=10)
+    near = plan_prefill(policy, request(), decode, [view("p")], settings)
+    far = plan_prefill(policy, request(), decode, [view("p", node="n1")], settings)
+    unknown = plan_prefill(policy, request(), decode, [view("p", node="")], settings)
+    assert near.remote_ms is not None and far.remote_ms is not None
+    links, tokens = LinkModel(), BLOCKS * 16
+    expected = links.across_racks.transfer_ms(tokens) - links.same_node.transfer_ms(tokens)
+    assert abs((far.remote_ms - near.remote_ms) - expected) < 1e-6
+    slow = settings.transfer.transfer_ms(tokens) - links.same_node.transfer_ms(tokens)
+    assert unknown.remote_ms is not None
+    assert abs((unknown.remote_ms - near.remote_ms) - slow) < 1e-6
