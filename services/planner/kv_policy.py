@@ -59,11 +59,11 @@ class KvSettings:
     # KV bytes a token's cache takes, and the PCIe link a host-tier hit loads over (GB/s).
     kv_bytes_per_token: int = 131_072
     host_link_gb_s: float = 25.0
-    # Weigh pulling the prompt's KV from the worker caching most of it over the link between
-    # the two (GB/s: same node, same rack, across racks); off, KV is only ever recomputed.
+    # Weigh pulling the prompt's KV from the worker caching most of it; off, KV is only ever
+    # recomputed. A move must be predicted this much sooner (ms) than both running on that
+    # worker and recomputing: predictions err, and a copy of the KV evicts other blocks where
+    # it lands. The links between two workers (GB/s): same node, same rack, across racks.
     kv_moves: bool = False
-    # A move must be predicted this much sooner (ms) than recomputing there: its predictions
-    # err, and a copy of the KV evicts other blocks where it lands.
     move_margin_ms: float = 50.0
     node_link_gb_s: float = 300.0
     rack_link_gb_s: float = 50.0
