@@ -15,6 +15,8 @@ import logging
 
 import aetcd
 
+from bus.registry import WORKERS_PREFIX
+
 log = logging.getLogger(__name__)
 
 # etcdserverpb.AlarmType.NOSPACE
@@ -27,11 +29,18 @@ async def clear_space_alarm(client: aetcd.Client) -> bool:
     if not raised:
         return False
     log.warning("etcd is out of space (NOSPACE): compacting, defragmenting, disarming")
-    # A read's header carries the cluster's revision; reads still work under the alarm.
-    revision = (await client.get_prefix(b"/laneway/", keys_only=True)).header.revision
+    # A read's header carries the cluster's revision; reads still work under the alarm. The
+    # workers' keys are a range the planner (which runs this) may read with etcd auth on.
+    revision = (await client.get_prefix(WORKERS_PREFIX, keys_only=True)).header.revision
     with contextlib.suppress(aetcd.exceptions.RevisionCompactedError):
         await client.compact(revision, physical=True)
-    await client.defragment()
+    try:
+        await client.defragment()
+    except aetcd.exceptions.ClientError as exc:
+        # Only etcd's root may defragment; compacted, the space is reused at least.
+        if "permission denied" not in str(exc):
+            raise
+        log.warning("etcd's root must defragment it (etcdctl defrag): %s", exc)
     for alarm in raised:
         await client.disarm_alarm(alarm.member_id)
     return True
