@@ -1,63 +1,41 @@
 """Every event of ARCHITECTURE.md §2: one envelope, frozen payload models, documented units.
 
 Events are immutable facts. A field's meaning never changes once published: a new meaning gets a
-new ``schema_version`` and an upcaster in :mod:`schemas.codec`.
+new ``schema_version`` and an upcaster in :mod:`schemas.codec`. The request path's events are
+defined here; the envelope is :mod:`schemas.envelope`, the workers' and the control plane's
+events :mod:`schemas.worker_events`; this module names them all.
 """
 
 from __future__ import annotations
 
-import uuid
-from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from datetime import datetime
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from schemas.envelope import (
+    BlockHashes,
+    Envelope,
+    FinishReason,
+    Frozen,
+    KvTier,
+    Role,
+    TokenIds,
+    TraceContext,
+    attempt_field,
+    new_id,
+    utc_now,
+)
 from schemas.latency import LatencyHistogram
-
-TokenIds = tuple[int, ...]
-BlockHashes = tuple[Annotated[int, Field(ge=0, lt=1 << 64)], ...]
-Role = Literal["prefill", "decode", "both"]
-FinishReason = Literal["stop", "length"]
-# Where a worker caches KV blocks: GPU memory, or host memory that a hit loads back over PCIe.
-KvTier = Literal["gpu", "host"]
-
-
-def _attempt() -> Any:
-    return Field(
-        default=0, ge=0, description="the request's attempt (`RequestSpec.attempt`) this is of"
-    )
-
-
-def new_id() -> str:
-    """A 32-hex-digit identifier, safe to use as a NATS subject token."""
-    return uuid.uuid4().hex
-
-
-def utc_now() -> datetime:
-    return datetime.now(UTC)
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class TraceContext(Frozen):
-    """W3C trace context of the span that caused this event."""
-
-    traceparent: str = Field(description="W3C `traceparent` header value")
-    tracestate: str | None = Field(default=None, description="W3C `tracestate` header value")
-
-
-class Envelope(Frozen):
-    """Fields every event carries. Subclasses fix ``type`` and add their payload."""
-
-    event_id: str = Field(default_factory=new_id, description="unique id, used for de-duplication")
-    schema_version: int = Field(default=1, description="version of this event type's payload")
-    occurred_at: datetime = Field(default_factory=utc_now, description="UTC time of the fact")
-    source: str = Field(description="emitting service and instance, `service/instance`")
-    request_id: str | None = Field(default=None, description="request this event concerns")
-    session_id: str | None = Field(default=None, description="conversation the request belongs to")
-    trace: TraceContext | None = Field(default=None, description="trace context of the cause")
+from schemas.worker_events import (
+    KvBlocksRemoved,
+    KvBlocksStored,
+    KvCleared,
+    PlannerConfigured,
+    RoleMove,
+    RolesRebalanced,
+    WorkerLoadReported,
+)
 
 
 class SamplingParams(Frozen):
@@ -260,7 +238,7 @@ class TokensGenerated(Envelope):
     index: int = Field(ge=0, description="position of the first token in the completion")
     token_ids: TokenIds
     text: str = Field(description="detokenized text of `token_ids`, stop strings removed")
-    attempt: int = _attempt()
+    attempt: int = attempt_field()
 
 
 class Usage(Frozen):
@@ -276,7 +254,7 @@ class RequestFinished(Envelope):
 
     type: Literal["RequestFinished"] = "RequestFinished"
     worker_id: str
-    attempt: int = _attempt()
+    attempt: int = attempt_field()
     finish_reason: FinishReason
     usage: Usage
     ttft_ms: float = Field(ge=0.0, description="route received to first token, milliseconds")
@@ -303,7 +281,7 @@ class RequestFailed(Envelope):
 
     type: Literal["RequestFailed"] = "RequestFailed"
     code: FailureCode
-    attempt: int = _attempt()
+    attempt: int = attempt_field()
     message: str
     worker_id: str | None = None
     completion_tokens: int = Field(
@@ -323,86 +301,9 @@ class RequestCancelled(Envelope):
 
     type: Literal["RequestCancelled"] = "RequestCancelled"
     worker_id: str | None = None
-    attempt: int = _attempt()
+    attempt: int = attempt_field()
     reason: str
     completion_tokens: int = Field(default=0, ge=0, description="tokens generated before the stop")
-
-
-class KvBlocksStored(Envelope):
-    """Blocks became cached on a worker. ``seq`` orders a worker's KV events (1, 2, 3, …)."""
-
-    type: Literal["KvBlocksStored"] = "KvBlocksStored"
-    worker_id: str
-    seq: int = Field(ge=1, description="per-worker KV event sequence number")
-    parent_hash: int | None = Field(default=None, description="hash of the block before the first")
-    block_hashes: BlockHashes
-    tier: KvTier = Field(default="gpu", description="where the blocks are cached now")
-
-
-class KvBlocksRemoved(Envelope):
-    """Blocks left a worker's cache (evicted or freed)."""
-
-    type: Literal["KvBlocksRemoved"] = "KvBlocksRemoved"
-    worker_id: str
-    seq: int = Field(ge=1)
-    block_hashes: BlockHashes
-    tier: KvTier = Field(default="gpu", description="the cache tier they left")
-
-
-class KvCleared(Envelope):
-    """A worker dropped its whole cache (restart, reset)."""
-
-    type: Literal["KvCleared"] = "KvCleared"
-    worker_id: str
-    seq: int = Field(ge=1)
-
-
-class WorkerLoadReported(Envelope):
-    """A worker's load, reported periodically and on change."""
-
-    type: Literal["WorkerLoadReported"] = "WorkerLoadReported"
-    worker_id: str
-    role: Role
-    running: int = Field(ge=0, description="requests being generated")
-    waiting: int = Field(ge=0, description="requests queued, not yet scheduled")
-    waiting_prefill_tokens: int = Field(ge=0, description="prompt tokens queued for prefill")
-    kv_blocks_used: int = Field(ge=0)
-    kv_blocks_total: int = Field(ge=0)
-    busy_s: float = Field(
-        default=0.0, ge=0.0, description="seconds spent in engine steps since the worker started"
-    )
-
-
-class RoleMove(Frozen):
-    worker_id: str
-    from_role: Role
-    to_role: Role
-
-
-class RolesRebalanced(Envelope):
-    """The capacity planner moved workers between the prefill and decode pools."""
-
-    type: Literal["RolesRebalanced"] = "RolesRebalanced"
-    moves: tuple[RoleMove, ...]
-    reason: str
-
-
-class PlannerConfigured(Envelope):
-    """A planner replica started with these settings: with a ``RouteDecided`` from it (same
-    ``source``), what it takes to make that decision again."""
-
-    type: Literal["PlannerConfigured"] = "PlannerConfigured"
-    policy: str = Field(description="routing policy")
-    seed: int = Field(description="seed of the policy's random draws")
-    kv: dict[str, Any] = Field(description="the kv policy's settings, by name")
-    disagg: dict[str, Any] = Field(description="the disaggregation settings, by name")
-    version: str = Field(description="Laneway version that decided")
-    speedup: float = Field(
-        default=1.0,
-        gt=0,
-        description="how many times faster than their perf model the sim workers ran "
-        "(`laneway bench --time-scale`): the log's latencies are that much shorter",
-    )
 
 
 Event = Annotated[
@@ -425,3 +326,45 @@ Event = Annotated[
 ]
 TerminalEvent = RequestFinished | RequestFailed | RequestCancelled
 KvEvent = KvBlocksStored | KvBlocksRemoved | KvCleared
+
+
+__all__ = [
+    "BlockHashes",
+    "CancellationRequested",
+    "Envelope",
+    "Event",
+    "FailureCode",
+    "FinishReason",
+    "Frozen",
+    "KvBlocksRemoved",
+    "KvBlocksStored",
+    "KvCleared",
+    "KvEvent",
+    "KvMove",
+    "KvPayload",
+    "KvTier",
+    "KvTransferred",
+    "PlannerConfigured",
+    "PrefillCompleted",
+    "PrefillPlacement",
+    "RequestAccepted",
+    "RequestCancelled",
+    "RequestFailed",
+    "RequestFinished",
+    "RequestSpec",
+    "Role",
+    "RoleMove",
+    "RolesRebalanced",
+    "RouteCandidate",
+    "RouteDecided",
+    "SamplingParams",
+    "TerminalEvent",
+    "TokenIds",
+    "TokensGenerated",
+    "TraceContext",
+    "TtftAlternative",
+    "Usage",
+    "WorkerLoadReported",
+    "new_id",
+    "utc_now",
+]

@@ -1,0 +1,87 @@
+"""Events about workers and the control plane: KV cache changes, load reports, pool moves and
+planner settings (the other half of :mod:`schemas.events`, which lists every event)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from schemas.envelope import BlockHashes, Envelope, Frozen, KvTier, Role
+
+
+class KvBlocksStored(Envelope):
+    """Blocks became cached on a worker. ``seq`` orders a worker's KV events (1, 2, 3, …)."""
+
+    type: Literal["KvBlocksStored"] = "KvBlocksStored"
+    worker_id: str
+    seq: int = Field(ge=1, description="per-worker KV event sequence number")
+    parent_hash: int | None = Field(default=None, description="hash of the block before the first")
+    block_hashes: BlockHashes
+    tier: KvTier = Field(default="gpu", description="where the blocks are cached now")
+
+
+class KvBlocksRemoved(Envelope):
+    """Blocks left a worker's cache (evicted or freed)."""
+
+    type: Literal["KvBlocksRemoved"] = "KvBlocksRemoved"
+    worker_id: str
+    seq: int = Field(ge=1)
+    block_hashes: BlockHashes
+    tier: KvTier = Field(default="gpu", description="the cache tier they left")
+
+
+class KvCleared(Envelope):
+    """A worker dropped its whole cache (restart, reset)."""
+
+    type: Literal["KvCleared"] = "KvCleared"
+    worker_id: str
+    seq: int = Field(ge=1)
+
+
+class WorkerLoadReported(Envelope):
+    """A worker's load, reported periodically and on change."""
+
+    type: Literal["WorkerLoadReported"] = "WorkerLoadReported"
+    worker_id: str
+    role: Role
+    running: int = Field(ge=0, description="requests being generated")
+    waiting: int = Field(ge=0, description="requests queued, not yet scheduled")
+    waiting_prefill_tokens: int = Field(ge=0, description="prompt tokens queued for prefill")
+    kv_blocks_used: int = Field(ge=0)
+    kv_blocks_total: int = Field(ge=0)
+    busy_s: float = Field(
+        default=0.0, ge=0.0, description="seconds spent in engine steps since the worker started"
+    )
+
+
+class RoleMove(Frozen):
+    worker_id: str
+    from_role: Role
+    to_role: Role
+
+
+class RolesRebalanced(Envelope):
+    """The capacity planner moved workers between the prefill and decode pools."""
+
+    type: Literal["RolesRebalanced"] = "RolesRebalanced"
+    moves: tuple[RoleMove, ...]
+    reason: str
+
+
+class PlannerConfigured(Envelope):
+    """A planner replica started with these settings: with a ``RouteDecided`` from it (same
+    ``source``), what it takes to make that decision again."""
+
+    type: Literal["PlannerConfigured"] = "PlannerConfigured"
+    policy: str = Field(description="routing policy")
+    seed: int = Field(description="seed of the policy's random draws")
+    kv: dict[str, Any] = Field(description="the kv policy's settings, by name")
+    disagg: dict[str, Any] = Field(description="the disaggregation settings, by name")
+    version: str = Field(description="Laneway version that decided")
+    speedup: float = Field(
+        default=1.0,
+        gt=0,
+        description="how many times faster than their perf model the sim workers ran "
+        "(`laneway bench --time-scale`): the log's latencies are that much shorter",
+    )
