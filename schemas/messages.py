@@ -26,6 +26,11 @@ class OverlapReply(Frozen):
 
     overlaps: dict[str, int]
     indexed_blocks: int = Field(ge=0, description="distinct (worker, block) pairs in the index")
+    host_runs: dict[str, int] = Field(
+        default_factory=dict,
+        description="per worker with a host tier, the blocks after its GPU overlap that tier "
+        "holds in a row (loaded, not recomputed); workers with none are absent",
+    )
 
 
 class WorkerRegistration(Frozen):
@@ -52,6 +57,8 @@ class WorkerRegistration(Frozen):
         default=False, description="finishing in-flight work before a role change; takes none new"
     )
     pid: int = Field(description="OS process id, for operators")
+    node: str = Field(default="", max_length=128, description="the node it runs on ('' unknown)")
+    rack: str = Field(default="", max_length=128, description="the node's rack ('' unknown)")
 
 
 class IndexStateQuery(Frozen):
