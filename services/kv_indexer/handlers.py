@@ -76,12 +76,16 @@ class Indexer:
                 query.block_hashes, time.monotonic()
             ).items():
                 overlaps[worker_id] = max(depth, overlaps.get(worker_id, 0))
+            host_runs = self.index.host_runs(query.block_hashes, overlaps)
             if self._seen_live:
                 overlaps = {w: n for w, n in overlaps.items() if w in self._live}
+                host_runs = {w: n for w, n in host_runs.items() if w in self._live}
             span.set_attribute("laneway.query_blocks", len(query.block_hashes))
             span.set_attribute("laneway.best_overlap", max(overlaps.values(), default=0))
             span.set_attribute("laneway.workers_overlapping", len(overlaps))
-            return OverlapReply(overlaps=overlaps, indexed_blocks=self.index.size)
+            return OverlapReply(
+                overlaps=overlaps, indexed_blocks=self.index.size, host_runs=host_runs
+            )
 
     async def on_state(self, query: IndexStateQuery) -> IndexState:
         pairs = sorted(

@@ -296,6 +296,18 @@ class PrefixIndex:
             run += 1
         return run
 
+    def host_runs(self, block_hashes: Sequence[int], overlaps: dict[str, int]) -> dict[str, int]:
+        """Per worker with a host tier, its ``host_run`` after its GPU overlap (0 omitted): the
+        overlap answer's second half."""
+        runs = {}
+        for name in self._slot_of:
+            if name.endswith(HOST_SUFFIX):
+                worker_id = name.removesuffix(HOST_SUFFIX)
+                run = self.host_run(worker_id, block_hashes, overlaps.get(worker_id, 0))
+                if run:
+                    runs[worker_id] = run
+        return runs
+
     def workers(self) -> set[str]:
         """Workers caching at least one block in GPU memory."""
         return {w for w in self._slot_of if not w.endswith(HOST_SUFFIX)}

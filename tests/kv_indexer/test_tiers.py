@@ -45,3 +45,16 @@ def test_clearing_a_worker_drops_both_tiers_and_snapshots_keep_them() -> None:
     restored.apply(KvCleared(source="t", worker_id="w", seq=3))
     assert restored.size == 0
     assert restored.host_run("w", [1, 2], 1) == 0
+
+
+def test_the_overlap_answer_gives_each_worker_its_host_run_after_its_gpu_overlap() -> None:
+    index = PrefixIndex()
+    index.apply(stored(1, 1, 2))
+    index.apply(stored(2, 3, 4, tier="host"))
+    other = KvBlocksStored(source="t", worker_id="v", seq=1, block_hashes=(1, 2, 3), tier="host")
+    index.apply(other)
+    overlaps = index.overlaps([1, 2, 3, 4, 5])
+    assert overlaps == {"w": 2}
+    # v caches nothing on its GPU: its host tier continues the prompt from its start.
+    assert index.host_runs([1, 2, 3, 4, 5], overlaps) == {"w": 2, "v": 3}
+    assert index.host_runs([9], index.overlaps([9])) == {}
