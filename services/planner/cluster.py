@@ -104,28 +104,38 @@ class ClusterView:
             self._in_flight[route.worker_id] -= 1
 
     def decision_inputs(
-        self, request: RouteRequest, cached_blocks: dict[str, int] | None, session_owner: str | None
+        self,
+        request: RouteRequest,
+        cached_blocks: dict[str, int] | None,
+        session_owner: str | None,
+        host_blocks: dict[str, int] | None = None,
     ) -> DecisionInputs:
-        """What a routing decision for ``request`` needs to know about the workers now."""
+        """What a routing decision for ``request`` needs to know about the workers now;
+        ``host_blocks``: the blocks each one's host tier holds after its GPU overlap."""
         slots = {worker_id: reg.max_num_seqs for worker_id, reg in self.workers.items()}
         return DecisionInputs(
             request,
-            with_room(self.candidates(cached_blocks, session_owner), slots),
-            self.prefill_candidates(cached_blocks),
+            with_room(self.candidates(cached_blocks, session_owner, host_blocks), slots),
+            self.prefill_candidates(cached_blocks, host_blocks),
             frozenset(w for w, reg in self.workers.items() if reg.kv_handoff),
         )
 
     def candidates(
-        self, cached_blocks: dict[str, int] | None = None, session_owner: str | None = None
+        self,
+        cached_blocks: dict[str, int] | None = None,
+        session_owner: str | None = None,
+        host_blocks: dict[str, int] | None = None,
     ) -> list[WorkerView]:
         """Workers that can serve a request end to end (or decode it after a remote prefill)."""
-        return self._views(SERVING_ROLES, cached_blocks, session_owner)
+        return self._views(SERVING_ROLES, cached_blocks, session_owner, host_blocks)
 
-    def prefill_candidates(self, cached_blocks: dict[str, int] | None = None) -> list[WorkerView]:
+    def prefill_candidates(
+        self, cached_blocks: dict[str, int] | None = None, host_blocks: dict[str, int] | None = None
+    ) -> list[WorkerView]:
         """Prefill-only workers that can hand their KV over."""
         return [
             view
-            for view in self._views(PREFILL_ROLES, cached_blocks, None)
+            for view in self._views(PREFILL_ROLES, cached_blocks, None, host_blocks)
             if self.workers[view.worker_id].kv_handoff
         ]
 
@@ -134,6 +144,7 @@ class ClusterView:
         roles: frozenset[str],
         cached_blocks: dict[str, int] | None,
         session_owner: str | None,
+        host_blocks: dict[str, int] | None,
     ) -> list[WorkerView]:
         views = []
         # In id order, as the offline replay lists them: a decision record reads the same.
@@ -157,6 +168,9 @@ class ClusterView:
                     block_size=reg.block_size,
                     kv_capacity_tokens=reg.kv_blocks_total * reg.block_size,
                     owns_session=worker_id == session_owner,
+                    host_blocks=(host_blocks or {}).get(worker_id, 0),
+                    node=reg.node,
+                    rack=reg.rack,
                 )
             )
         return views

@@ -29,6 +29,7 @@ from services.planner.cluster import ClusterView, Routed, migrated_reason
 from services.planner.decision import Decision, DecisionInputs, decide, rebind
 from services.planner.disagg import DisaggSettings
 from services.planner.metrics import PlannerMetrics
+from services.planner.output_length import OutputLengthPredictor
 from services.planner.policy import Policy, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,12 @@ class Planner:
         sessions: SessionStore | None = None,
         no_worker_grace_s: float = 2.0,
         disagg: DisaggSettings | None = None,
+        lengths: OutputLengthPredictor | None = None,
     ) -> None:
+        """``lengths``: learns the output length the cost model assumes from finished requests;
+        None, it assumes each request's max_tokens."""
         self._bus = bus
+        self._lengths = lengths
         self._disagg = disagg or DisaggSettings(mode="never")
         self._no_worker_grace_s = no_worker_grace_s
         self._workers_changed = asyncio.Event()
@@ -91,25 +96,31 @@ class Planner:
     async def _route(self, event: RequestAccepted) -> None:
         assert event.request_id is not None
         spec = event.spec
+        prompt_tokens, max_tokens = len(spec.prompt_token_ids), spec.sampling.max_tokens
+        expected = None
+        if self._lengths is not None:
+            expected = self._lengths.predict(event.session_id, prompt_tokens, max_tokens)
         route = RouteRequest(
             event.request_id,
-            len(spec.prompt_token_ids),
+            prompt_tokens,
             spec.block_hashes,
             event.session_id,
-            spec.sampling.max_tokens,
+            max_tokens,
+            expected,
         )
         overlaps: dict[str, int] | None = None
+        host_runs: dict[str, int] | None = None
         if spec.block_hashes and self._policy.wants_overlap(route):
-            overlaps = await self._overlaps(spec.block_hashes)
+            overlaps, host_runs = await self._overlaps(spec.block_hashes)
         owner = None
         if self._sessions is not None and event.session_id is not None:
             owner = await self._sessions.owner(event.session_id)
-        inputs = self.cluster.decision_inputs(route, overlaps, owner)
+        inputs = self.cluster.decision_inputs(route, overlaps, owner, host_runs)
         if not inputs.decoders:
             # Workers come and go (a start, a restart): give one a moment before giving up.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._workers_changed.wait(), self._no_worker_grace_s)
-            inputs = self.cluster.decision_inputs(route, overlaps, owner)
+            inputs = self.cluster.decision_inputs(route, overlaps, owner, host_runs)
         if not inputs.decoders:
             await self._fail(event, "no_worker", "no worker is registered to serve this model")
             return
@@ -183,7 +194,11 @@ class Planner:
             ),
         )
 
-    async def _overlaps(self, block_hashes: tuple[int, ...]) -> dict[str, int]:
+    async def _overlaps(
+        self, block_hashes: tuple[int, ...]
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Per worker, the prompt's leading blocks it caches on its GPU, and how many more its
+        host tier holds after them."""
         started = time.monotonic()
         try:
             reply = await self._bus.request(
@@ -197,13 +212,16 @@ class Planner:
             self.metrics.overlap_seconds.observe(elapsed)
             self.metrics.overlap_failures.inc()
             log.warning("overlap query failed after %.1f ms", elapsed * 1e3)
-            return {}
+            return {}, {}
         self.metrics.overlap_seconds.observe(time.monotonic() - started)
-        return reply.overlaps
+        return reply.overlaps, reply.host_runs
 
     async def on_terminal(self, event: TerminalEvent) -> None:
         if event.request_id:
             self.cluster.finished(event.request_id, event.worker_id)
+        if self._lengths is not None and isinstance(event, RequestFinished):
+            usage = event.usage
+            self._lengths.observe(event.session_id, usage.prompt_tokens, usage.completion_tokens)
 
     async def on_load(self, event: WorkerLoadReported) -> None:
         self.cluster.report(event)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 from importlib.metadata import version
+from typing import Literal
 
 from pydantic import Field
 
@@ -24,6 +25,7 @@ from services.planner.capacity_loop import CapacityLoop
 from services.planner.disagg import DisaggMode, DisaggSettings
 from services.planner.handlers import Planner
 from services.planner.kv_policy import KvSettings
+from services.planner.output_length import OutputLengthPredictor
 from services.planner.policies import make_policy
 from services.planner.replay import configured
 
@@ -50,6 +52,19 @@ class PlannerSettings(ServiceSettings):
     kv_short_prompt_tokens: int = _KV.short_prompt_tokens
     kv_session_slack_ms: float = _KV.session_slack_ms
     kv_tie_ms: float = _KV.tie_ms
+    # Workers' host tiers load a hit over this PCIe link (GB/s); see KvSettings.
+    kv_host_link_gb_s: float = Field(default=_KV.host_link_gb_s, gt=0)
+    # Weigh pulling a prompt's KV from the worker caching most of it, over the link between the
+    # two as their registrations place them (same node, same rack, across racks; GB/s). Live
+    # workers do not pull KV yet: one told to recomputes it, so a move costs there what it saves.
+    kv_moves: bool = _KV.kv_moves
+    kv_move_margin_ms: float = _KV.move_margin_ms
+    kv_node_link_gb_s: float = Field(default=_KV.node_link_gb_s, gt=0)
+    kv_rack_link_gb_s: float = Field(default=_KV.rack_link_gb_s, gt=0)
+    kv_cross_link_gb_s: float = Field(default=_KV.cross_link_gb_s, gt=0)
+    # The output length the cost model assumes: learned from the requests that finished
+    # (capped by each one's max_tokens), or the client's max_tokens itself.
+    output_length: Literal["predicted", "max-tokens"] = "predicted"
     # With prefill workers: prefill remotely never, always, or when it pays (kv policy only).
     disagg: DisaggMode = _DISAGG.mode
     disagg_min_remote_tokens: int = _DISAGG.min_remote_tokens
@@ -79,6 +94,13 @@ class PlannerSettings(ServiceSettings):
             session_slack_ms=self.kv_session_slack_ms,
             tie_ms=self.kv_tie_ms,
             itl_target_ms=self.itl_target_ms * self.speedup,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            host_link_gb_s=self.kv_host_link_gb_s,
+            kv_moves=self.kv_moves,
+            move_margin_ms=self.kv_move_margin_ms,
+            node_link_gb_s=self.kv_node_link_gb_s,
+            rack_link_gb_s=self.kv_rack_link_gb_s,
+            cross_link_gb_s=self.kv_cross_link_gb_s,
         )
 
     def capacity(self) -> CapacitySettings:
@@ -129,6 +151,7 @@ def main() -> None:
             settings.overlap_timeout_s,
             sessions,
             disagg=settings.disagg_settings(),
+            lengths=OutputLengthPredictor() if settings.output_length == "predicted" else None,
         )
         tasks = [
             asyncio.create_task(watch_workers(etcd, planner.on_workers)),

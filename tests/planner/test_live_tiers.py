@@ -1,0 +1,129 @@
+"""The live planner with the host tier, KV moves and the output-length predictor: what the
+overlap answer, the registrations and the finished requests tell it reaches the one decision,
+and the published decision can be made again from its event and the recorded settings."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from bus.client import Bus
+from bus.topology import Subjects
+from infra.embedded import EmbeddedServer
+from schemas.events import (
+    Event,
+    RequestAccepted,
+    RequestFinished,
+    RequestSpec,
+    RouteDecided,
+    SamplingParams,
+    Usage,
+    WorkerLoadReported,
+    utc_now,
+)
+from schemas.messages import OverlapQuery, OverlapReply
+from services.planner.disagg import DisaggSettings
+from services.planner.handlers import Planner
+from services.planner.kv_policy import KvAware, KvSettings
+from services.planner.main import PlannerSettings
+from services.planner.output_length import OutputLengthPredictor
+from services.planner.replay import configured, differences, redecide, settings_of
+from tests.helpers import eventually, registration
+
+BLOCKS = 512
+HASHES = tuple(range(BLOCKS))
+NEVER = DisaggSettings(mode="never")
+
+
+def _finished(request_id: str, completion_tokens: int) -> RequestFinished:
+    return RequestFinished(
+        source="test",
+        request_id=request_id,
+        session_id="s",
+        worker_id="a",
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=BLOCKS * 16, completion_tokens=completion_tokens),
+        ttft_ms=1.0,
+        e2e_ms=2.0,
+    )
+
+
+def _accepted() -> RequestAccepted:
+    spec = RequestSpec(
+        model="m",
+        prompt_token_ids=(1,) * (BLOCKS * 16),
+        block_size=16,
+        block_hashes=HASHES,
+        sampling=SamplingParams(max_tokens=100),
+        reply_to="tiers-reply",
+        deadline=utc_now() + timedelta(minutes=5),
+    )
+    return RequestAccepted(source="test", request_id="r-tiers", session_id="s", spec=spec)
+
+
+async def test_host_runs_places_and_learned_lengths_reach_the_decision(
+    nats_server: EmbeddedServer,
+) -> None:
+    settings = KvSettings(kv_moves=True)
+    bus = await Bus.connect(nats_server.url, "test-live-tiers")
+    await bus.ensure_streams()
+    planner = Planner(
+        bus, KvAware(settings), "tiers", overlap_timeout_s=2.0, lengths=OutputLengthPredictor()
+    )
+    place = {"node": "n0", "rack": "r0", "kv_blocks_total": 4096}
+    await planner.on_workers({w: registration(w).model_copy(update=place) for w in ("a", "b")})
+    # a holds the whole prompt, 100 blocks on its GPU and the rest in its host tier, behind a
+    # long queue: pulling it to the idle b over their node's link is sooner.
+    busy = WorkerLoadReported(
+        source="test", worker_id="a", role="both", running=4, waiting=8,
+        waiting_prefill_tokens=60_000, kv_blocks_used=100, kv_blocks_total=4096,
+    )  # fmt: skip
+    await planner.on_load(busy)
+
+    async def on_overlap(query: OverlapQuery) -> OverlapReply:
+        assert query.block_hashes == HASHES
+        return OverlapReply(overlaps={"a": 100}, indexed_blocks=100, host_runs={"a": 412})
+
+    routes: list[RouteDecided] = []
+
+    async def on_route(event: Event) -> None:
+        if isinstance(event, RouteDecided):
+            routes.append(event)
+
+    await bus.serve(Subjects.overlap_query, OverlapQuery, on_overlap, queue="tiers")
+    await bus.subscribe(Subjects.all_routes, on_route)
+    try:
+        for n, tokens in enumerate((30, 40, 41)):
+            await planner.on_terminal(_finished(f"done-{n}", tokens))
+        await planner.on_request(_accepted())
+        [route] = await eventually(lambda: routes)
+        assert route.worker_id == "b"
+        # The session's answers averaged (30 + 40 + 41) / 3, under the request's max_tokens.
+        assert route.expected_output_tokens == 37
+        owner = next(c for c in route.candidates if c.worker_id == "a")
+        assert (owner.cached_blocks, owner.host_blocks, owner.node, owner.rack) == (
+            100, 412, "n0", "r0",
+        )  # fmt: skip
+        move = route.kv_move
+        assert move is not None and move.source_worker_id == "a"
+        assert move.blocks == BLOCKS - 1  # the last token is always computed
+        assert {a.action for a in move.alternatives} == {"owner", "move", "recompute"}
+        # A replay re-decides it from the event and the planner's recorded settings alone.
+        policy, disagg = settings_of(configured("planner/tiers", "kv", 0, settings, NEVER, "0"))
+        assert differences(route, redecide(route, policy, disagg)) == []
+    finally:
+        await bus.close()
+
+
+def test_the_planners_settings_carry_moves_links_and_the_host_tier() -> None:
+    settings = PlannerSettings(
+        kv_moves=True,
+        kv_move_margin_ms=20.0,
+        kv_host_link_gb_s=12.5,
+        kv_node_link_gb_s=150.0,
+        kv_rack_link_gb_s=40.0,
+        kv_cross_link_gb_s=10.0,
+    )
+    kv = settings.kv()
+    assert (kv.kv_moves, kv.move_margin_ms, kv.host_link_gb_s) == (True, 20.0, 12.5)
+    assert (kv.node_link_gb_s, kv.rack_link_gb_s, kv.cross_link_gb_s) == (150.0, 40.0, 10.0)
+    assert settings.output_length == "predicted"
