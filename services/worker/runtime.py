@@ -94,6 +94,8 @@ class Worker:
             kv_handoff=self._driver.portable is not None,
             draining=self._next_role is not None or self._handlers.draining,
             pid=os.getpid(),
+            node=self._opt.node,
+            rack=self._opt.rack,
         )
 
     async def run(

@@ -45,6 +45,9 @@ class WorkerOptions:
     # the planner's prediction, before it prefills locally instead.
     handoff_timeout_s: float = 5.0
     handoff_timeout_factor: float = 3.0
+    # Where it runs, as registered: the planner prices a KV move by the link between two.
+    node: str = ""
+    rack: str = ""
 
 
 class WorkerSettings(ServiceSettings):
@@ -70,6 +73,13 @@ class WorkerSettings(ServiceSettings):
     speedup: float = Field(default=1.0, gt=0)
     # False: behave like an engine that publishes no KV events (the indexer then predicts).
     kv_events: bool = True
+    # The sim engine's host-memory KV tier (blocks; 0: none): blocks its GPU evicts go there,
+    # and a prompt continued there loads them over this PCIe link (GB/s) instead of computing.
+    host_kv_blocks: int = Field(default=0, ge=0)
+    host_link_gb_s: float = Field(default=25.0, gt=0)
+    # Where it runs ('' unknown): its node and, optionally, the node's rack.
+    node: str = Field(default="", max_length=128)
+    rack: str = Field(default="", max_length=128)
     lease_ttl_s: int = Field(default=5, ge=1, le=10)
     load_report_interval_s: float = 0.5
     busy_report_interval_s: float = 0.05
@@ -119,7 +129,12 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
             TorchEngineConfig(**scheduling, device=settings.device, dtype=settings.dtype),
         )
         return engine, HfTokenizer(settings.model_dir)
-    return SimEngine(SimConfig(**scheduling), perf_model(settings.perf_model)), ByteTokenizer()
+    sim = SimConfig(
+        **scheduling,
+        num_host_blocks=settings.host_kv_blocks,
+        host_link_gb_s=settings.host_link_gb_s,
+    )
+    return SimEngine(sim, perf_model(settings.perf_model)), ByteTokenizer()
 
 
 def _max_model_len(settings: WorkerSettings, engine: Engine) -> int | None:
@@ -154,4 +169,6 @@ def worker_options(settings: WorkerSettings, engine: Engine) -> WorkerOptions:
         ),
         handoff_timeout_s=settings.handoff_timeout_s,
         handoff_timeout_factor=settings.handoff_timeout_factor,
+        node=settings.node,
+        rack=settings.rack,
     )
