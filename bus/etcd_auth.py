@@ -17,21 +17,27 @@ from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
 from bus.credentials import Credentials
+from bus.etcd_tls import TlsClient
 from bus.permissions import Identity, KeyGrant, etcd_grants
 from bus.registry import etcd_endpoints
+from bus.tls import TlsFiles
 
 ROOT = "root"
 
 
 async def enable_auth(
-    endpoints: str, root: Credentials, users: dict[Identity, Credentials], timeout: int = 5
+    endpoints: str,
+    root: Credentials,
+    users: dict[Identity, Credentials],
+    timeout: int = 5,
+    tls: TlsFiles | None = None,
 ) -> None:
     if root.user != ROOT:
         raise ValueError(f"etcd's bootstrap user is {ROOT}, not {root.user}")
     host, port = etcd_endpoints(endpoints)[0]
     # As root where auth is on already; etcd refuses the login where it is not.
-    client = aetcd.Client(
-        host=host, port=port, timeout=timeout, username=root.user, password=root.password
+    client = TlsClient(
+        host=host, port=port, timeout=timeout, username=root.user, password=root.password, tls=tls
     )
     enabled = True
     try:
@@ -41,7 +47,7 @@ async def enable_auth(
             if "authentication is not enabled" not in str(exc):
                 raise
             await client.close()
-            client = aetcd.Client(host=host, port=port, timeout=timeout)
+            client = TlsClient(host=host, port=port, timeout=timeout, tls=tls)
             await client.connect()
             enabled = False
         await _Bootstrap(client).run(root, users, enable=not enabled)

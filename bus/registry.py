@@ -20,7 +20,9 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import aetcd
 
 from bus.credentials import ETCD_CREDS_ENV, Credentials, split_credentials
+from bus.etcd_tls import TlsClient
 from bus.skipped import Skipped
+from bus.tls import TlsFiles
 from schemas.events import Role
 from schemas.messages import WorkerRegistration
 
@@ -37,20 +39,22 @@ LEADER_KEY = b"/laneway/planner/leader"
 
 
 def etcd_endpoints(endpoints: str) -> list[tuple[str, int]]:
-    """``host:port[,host:port…]`` (``http://`` and ``user:password@`` allowed) as (host, port)
-    pairs."""
+    """``host:port[,host:port…]`` (``http://``, ``https://`` and ``user:password@`` allowed) as
+    (host, port) pairs."""
     found = []
     for endpoint in split_credentials(endpoints)[1].split(","):
-        host, _, port = endpoint.strip().removeprefix("http://").rpartition(":")
+        bare = endpoint.strip().removeprefix("http://").removeprefix("https://")
+        host, _, port = bare.rpartition(":")
         found.append((host or "127.0.0.1", int(port)))
     return found
 
 
 def connect_etcd(endpoints: str) -> EtcdCluster:
     """Credentials come from the endpoints (``user:password@host:port``) or else from the file
-    ``LANEWAY_ETCD_CREDS_FILE`` names; none for an etcd without auth."""
+    ``LANEWAY_ETCD_CREDS_FILE`` names; none for an etcd without auth. TLS where
+    ``LANEWAY_ETCD_TLS_CA`` is set (``bus.tls``)."""
     creds = split_credentials(endpoints)[0] or Credentials.from_env(ETCD_CREDS_ENV)
-    return EtcdCluster(etcd_endpoints(endpoints), credentials=creds)
+    return EtcdCluster(etcd_endpoints(endpoints), credentials=creds, tls=TlsFiles.from_env("ETCD"))
 
 
 # A member that is down, or that has no leader to forward to, answers these (or nothing).
@@ -59,7 +63,7 @@ UNREACHABLE = (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.Connecti
 REVOKE_TIMEOUT_S = 1.0
 
 
-class EtcdCluster(aetcd.Client):  # type: ignore[misc] # aetcd has no types
+class EtcdCluster(TlsClient):
     """An aetcd client over every member of a cluster: aetcd talks to one member, so a call that
     cannot reach it (or that it cannot serve, having lost its leader) moves the client to the next
     member and is retried there, for up to ``failover_s``.
@@ -75,6 +79,7 @@ class EtcdCluster(aetcd.Client):  # type: ignore[misc] # aetcd has no types
         timeout: int = 2,
         failover_s: float = 30.0,
         credentials: Credentials | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         # A short per-call timeout: a call stuck on a member whose leader died is retried
         # well within a lease's TTL. A move to another member authenticates again there.
@@ -84,6 +89,7 @@ class EtcdCluster(aetcd.Client):  # type: ignore[misc] # aetcd has no types
             timeout=timeout,
             username=credentials.user if credentials else None,
             password=credentials.password if credentials else None,
+            tls=tls,
         )
         self.endpoints = endpoints
         self.at = 0

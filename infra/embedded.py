@@ -277,9 +277,15 @@ _ALONE = ("--heartbeat-interval", "10", "--election-timeout", "100")
 
 
 def start_etcd(
-    data_dir: Path, port: int | None = None, log_file: Path | None = None
+    data_dir: Path,
+    port: int | None = None,
+    log_file: Path | None = None,
+    tls: tuple[Path, Path] | None = None,
 ) -> EmbeddedServer:
-    [member] = _start_etcd_members(data_dir, {"laneway": (port or free_port(), log_file, "etcd")})
+    """``tls``: its certificate and key (PEM), and then it serves TLS clients only."""
+    [member] = _start_etcd_members(
+        data_dir, {"laneway": (port or free_port(), log_file, "etcd")}, tls
+    )
     return replace(member, name="etcd")
 
 
@@ -297,7 +303,9 @@ def start_etcd_cluster(data_dir: Path, log_dir: Path, size: int = 3) -> list[Emb
 
 
 def _start_etcd_members(
-    data_dir: Path, members: dict[str, tuple[int, Path | None, str]]
+    data_dir: Path,
+    members: dict[str, tuple[int, Path | None, str]],
+    tls: tuple[Path, Path] | None = None,
 ) -> list[EmbeddedServer]:
     """``members``: name → (client port, log file, data folder under ``data_dir``)."""
     peer_ports = free_ports(len(members) + 8)  # clear of the client ports, taken just before
@@ -309,10 +317,11 @@ def _start_etcd_members(
     for name, (port, log_file, folder) in members.items():
         store = data_dir / folder
         store.mkdir(parents=True, exist_ok=True)
-        client_url = f"http://127.0.0.1:{port}"
+        client_url = f"{'http' if tls is None else 'https'}://127.0.0.1:{port}"
         args = [
             *(find_binary("etcd"), "--name", name, "--data-dir", str(store)),
             *("--listen-client-urls", client_url, "--advertise-client-urls", client_url),
+            *(("--cert-file", str(tls[0]), "--key-file", str(tls[1])) if tls else ()),
             *("--listen-peer-urls", peers[name], "--initial-advertise-peer-urls", peers[name]),
             *("--initial-cluster", initial, "--initial-cluster-token", "laneway"),
             *ETCD_LIMITS,
