@@ -79,6 +79,10 @@ class RequestSpec(Frozen):
     attempt: int = Field(
         default=0, ge=0, description="times the request moved to another worker before this"
     )
+    priority: Literal["high", "normal", "low"] = Field(
+        default="normal",
+        description="admission control's class: the kv policy weighs a first token's delay by it",
+    )
 
     @property
     def prompt_length(self) -> int:
