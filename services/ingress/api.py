@@ -180,7 +180,8 @@ class _CompletionEndpoint:
             await send_json(send, error.status, error.body(), [*JSON_HEADERS, *error.headers])
             return
         try:
-            exchange = Exchange(self.endpoint, parsed.params, spec, session, received)
+            routed = spec.model_copy(update={"priority": priority})
+            exchange = Exchange(self.endpoint, parsed.params, routed, session, received)
             self._done(scope, await exchange.run(receive, send), received, parsed, exchange)
         finally:
             ticket.release()

@@ -58,6 +58,8 @@ async def test_priority_from_the_header_or_the_body() -> None:
         body = completion_body(priority="low")
         assert (await post("/v1/completions", json=body, headers=headers)).is_success
         assert (await post("/v1/chat/completions", json=chat_body())).is_success
+        # The planner is told each one's class with its spec.
+        assert [s.spec.priority for s in h.gateway.submitted] == ["low", "high", "normal"]
         bad_body = await post("/v1/completions", json=completion_body(priority=1))
         bad_header = await post(
             "/v1/completions", json=completion_body(), headers={"x-laneway-priority": "urgent"}
