@@ -115,6 +115,7 @@ def inputs_of(event: RouteDecided) -> DecisionInputs:
         event.session_id,
         spec.sampling.max_tokens,
         event.expected_output_tokens,
+        spec.priority,
     )
     prefillers = event.prefill.candidates if event.prefill is not None else ()
     weighed = (*event.candidates, *prefillers)

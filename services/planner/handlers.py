@@ -19,6 +19,7 @@ from schemas.events import (
     RequestAccepted,
     RequestFailed,
     RequestFinished,
+    RequestPlaced,
     RouteDecided,
     TerminalEvent,
     WorkerLoadReported,
@@ -71,7 +72,7 @@ class Planner:
             if on_finished is not None and isinstance(event, RequestFinished):
                 on_finished(event)
 
-        await self._bus.subscribe(Subjects.all_request_terminals, on_terminal)
+        await self._bus.subscribe(Subjects.worker_terminals, on_terminal)
         await self._bus.subscribe(Subjects.all_load, self.on_load)
         await self._bus.consume(PLANNER_INTAKE, self.on_request)
 
@@ -107,6 +108,7 @@ class Planner:
             event.session_id,
             max_tokens,
             expected,
+            spec.priority,
         )
         overlaps: dict[str, int] | None = None
         host_runs: dict[str, int] | None = None
@@ -152,7 +154,20 @@ class Planner:
             spec=spec,
             **fields,
         )
-        await self._bus.publish(Subjects.route(worker_id), route_decided)
+        placed = RequestPlaced(
+            event_id=f"placed-{_attempt_id(event.request_id, spec.attempt)}",
+            source=self._source,
+            request_id=event.request_id,
+            session_id=event.session_id,
+            worker_id=worker_id,
+            attempt=spec.attempt,
+        )
+        # The ingress takes this attempt's tokens from worker_id alone (only the planner
+        # publishes placements): sent first, and beside the route, not after its confirmation.
+        await asyncio.gather(
+            self._bus.publish(Subjects.placements(spec.reply_to), placed),
+            self._bus.publish(Subjects.route(worker_id), route_decided),
+        )
         if remote is not None:
             # The same decision, to the worker that computes the prompt.
             prefill_copy = route_decided.model_copy(
@@ -181,7 +196,7 @@ class Planner:
     async def _fail(self, event: RequestAccepted, code: FailureCode, message: str) -> None:
         self.metrics.failures.labels(code).inc()
         await self._bus.publish(
-            Subjects.request_terminal(event.spec.reply_to),
+            Subjects.placements(event.spec.reply_to),
             RequestFailed(
                 event_id=f"failed-{_attempt_id(event.request_id, event.spec.attempt)}",
                 source=self._source,
@@ -235,7 +250,7 @@ class Planner:
             self.metrics.failures.labels("worker_lost").inc()
             log.warning("worker %s lost with request %s in flight", route.worker_id, request_id)
             await self._bus.publish(
-                Subjects.request_terminal(route.reply_to),
+                Subjects.placements(route.reply_to),
                 RequestFailed(
                     event_id=f"failed-{_attempt_id(request_id, route.attempt)}",
                     source=self._source,

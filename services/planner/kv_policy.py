@@ -68,6 +68,15 @@ class KvSettings:
     node_link_gb_s: float = 300.0
     rack_link_gb_s: float = 50.0
     cross_link_gb_s: float = 25.0
+    # Urgency: a high-priority request's predicted wait for its first token weighs this many
+    # times its ms, a low one's this fraction; past ``ttft_target_ms`` (0: none) each further
+    # ms costs ``ttft_miss_weight`` more. Waiting on the KV's owner, moving the KV and
+    # recomputing are weighed alike, so an urgent request moves or recomputes for a gain a
+    # normal one would wait out.
+    high_priority_weight: float = 2.0
+    low_priority_weight: float = 0.5
+    ttft_target_ms: float = 0.0
+    ttft_miss_weight: float = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,14 +89,21 @@ class Prediction:
     move_from: str | None = None
     move_blocks: int = 0
     move_ms: float = 0.0
+    # What the request's urgency adds to its predicted TTFT (0 for a normal one on target).
+    urgency_ms: float = 0.0
 
     @property
     def ttft_ms(self) -> float:
         return self.move_ms + self.queue_ms + self.prefill_ms
 
     @property
+    def wait_cost_ms(self) -> float:
+        """Its predicted TTFT as this request's urgency weighs it."""
+        return self.ttft_ms + self.urgency_ms
+
+    @property
     def cost(self) -> float:
-        return self.ttft_ms + self.decode_penalty_ms
+        return self.wait_cost_ms + self.decode_penalty_ms
 
 
 class KvAware:
@@ -160,7 +176,7 @@ class KvAware:
             return local
         moved = self.predict(request, worker, source)
         margin = self.settings.move_margin_ms
-        sooner = moved.ttft_ms + margin < self.predict(request, source).ttft_ms
+        sooner = moved.wait_cost_ms + margin < self.predict(request, source).wait_cost_ms
         pays = sooner and moved.cost + margin < local.cost
         return moved if moved.move_from is not None and pays else local
 
@@ -229,7 +245,16 @@ class KvAware:
         if target and self.decode_step_ms(worker, request.prompt_tokens + output) > target:
             slow_tokens = max(1, output) * (1 + worker.running)
             penalty += self.settings.slow_step_ms_per_token * slow_tokens
-        return Prediction(queue_ms, prefill_ms, penalty, move_from, move_blocks, move_ms)
+        urgency = self._urgency_ms(request, move_ms + queue_ms + prefill_ms)
+        return Prediction(queue_ms, prefill_ms, penalty, move_from, move_blocks, move_ms, urgency)
+
+    def _urgency_ms(self, request: RouteRequest, ttft_ms: float) -> float:
+        s = self.settings
+        weight = {"high": s.high_priority_weight, "low": s.low_priority_weight}.get(
+            request.priority, 1.0
+        )
+        late = max(0.0, ttft_ms - s.ttft_target_ms) if s.ttft_target_ms > 0 else 0.0
+        return (weight - 1.0) * ttft_ms + s.ttft_miss_weight * late
 
     def _held_kv_ms(self, worker: WorkerView) -> float:
         held_blocks = worker.kv_usage * worker.kv_capacity_tokens / worker.block_size

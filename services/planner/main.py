@@ -62,6 +62,12 @@ class PlannerSettings(ServiceSettings):
     kv_node_link_gb_s: float = Field(default=_KV.node_link_gb_s, gt=0)
     kv_rack_link_gb_s: float = Field(default=_KV.rack_link_gb_s, gt=0)
     kv_cross_link_gb_s: float = Field(default=_KV.cross_link_gb_s, gt=0)
+    # Urgency: how much a high or low priority request's wait for its first token weighs, and
+    # a TTFT target (ms, as clients see them; 0: none) past which each ms weighs more.
+    kv_high_priority_weight: float = Field(default=_KV.high_priority_weight, ge=0)
+    kv_low_priority_weight: float = Field(default=_KV.low_priority_weight, ge=0)
+    kv_ttft_target_ms: float = Field(default=_KV.ttft_target_ms, ge=0)
+    kv_ttft_miss_weight: float = Field(default=_KV.ttft_miss_weight, ge=0)
     # The output length the cost model assumes: learned from the requests that finished
     # (capped by each one's max_tokens), or the client's max_tokens itself.
     output_length: Literal["predicted", "max-tokens"] = "predicted"
@@ -101,6 +107,10 @@ class PlannerSettings(ServiceSettings):
             node_link_gb_s=self.kv_node_link_gb_s,
             rack_link_gb_s=self.kv_rack_link_gb_s,
             cross_link_gb_s=self.kv_cross_link_gb_s,
+            high_priority_weight=self.kv_high_priority_weight,
+            low_priority_weight=self.kv_low_priority_weight,
+            ttft_target_ms=self.kv_ttft_target_ms * self.speedup,
+            ttft_miss_weight=self.kv_ttft_miss_weight,
         )
 
     def capacity(self) -> CapacitySettings:

@@ -9,9 +9,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from schemas.events import KvMove
+
+# Admission control's classes, as a request's spec carries them.
+Priority = Literal["high", "normal", "low"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,7 @@ class RouteRequest:
     # The output length the planner expects (a predictor's), at most ``max_tokens``; None:
     # assume ``max_tokens``.
     expected_tokens: int | None = None
+    priority: Priority = "normal"
 
     @property
     def output_tokens(self) -> int:

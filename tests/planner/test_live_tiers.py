@@ -56,6 +56,7 @@ def _accepted() -> RequestAccepted:
         sampling=SamplingParams(max_tokens=100),
         reply_to="tiers-reply",
         deadline=utc_now() + timedelta(minutes=5),
+        priority="high",
     )
     return RequestAccepted(source="test", request_id="r-tiers", session_id="s", spec=spec)
 
@@ -107,7 +108,8 @@ async def test_host_runs_places_and_learned_lengths_reach_the_decision(
         assert move is not None and move.source_worker_id == "a"
         assert move.blocks == BLOCKS - 1  # the last token is always computed
         assert {a.action for a in move.alternatives} == {"owner", "move", "recompute"}
-        # A replay re-decides it from the event and the planner's recorded settings alone.
+        # A replay re-decides it from the event (its priority too) and the planner's recorded
+        # settings alone.
         policy, disagg = settings_of(configured("planner/tiers", "kv", 0, settings, NEVER, "0"))
         assert differences(route, redecide(route, policy, disagg)) == []
     finally:
@@ -127,3 +129,5 @@ def test_the_planners_settings_carry_moves_links_and_the_host_tier() -> None:
     assert (kv.kv_moves, kv.move_margin_ms, kv.host_link_gb_s) == (True, 20.0, 12.5)
     assert (kv.node_link_gb_s, kv.rack_link_gb_s, kv.cross_link_gb_s) == (150.0, 40.0, 10.0)
     assert settings.output_length == "predicted"
+    urgent = PlannerSettings(kv_ttft_target_ms=200.0, speedup=4.0, kv_high_priority_weight=3.0)
+    assert (urgent.kv().ttft_target_ms, urgent.kv().high_priority_weight) == (800.0, 3.0)
