@@ -73,8 +73,9 @@ class WorkerSettings(ServiceSettings):
     speedup: float = Field(default=1.0, gt=0)
     # False: behave like an engine that publishes no KV events (the indexer then predicts).
     kv_events: bool = True
-    # The sim engine's host-memory KV tier (blocks; 0: none): blocks its GPU evicts go there,
-    # and a prompt continued there loads them over this PCIe link (GB/s) instead of computing.
+    # A host-memory KV tier (blocks; 0: none), sim and torch engines: blocks the GPU evicts go
+    # there, and a prompt continued there loads them instead of computing (the sim models the
+    # load over this PCIe link, GB/s; the torch engine copies CPU tensors).
     host_kv_blocks: int = Field(default=0, ge=0)
     host_link_gb_s: float = Field(default=25.0, gt=0)
     # Where it runs ('' unknown): its node and, optionally, the node's rack.
@@ -126,7 +127,12 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
 
         engine = TorchEngine(
             settings.model_dir,
-            TorchEngineConfig(**scheduling, device=settings.device, dtype=settings.dtype),
+            TorchEngineConfig(
+                **scheduling,
+                device=settings.device,
+                dtype=settings.dtype,
+                num_host_blocks=settings.host_kv_blocks,
+            ),
         )
         return engine, HfTokenizer(settings.model_dir)
     sim = SimConfig(

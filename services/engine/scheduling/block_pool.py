@@ -128,6 +128,12 @@ class BlockPool:
             self._changes.append(BlocksStored(tuple(added), None, "host"))
         if dropped:
             self._changes.append(BlocksRemoved(tuple(dropped), "host"))
+        self._host_changed(added, dropped)
+
+    def _host_changed(self, added: list[int], dropped: list[int]) -> None:
+        """Hook: the just-evicted ``added`` hashes went to host memory, then ``dropped`` left it
+        (some of ``added`` among them when more arrived than it holds); for a pool whose host
+        tier keeps real contents. Accounting alone keeps none."""
 
     def cache(self, parent: int | None, hashes: Sequence[int]) -> list[bool]:
         """Offer a request's just-computed private blocks to the cache: ``hashes`` are consecutive

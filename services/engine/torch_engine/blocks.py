@@ -9,16 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch import Tensor
+
 from services.engine.scheduling.block_pool import BlockPool
 from services.engine.scheduling.kv_manager import KvCacheManager
 from services.engine.scheduling.request import SimRequest
+from services.engine.torch_engine.host_tier import HostKvStore
 
 
 class PagedBlockPool(BlockPool):
-    """``BlockPool`` that also knows which ids are empty and which id each cached hash has."""
+    """``BlockPool`` that also knows which ids are empty and which id each cached hash has, and,
+    with a ``host`` store, copies the blocks it evicts there."""
 
-    def __init__(self, num_blocks: int) -> None:
-        super().__init__(num_blocks)
+    def __init__(self, num_blocks: int, host: HostKvStore | None = None) -> None:
+        super().__init__(num_blocks, host.num_blocks if host is not None else 0)
+        self.host = host
+        # The ids of the blocks the last eviction took, by hash: their contents stay in the
+        # device cache until the blocks are claimed and written, so they can be copied out.
+        self._evicted: dict[int, int] = {}
         # The empty blocks' ids, plus, between an ``allocate`` and the ``claim`` that follows it,
         # the ids that allocation took. Reversed so that low ids go first.
         self._free_ids = list(range(num_blocks - 1, -1, -1))
@@ -46,8 +54,15 @@ class PagedBlockPool(BlockPool):
     def _evict(self, n: int) -> list[int]:
         evicted = super()._evict(n)
         ids = self._ids
-        self._free_ids.extend(ids.pop(h) for h in evicted)
+        self._evicted = {h: ids.pop(h) for h in evicted}
+        self._free_ids.extend(self._evicted.values())
         return evicted
+
+    def _host_changed(self, added: list[int], dropped: list[int]) -> None:
+        assert self.host is not None  # a host tier's changes come only with its store
+        gone = set(dropped)
+        stored = {h: self._evicted[h] for h in added if h not in gone}
+        self.host.offload(stored, dropped)
 
     def adopt(self, hashes: Sequence[int]) -> tuple[int, list[int]]:
         """Cache blocks whose contents come from elsewhere: ``hashes`` is a chain from the root.
@@ -79,16 +94,32 @@ class PagedKvManager(KvCacheManager):
         super().__init__(pool, block_size)
         self._paged = pool
         self._ids: dict[SimRequest, list[int]] = {}
+        # The host-tier blocks the scheduler just found for a waiting request, read out: loaded
+        # into its blocks if it admits the request next.
+        self._loading: tuple[SimRequest, tuple[Tensor, Tensor]] | None = None
 
     def block_ids(self, req: SimRequest) -> list[int]:
         return self._ids[req]
 
+    def host_hits(self, req: SimRequest, hits: int) -> int:
+        loaded = super().host_hits(req, hits)
+        host = self._paged.host
+        if loaded and host is not None:
+            self._loading = (req, host.read(req.hashes[hits : hits + loaded]))
+        return loaded
+
     def admit(self, req: SimRequest, hits: int, idle_hits: int, num_new: int) -> bool:
+        loading, self._loading = self._loading, None
         if not super().admit(req, hits, idle_hits, num_new):
             return False
         pool = self._paged
         shared = [pool.block_id(h) for h in req.hashes[:hits]]
-        self._ids[req] = shared + pool.claim(len(req.blocks) - hits)
+        ids = self._ids[req] = shared + pool.claim(len(req.blocks) - hits)
+        if loading is not None and loading[0] is req:
+            # Counted computed from here on: their K and V must be there before the step runs.
+            assert pool.host is not None
+            blocks = loading[1]
+            pool.host.load(blocks, ids[hits : hits + blocks[0].shape[1]])
         return True
 
     def grow(self, req: SimRequest, num_new: int) -> bool:

@@ -18,10 +18,15 @@ class TorchEngineConfig:
     dtype: str = "float32"
     # Mixed into the sampling seed of requests that bring none.
     seed: int = 0
+    # Host-memory KV tier, in blocks (0: none): evicted blocks are copied to CPU tensors and
+    # loaded back for a prompt that continues into them, instead of being recomputed.
+    num_host_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.num_host_blocks < 0:
+            raise ValueError("num_host_blocks must be >= 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")

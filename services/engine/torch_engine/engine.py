@@ -29,6 +29,7 @@ from services.engine.torch_engine.export import (
     import_blocks,
     to_bytes,
 )
+from services.engine.torch_engine.host_tier import HostKvStore
 from services.engine.torch_engine.kv_cache import PagedKvCache, SeqChunk, paged_forward
 from services.engine.torch_engine.model import DTYPES, LlamaForCausalLM, load_model
 from services.engine.torch_engine.sampler import RequestSampler, sample
@@ -59,14 +60,15 @@ class TorchEngine(ScheduledEngine):
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        pool = PagedBlockPool(config.num_gpu_blocks)
+        self._cache = PagedKvCache(
+            self.model.config, config.num_gpu_blocks, config.block_size, device, dtype
+        )
+        host = HostKvStore(self._cache, config.num_host_blocks) if config.num_host_blocks else None
+        pool = PagedBlockPool(config.num_gpu_blocks, host)
         self._paged_pool = pool
         self._paged_kv = PagedKvManager(pool, config.block_size)
         super().__init__(scheduling, pool, self._paged_kv)
         self.max_model_len = min(self.max_model_len, self.model.config.max_position_embeddings)
-        self._cache = PagedKvCache(
-            self.model.config, config.num_gpu_blocks, config.block_size, device, dtype
-        )
         self._eos = frozenset(self.model.config.eos_token_ids)
         self._sampling: dict[str, _Sampling] = {}
 
