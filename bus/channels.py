@@ -25,7 +25,9 @@ T = TypeVar("T", bound=Envelope)
 #   confirmed: a stream stores it and the publisher waits until the stream has it.
 Delivery = Literal["core", "stored", "confirmed"]
 
-# The one token of a subject per worker or per instance, named for the docs: `{worker}`.
+# A token of a subject per worker or per instance, named for the docs: `{worker}`. A pattern
+# with two names its reader first and its publisher last (`lw.tok.{ingress}.{worker}`): NATS
+# does not tell a subscriber who published, so the subject does, and permissions make it true.
 _KEY = re.compile(r"\{[a-z_]+\}")
 
 
@@ -59,8 +61,8 @@ class Stream:
 
 @dataclass(frozen=True)
 class Channel(Generic[E]):
-    """``pattern`` is a subject, with one ``{name}`` token standing for a worker or instance id
-    where the channel has a subject per worker or instance."""
+    """``pattern`` is a subject, with ``{name}`` tokens standing for worker or instance ids
+    where the channel has a subject per worker or instance (or per pair)."""
 
     pattern: str
     events: tuple[type[E], ...]
@@ -69,8 +71,8 @@ class Channel(Generic[E]):
     delivery: Delivery
     stream: Stream | None = None
     about: str = ""
-    # The event field that must name the subject's key (a KV event's `worker_id` is the worker
-    # whose subject it came on): an event that claims another is dropped on receipt.
+    # The event field that must name the subject's (last) key (a KV event's `worker_id` is the
+    # worker whose subject it came on): an event that claims another is dropped on receipt.
     key_field: str | None = None
     # Roles that publish to any key's subject, not only their own (a prefill worker to its
     # decode worker's); see bus.permissions.
@@ -82,21 +84,23 @@ class Channel(Generic[E]):
         if self.key_field is not None and not _KEY.search(self.pattern):
             raise ValueError(f"{self.pattern} has no key for {self.key_field} to name")
 
-    def at(self, key: str) -> Topic[E]:
-        return Topic(_KEY.sub(lambda _: key, self.pattern), self.events, (self,))
+    def at(self, *keys: str) -> Topic[E]:
+        """The subject of these keys, in the pattern's order; keys left out are any (``*``)."""
+        return Topic(fill(self.pattern, keys), self.events, (self,))
 
     @property
     def every(self) -> Topic[E]:
         """Every subject of the channel (all workers, all instances)."""
-        return self.at("*")
+        return self.at()
 
     @property
-    def key_name(self) -> str | None:
-        """The name of the pattern's key (``worker`` for ``{worker}``), None without one."""
-        return key_name(self.pattern)
+    def key_names(self) -> tuple[str, ...]:
+        """The names of the pattern's keys (``worker`` for ``{worker}``), in order."""
+        return key_names(self.pattern)
 
     def key_of(self, subject: str) -> str | None:
-        """The key ``subject`` carries if it is one of this channel's subjects, else None."""
+        """The (last) key ``subject`` carries if it is one of this channel's subjects, else
+        None."""
         parts, tokens = self.pattern.split("."), subject.split(".")
         if len(parts) != len(tokens):
             return None
@@ -113,7 +117,7 @@ class Channel(Generic[E]):
         """The channel's one subject; only for a channel without a key."""
         if _KEY.search(self.pattern):
             raise ValueError(f"{self.pattern} has a subject per key: use at(key)")
-        return self.at("")
+        return self.at()
 
 
 @dataclass(frozen=True)
@@ -165,9 +169,17 @@ class Topic(Generic[E]):
         return self.channels[0].delivery
 
 
-def key_name(pattern: str) -> str | None:
-    found = _KEY.search(pattern)
-    return found.group(0)[1:-1] if found else None
+def key_names(pattern: str) -> tuple[str, ...]:
+    return tuple(found[1:-1] for found in _KEY.findall(pattern))
+
+
+def fill(pattern: str, keys: tuple[str, ...]) -> str:
+    """``pattern`` with its keys replaced by ``keys`` in order, those left out by ``*``."""
+    given = iter(keys)
+    filled = _KEY.sub(lambda _: next(given, "*"), pattern)
+    if next(given, None) is not None:
+        raise ValueError(f"{pattern} has {len(key_names(pattern))} keys, not {len(keys)}")
+    return filled
 
 
 def view(subject: str, *channels: Channel[Any]) -> Topic[Any]:
@@ -187,12 +199,12 @@ class Endpoint:
     # As for a channel: roles that send to any key's subject, not only their own.
     publish_any: tuple[str, ...] = ()
 
-    def at(self, key: str) -> str:
-        return _KEY.sub(lambda _: key, self.pattern)
+    def at(self, *keys: str) -> str:
+        return fill(self.pattern, keys)
 
     @property
-    def key_name(self) -> str | None:
-        return key_name(self.pattern)
+    def key_names(self) -> tuple[str, ...]:
+        return key_names(self.pattern)
 
 
 @dataclass(frozen=True)

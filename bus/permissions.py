@@ -157,14 +157,14 @@ def _role_of(entry: str) -> str:
 
 
 def _subject(declared: Channel[Any] | Endpoint, identity: Identity, publishing: bool) -> str:
-    key = declared.key_name
-    if key is None:
-        return declared.at("").subject if isinstance(declared, Channel) else declared.pattern
-    own = KEY_ROLES.get(key) == identity.role
-    if publishing and identity.role in declared.publish_any:
-        own = False
-    token = identity.instance if own else "*"
-    return declared.at(token).subject if isinstance(declared, Channel) else declared.at(token)
+    """Each key the role stands for is its own instance (a worker publishes tokens to
+    ``lw.tok.*.<itself>``, an ingress reads ``lw.tok.<itself>.*``), any other key any."""
+    anywhere = publishing and identity.role in declared.publish_any
+    tokens = tuple(
+        identity.instance if KEY_ROLES.get(key) == identity.role and not anywhere else "*"
+        for key in declared.key_names
+    )
+    return declared.at(*tokens).subject if isinstance(declared, Channel) else declared.at(*tokens)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Services never spell a subject string themselves; the streams' subjects are those of the
 channels they store. Ids used as subject tokens (worker, ingress instance) are hex strings, so
-they never contain the NATS separators ``.``, ``*`` or ``>``.
+they never contain the NATS separators ``.``, ``*`` or ``>``. Where a subject names both who
+reads it and who publishes it, the reader comes first.
 
 ``python -m bus.topology`` prints the table of channels; ``--readme README.md`` rewrites the one
 in the README (between its marker comments).
@@ -38,6 +39,7 @@ from schemas.events import (
     RequestCancelled,
     RequestFailed,
     RequestFinished,
+    RequestPlaced,
     RolesRebalanced,
     RouteDecided,
     TerminalEvent,
@@ -75,14 +77,26 @@ CANCELS: Channel[CancellationRequested] = Channel(
     REQUESTS,
     "every worker hears every ask; the one running the request ends it",
 )
-TERMINALS: Channel[TerminalEvent] = Channel(
+# An ingress takes a request's tokens and terminal only from the worker the planner placed it
+# on; only the planner publishes placements, only a worker its own terminals and tokens.
+PLACEMENTS: Channel[RequestPlaced | RequestFailed] = Channel(
     "lw.req.done.{ingress}",
+    (RequestPlaced, RequestFailed),
+    ("planner",),
+    ("ingress (its own instance)",),
+    "confirmed",
+    REQUESTS,
+    "the planner's word to an ingress: where each attempt runs, or why it ends without a worker",
+)
+TERMINALS: Channel[TerminalEvent] = Channel(
+    "lw.req.done.{ingress}.{worker}",
     (RequestFinished, RequestFailed, RequestCancelled),
-    ("worker", "planner"),
+    ("worker",),
     ("ingress (its own instance)", "planner (all)"),
     "confirmed",
     REQUESTS,
-    "one subject per ingress instance; the end of every request, replayable",
+    "a subject per ingress instance and worker; the end of every request, replayable",
+    key_field="worker_id",
 )
 ROUTE: Channel[RouteDecided | PrefillCompleted] = Channel(
     "lw.route.{worker}",
@@ -115,13 +129,15 @@ KV_EVENTS: Channel[KvEvent] = Channel(
     key_field="worker_id",
 )
 TOKEN_DELTAS: Channel[TokensGenerated] = Channel(
-    "lw.tok.{ingress}",
+    "lw.tok.{ingress}.{worker}",
     (TokensGenerated,),
     ("worker",),
     ("ingress (its own instance)",),
     "core",
     None,
-    "one subject per ingress instance; only the live client needs them, so no stream stores them",
+    "a subject per ingress instance and worker; only the live client needs them, so no stream "
+    "stores them",
+    key_field="worker_id",
 )
 LOAD_REPORTS: Channel[WorkerLoadReported] = Channel(
     "lw.load.{worker}",
@@ -155,6 +171,7 @@ PLANNER_SETTINGS: Channel[PlannerConfigured] = Channel(
 CHANNELS: tuple[Channel[Any], ...] = (
     ACCEPTED,
     CANCELS,
+    PLACEMENTS,
     TERMINALS,
     ROUTE,
     TRANSFERRED,
@@ -193,11 +210,11 @@ KV_HANDOFF = Endpoint(
     publish_any=("worker",),
 )
 RESEND = Endpoint(
-    "lw.resend",
+    "lw.resend.{worker}",
     "`ResendQuery` → `ResendReply`",
     ("ingress",),
-    ("worker (every one; only the request's holder answers)",),
-    "token deltas are core messages: one lost on its way is asked for again here",
+    ("worker (its own)",),
+    "token deltas are core messages: one lost on its way is asked of the request's worker again",
 )
 ENDPOINTS = (OVERLAP_QUERY, INDEX_STATE, KV_HANDOFF, RESEND)
 
@@ -207,7 +224,12 @@ class Subjects:
 
     request_accepted = ACCEPTED.subject
     cancellation_requested = CANCELS.subject
-    all_request_terminals = TERMINALS.every
+    # The workers' terminals and the planner's failures, for observers.
+    all_request_terminals: Topic[TerminalEvent] = Topic(
+        "lw.req.done.>", TERMINALS.events, (PLACEMENTS, TERMINALS)
+    )
+    worker_terminals = TERMINALS.every
+    all_tokens = TOKEN_DELTAS.every
     all_kv = KV_EVENTS.every
     all_load = LOAD_REPORTS.every
     roles_rebalanced = ROLE_MOVES.subject
@@ -219,8 +241,9 @@ class Subjects:
     # Every worker's routing decisions, without the prefill completions beside them.
     route_decisions = ROUTE.every.only(RouteDecided)
     overlap_query = OVERLAP_QUERY.pattern
-    resend = RESEND.pattern
+    resend = staticmethod(RESEND.at)
     index_state = staticmethod(INDEX_STATE.at)
+    placements = staticmethod(PLACEMENTS.at)
     request_terminal = staticmethod(TERMINALS.at)
     route = staticmethod(ROUTE.at)
     kv_transferred = staticmethod(TRANSFERRED.at)

@@ -32,6 +32,7 @@ from schemas.worker_events import (
     KvBlocksStored,
     KvCleared,
     PlannerConfigured,
+    RequestPlaced,
     RoleMove,
     RolesRebalanced,
     WorkerLoadReported,
@@ -325,7 +326,8 @@ Event = Annotated[
     | KvCleared
     | WorkerLoadReported
     | RolesRebalanced
-    | PlannerConfigured,
+    | PlannerConfigured
+    | RequestPlaced,
     Field(discriminator="type"),
 ]
 TerminalEvent = RequestFinished | RequestFailed | RequestCancelled
@@ -355,6 +357,7 @@ __all__ = [
     "RequestCancelled",
     "RequestFailed",
     "RequestFinished",
+    "RequestPlaced",
     "RequestSpec",
     "Role",
     "RoleMove",

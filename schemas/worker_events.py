@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from schemas.envelope import BlockHashes, Envelope, Frozen, KvTier, Role
+from schemas.envelope import BlockHashes, Envelope, Frozen, KvTier, Role, attempt_field
 
 
 class KvBlocksStored(Envelope):
@@ -85,3 +85,12 @@ class PlannerConfigured(Envelope):
         description="how many times faster than their perf model the sim workers ran "
         "(`laneway bench --time-scale`): the log's latencies are that much shorter",
     )
+
+
+class RequestPlaced(Envelope):
+    """The planner sent attempt ``attempt`` of the request to ``worker_id``: told to the
+    request's ingress, which takes that attempt's tokens and terminal from that worker only."""
+
+    type: Literal["RequestPlaced"] = "RequestPlaced"
+    worker_id: str = Field(description="worker that generates the answer (decodes)")
+    attempt: int = attempt_field()

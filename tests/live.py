@@ -48,5 +48,5 @@ async def observe(nats_url: str) -> tuple[Bus, Observed]:
     seen = Observed()
     await bus.subscribe(Subjects.all_routes, seen.on_event)
     await bus.subscribe(Subjects.all_request_terminals, seen.on_event)
-    await bus.subscribe(Subjects.tokens(">"), seen.on_event)
+    await bus.subscribe(Subjects.all_tokens, seen.on_event)
     return bus, seen

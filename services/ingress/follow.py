@@ -7,15 +7,23 @@ worker is gone (the planner saw the worker's lease lapse, the worker drained, or
 nothing after it had started; or no worker took the request up at all) the request continues on
 another worker from the tokens the client has (:mod:`services.ingress.migration`); events of an
 attempt it left are dropped from then on.
+
+NATS does not tell a subscriber who published, so a worker's events come on subjects that name
+it, which only it may publish to (:mod:`bus.permissions`), and an attempt's events are taken only
+from the worker the planner placed that attempt on (``RequestPlaced``, which only the planner
+publishes): another worker's credentials cannot end someone else's request or write into its
+answer. Events that come before the placement wait for it; events naming no worker are the
+planner's own (a request it could not route).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from schemas.events import RequestAccepted, RequestFailed, TerminalEvent
+from schemas.events import RequestAccepted, RequestFailed, RequestPlaced, TerminalEvent
 from schemas.messages import ResendReply
 from services.ingress.gateway import GatewayEvent
 from services.ingress.migration import MIGRATION_LIMIT, continued, limit_reached, without_worker
@@ -23,6 +31,11 @@ from services.ingress.stream_order import StreamOrder
 
 # How soon a missing batch is asked for: the stream may go on past it meanwhile.
 GAP_WAIT_S = 0.1
+# Events kept while an attempt's placement has not come: a few batches race it; past this many
+# (anyone may publish under their own name) the oldest go, and a resend asks for them again.
+UNPLACED_LIMIT = 256
+# What the ingress hears about one request: its worker's events and the planner's.
+Heard = GatewayEvent | RequestPlaced
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +55,9 @@ class Recovery:
     migration_limit: int = MIGRATION_LIMIT
 
 
-# (request id, first missing token, attempt) → the holder's answer, or None when none holds it.
-Ask = Callable[[str, int, int], Awaitable[ResendReply | None]]
+# (request id, worker asked, first missing token, attempt) → the worker's answer, or None when
+# it does not hold the request.
+Ask = Callable[[str, str, int, int], Awaitable[ResendReply | None]]
 Resubmit = Callable[[RequestAccepted], Awaitable[None]]
 
 
@@ -51,7 +65,7 @@ class Follow:
     def __init__(
         self,
         accepted: RequestAccepted,
-        queue: asyncio.Queue[GatewayEvent],
+        queue: asyncio.Queue[Heard],
         recovery: Recovery,
         ask: Ask,
         resubmit: Resubmit,
@@ -67,7 +81,8 @@ class Follow:
         self._order = StreamOrder()
         self._loop = asyncio.get_running_loop()
         self.attempt = 0
-        self._worker: str | None = None  # this attempt's, once one of its events came
+        self._worker: str | None = None  # this attempt's, once the planner placed it
+        self._unplaced: deque[GatewayEvent] = deque(maxlen=UNPLACED_LIMIT)
         now = self._loop.time()
         self._heard = now  # this attempt's latest sign of life
         self._next_ask = now + recovery.silence_s
@@ -87,15 +102,37 @@ class Follow:
             for out in ready:
                 yield out
 
-    async def _take(self, event: GatewayEvent) -> list[GatewayEvent]:
+    async def _take(self, event: Heard) -> list[GatewayEvent]:
         if event.attempt != self.attempt:
             return []  # of an attempt the request moved away from
+        if isinstance(event, RequestPlaced):
+            return await self._placed(event.worker_id)
+        if event.worker_id:
+            if self._worker is None:
+                self._unplaced.append(event)
+                return []
+            if event.worker_id != self._worker:
+                return []  # not the worker this attempt runs on: an impostor
         if isinstance(event, RequestFailed) and event.code == "worker_lost":
             return await self._migrate()
-        if event.worker_id:
-            self._worker = event.worker_id
         self._heard = self._loop.time()
         return self._pass(event)
+
+    async def _placed(self, worker_id: str) -> list[GatewayEvent]:
+        """The attempt's worker is known: take what it sent before, drop what others did."""
+        if self._worker is not None:
+            # A decision taken again after a planner crash is deduplicated away from the
+            # routes stream, so the first placement is the one its worker got.
+            return []
+        self._worker, self._heard = worker_id, self._loop.time()
+        early = [event for event in self._unplaced if event.worker_id == worker_id]
+        self._unplaced.clear()
+        ready: list[GatewayEvent] = []
+        for event in early:
+            if self.ended is not None:
+                break
+            ready.extend(await self._take(event))
+        return ready
 
     def _pass(self, event: GatewayEvent) -> list[GatewayEvent]:
         ready = list(self._order.take(event))
@@ -113,8 +150,10 @@ class Follow:
         return ready
 
     async def _ask(self) -> list[GatewayEvent]:
-        order = self._order
-        reply = await self._ask_holder(self._request_id, order.delivered, self.attempt)
+        order, worker = self._order, self._worker
+        reply = None
+        if worker is not None:
+            reply = await self._ask_holder(self._request_id, worker, order.delivered, self.attempt)
         now = self._loop.time()
         if reply is None:
             if self._held_since is not None:
@@ -130,8 +169,8 @@ class Follow:
         self._heard = now
         ready: list[GatewayEvent] = []
         for batch in reply.batches:
-            self._worker = batch.worker_id
-            ready.extend(self._pass(batch))
+            if batch.worker_id == worker:
+                ready.extend(self._pass(batch))
         if self.ended is None and reply.terminal is not None:
             ready.extend(await self._take(reply.terminal))
             if self.ended is None and reply.complete and order.held is not None:
@@ -169,6 +208,7 @@ class Follow:
         self._order.delivered, self._order.token_ids = order.delivered, order.token_ids
         now = self._loop.time()
         self._worker, self._held_since = None, None
+        self._unplaced.clear()
         self._heard, self._next_ask = now, now + self._rec.silence_s
         await self._resubmit(
             accepted.model_copy(

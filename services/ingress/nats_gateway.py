@@ -1,5 +1,6 @@
-"""The live Gateway: requests out as RequestAccepted, answers back from this instance's subjects;
-a lost batch is asked for again (``lw.resend``) and a request whose worker went moves on
+"""The live Gateway: requests out as RequestAccepted, answers back from this instance's subjects
+(the planner's placements, the workers' tokens and terminals); a lost batch is asked of the
+request's worker again (``lw.resend.<worker>``) and a request whose worker went moves on
 (:mod:`services.ingress.follow`)."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from schemas.events import (
     RequestSpec,
 )
 from schemas.messages import ResendQuery, ResendReply
-from services.ingress.follow import Follow, Recovery
+from services.ingress.follow import Follow, Heard, Recovery
 from services.ingress.gateway import CancelReason, GatewayEvent
 
 
@@ -32,15 +33,16 @@ class NatsGateway:
         self._recovery = recovery or Recovery()
         self._instance_id = instance_id
         self._source = f"ingress/{instance_id}"
-        self._streams: dict[str, asyncio.Queue[GatewayEvent]] = {}
+        self._streams: dict[str, asyncio.Queue[Heard]] = {}
         self._tracer = trace.get_tracer("laneway.ingress")
 
     async def start(self) -> None:
         # Core subscriptions on this instance's own subjects: set up once, lowest latency.
+        await self._bus.subscribe(Subjects.placements(self._instance_id), self._deliver)
         await self._bus.subscribe(Subjects.tokens(self._instance_id), self._deliver)
         await self._bus.subscribe(Subjects.request_terminal(self._instance_id), self._deliver)
 
-    async def _deliver(self, event: GatewayEvent) -> None:
+    async def _deliver(self, event: Heard) -> None:
         queue = self._streams.get(event.request_id or "")
         if queue is not None:
             queue.put_nowait(event)
@@ -48,7 +50,7 @@ class NatsGateway:
     async def submit(
         self, request_id: str, session_id: str | None, spec: RequestSpec
     ) -> AsyncIterator[GatewayEvent]:
-        queue: asyncio.Queue[GatewayEvent] = asyncio.Queue()
+        queue: asyncio.Queue[Heard] = asyncio.Queue()
         self._streams[request_id] = queue
         with self._tracer.start_as_current_span("ingress.request") as span:
             span.set_attribute("laneway.request_id", request_id)
@@ -83,12 +85,14 @@ class NatsGateway:
             finally:
                 del self._streams[request_id]
 
-    async def ask(self, request_id: str, index: int, attempt: int) -> ResendReply | None:
-        """The holder's kept events of ``attempt`` of ``request_id`` from token ``index`` on;
-        None when no worker holds it (or none answers in time)."""
+    async def ask(
+        self, request_id: str, worker_id: str, index: int, attempt: int
+    ) -> ResendReply | None:
+        """``worker_id``'s kept events of ``attempt`` of ``request_id`` from token ``index`` on;
+        None when it does not hold it (or does not answer in time)."""
         try:
             return await self._bus.request(
-                Subjects.resend,
+                Subjects.resend(worker_id),
                 ResendQuery(request_id=request_id, index=index, attempt=attempt),
                 ResendReply,
                 timeout=min(self._recovery.silence_s, 0.5),

@@ -69,11 +69,11 @@ class Outputs:
             attempt=spec.attempt,
         )
         self.kept.published(batch)
-        await self._bus.publish(Subjects.tokens(spec.reply_to), batch)
+        await self._bus.publish(Subjects.tokens(spec.reply_to, self.worker_id), batch)
 
     async def on_resend(self, msg: Msg) -> None:
-        """Answer a resend query for a request held here; one for another's stays unanswered
-        (every worker hears it)."""
+        """Answer a resend query for a request held here (asked of the worker the planner placed
+        it on); one for a request not held stays unanswered."""
         try:
             query = decode_as(ResendQuery, msg.data)
         except (ValidationError, ValueError):
@@ -89,7 +89,8 @@ class Outputs:
         # Awaiting the stream's confirmation here would stall every other request's next step;
         # the publish is queued on the connection behind this request's token deltas, so order
         # holds.
-        self._background.spawn(self._bus.publish(Subjects.request_terminal(reply_to), event))
+        subject = Subjects.request_terminal(reply_to, self.worker_id)
+        self._background.spawn(self._bus.publish(subject, event))
 
     def kv_transferred(self, event: KvTransferred) -> None:
         self._background.spawn(self._bus.publish(Subjects.kv_transferred(self.worker_id), event))

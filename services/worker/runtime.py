@@ -107,7 +107,9 @@ class Worker:
         self._lease = lease
         await lease.start()
         await self._bus.subscribe(Subjects.cancellation_requested, self._handlers.on_cancel)
-        await self._bus.subscribe_bytes(Subjects.resend, self._outputs.on_resend)
+        await self._bus.subscribe_bytes(
+            Subjects.resend(self._opt.worker_id), self._outputs.on_resend
+        )
         await self._bus.subscribe_bytes(
             Subjects.kv_handoff(self._opt.worker_id), self._receiver.blobs.on_msg
         )

@@ -213,7 +213,7 @@ async def test_trace_context_travels_in_headers(bus: Bus) -> None:
     async def on_msg(msg: Msg) -> None:
         received.set_result(msg)
 
-    topic = Subjects.tokens("bustrace")
+    topic = Subjects.tokens("bustrace", "w")
     await bus.nc.subscribe(topic.subject, cb=on_msg)
     await bus.publish(topic, tokens(trace=TraceContext(traceparent=parent)))
     msg = await asyncio.wait_for(received, 5)
@@ -224,7 +224,7 @@ async def test_trace_context_travels_in_headers(bus: Bus) -> None:
 
 async def test_token_deltas_reach_a_live_subscriber(bus: Bus) -> None:
     got: list[TokensGenerated] = []
-    topic = Subjects.tokens("buslive")
+    topic = Subjects.tokens("buslive", "w")
 
     async def handler(event: TokensGenerated) -> None:
         got.append(event)

@@ -36,7 +36,10 @@ IDENTITIES = (
 def test_every_role_named_on_a_channel_may_use_it(identity: Identity) -> None:
     found = nats_permissions(identity)
     for channel in CHANNELS:
-        subjects = {channel.at("x").subject, channel.every.subject}
+        # Any of the channel's subjects with x for one key (and any for the others), or all.
+        n = len(channel.key_names)
+        own = (channel.at(*("x" if i == j else "*" for i in range(n))) for j in range(n))
+        subjects = {channel.every.subject, *(topic.subject for topic in own)}
         roles = {entry.split()[0] for entry in channel.producers}
         assert (identity.role in roles) == bool(subjects & set(found.publish)), channel.pattern
         roles = {entry.split()[0] for entry in channel.consumers}
@@ -57,8 +60,20 @@ def test_a_worker_has_its_own_keyed_subjects_only() -> None:
 
 def test_an_ingress_reads_its_own_answers_only() -> None:
     found = nats_permissions(Identity("ingress", "i1"))
-    assert {"lw.tok.i1", "lw.req.done.i1"} <= set(found.subscribe)
+    assert {"lw.tok.i1.*", "lw.req.done.i1.*", "lw.req.done.i1"} <= set(found.subscribe)
     assert not any(s.startswith(("lw.tok.", "lw.req.done.", "lw.route.")) for s in found.publish)
+
+
+def test_a_worker_sends_answers_under_its_own_name_only() -> None:
+    """Tokens and terminals to any ingress, on subjects naming this worker; not the planner's
+    placements, and resend queries are asked of it alone."""
+    found = nats_permissions(WORKER)
+    answers = {s for s in found.publish if s.startswith(("lw.tok.", "lw.req.done."))}
+    assert answers == {"lw.tok.*.w1", "lw.req.done.*.w1"}
+    assert "lw.resend.w1" in found.subscribe
+    assert not any(s.startswith("lw.resend") and s != "lw.resend.w1" for s in found.subscribe)
+    planner = nats_permissions(Identity("planner"))
+    assert "lw.req.done.*" in planner.publish and "lw.req.done.*.*" in planner.subscribe
 
 
 def test_a_worker_writes_its_own_registration_key_only() -> None:

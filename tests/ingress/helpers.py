@@ -1,19 +1,23 @@
-"""Building an app around a FakeGateway, and reading its SSE answers."""
+"""Building an app around a FakeGateway, reading its SSE answers, and a live gateway's
+requests."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import orjson
 from starlette.applications import Starlette
 
+from schemas.events import RequestSpec, SamplingParams
 from services.common.tokenizer import ByteTokenizer
 from services.ingress.admission import Admission
 from services.ingress.api import create_app
+from services.ingress.gateway import GatewayEvent
 from services.ingress.metrics import IngressMetrics
 from services.ingress.settings import IngressApiSettings
 from tests.ingress.fakes import FakeGateway, Step
@@ -66,3 +70,20 @@ def chat_body(**fields: Any) -> dict[str, Any]:
 
 def completion_body(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "Once upon", **fields}
+
+
+def request_spec(reply_to: str, max_tokens: int = 6) -> RequestSpec:
+    """A three-token prompt for the ingress instance ``reply_to``, due in a minute."""
+    return RequestSpec(
+        model="m",
+        prompt_token_ids=(1, 2, 3),
+        block_size=16,
+        block_hashes=(),
+        sampling=SamplingParams(max_tokens=max_tokens),
+        reply_to=reply_to,
+        deadline=datetime.now(UTC) + timedelta(minutes=1),
+    )
+
+
+async def collect(events: AsyncIterator[GatewayEvent]) -> list[GatewayEvent]:
+    return [event async for event in events]

@@ -4,8 +4,6 @@ live gateway against a real nats-server with a worker that publishes out of orde
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from datetime import UTC, datetime, timedelta
 
 import pytest
 from nats.aio.msg import Msg
@@ -18,8 +16,8 @@ from schemas.events import (
     RequestCancelled,
     RequestFailed,
     RequestFinished,
+    RequestPlaced,
     RequestSpec,
-    SamplingParams,
     TerminalEvent,
     TokensGenerated,
     Usage,
@@ -29,6 +27,7 @@ from services.ingress.follow import Recovery
 from services.ingress.gateway import GatewayEvent
 from services.ingress.nats_gateway import NatsGateway
 from services.ingress.stream_order import StreamOrder
+from tests.ingress.helpers import collect, request_spec
 
 SOURCE = "worker/test"
 
@@ -135,21 +134,33 @@ Script = list[tuple[str, GatewayEvent]]
 INGRESS = "ingress-order"
 
 
-def spec() -> RequestSpec:
-    return RequestSpec(
-        model="m",
-        prompt_token_ids=(1, 2, 3),
-        block_size=16,
-        block_hashes=(),
-        sampling=SamplingParams(max_tokens=6),
-        reply_to=INGRESS,
-        deadline=datetime.now(UTC) + timedelta(minutes=1),
+async def send(bus: Bus, event: GatewayEvent | RequestPlaced) -> None:
+    """Publish ``event`` where its sender would: a worker's on its own subjects, the planner's
+    (a placement, or a failure naming no worker) on the ingress's placements."""
+    if isinstance(event, TokensGenerated):
+        await bus.publish(Subjects.tokens(INGRESS, event.worker_id), event)
+    elif isinstance(event, RequestPlaced | RequestFailed) and (
+        isinstance(event, RequestPlaced) or not event.worker_id
+    ):
+        await bus.publish(Subjects.placements(INGRESS), event)
+    else:
+        assert event.worker_id
+        await bus.publish(Subjects.request_terminal(INGRESS, event.worker_id), event)
+    await bus.nc.flush()
+
+
+def placed(request_id: str, worker_id: str = "w0", attempt: int = 0) -> RequestPlaced:
+    return RequestPlaced(
+        source="planner/test", request_id=request_id, worker_id=worker_id, attempt=attempt
     )
 
 
-async def answer(bus: Bus, request_id: str, script: Script) -> list[GatewayEvent]:
-    """Submit ``request_id`` and answer it, once accepted, with ``script``: each token batch or
-    terminal published, flushed, and given time to be taken before the next goes out."""
+async def answer(
+    bus: Bus, request_id: str, script: Script, place: bool = True
+) -> list[GatewayEvent]:
+    """Submit ``request_id`` and answer it, once accepted, with its placement on w0 (unless not
+    ``place``) and ``script``: each token batch or terminal published, flushed, and given time
+    to be taken before the next goes out."""
     gateway = NatsGateway(bus, INGRESS, Recovery(completion_wait_s=0.3))
     await gateway.start()
     accepted = asyncio.Event()
@@ -162,21 +173,17 @@ async def answer(bus: Bus, request_id: str, script: Script) -> list[GatewayEvent
 
     async def worker() -> None:
         await accepted.wait()
+        if place:
+            await send(bus, placed(request_id))
         for kind, event in script:
-            if kind == "tokens":
-                assert isinstance(event, TokensGenerated)
-                await bus.publish(Subjects.tokens(INGRESS), event)
-            else:
-                assert not isinstance(event, TokensGenerated)
-                await bus.publish(Subjects.request_terminal(INGRESS), event)
-            await bus.nc.flush()
+            assert isinstance(event, TokensGenerated) == (kind == "tokens")
+            await send(bus, event)
             await asyncio.sleep(0.05)
 
-    async def collect(events: AsyncIterator[GatewayEvent]) -> list[GatewayEvent]:
-        return [event async for event in events]
-
     publishing = asyncio.create_task(worker())
-    received = await asyncio.wait_for(collect(gateway.submit(request_id, None, spec())), 5)
+    received = await asyncio.wait_for(
+        collect(gateway.submit(request_id, None, request_spec(INGRESS))), 5
+    )
     await publishing
     return received
 
@@ -222,7 +229,7 @@ async def test_a_batch_lost_on_its_way_is_sent_again_by_its_holder(bus: Bus) -> 
         batches = tuple(b for b in kept if b.index + len(b.token_ids) > query.index)
         await msg.respond(encode(ResendReply(batches=batches, terminal=end)))
 
-    await bus.subscribe_bytes(Subjects.resend, holder)
+    await bus.subscribe_bytes(Subjects.resend("w0"), holder)
     script: Script = [("tokens", kept[0]), ("tokens", kept[2]), ("terminal", end)]
     received = await answer(bus, "resent", script)
     assert text_of(received) == "abcdef"
@@ -246,31 +253,27 @@ async def test_a_request_whose_worker_is_lost_continues_from_the_delivered_token
         if event.request_id != "moved":
             return
         attempts.append(event.spec)
-        script: list[GatewayEvent]
+        script: list[GatewayEvent | RequestPlaced]
         if event.spec.attempt == 0:
             lost = RequestFailed(
                 source=SOURCE, request_id="moved", code="worker_lost", message="lease expired"
             )
-            script = [batch(0, "ab", "moved"), lost]
+            script = [placed("moved"), batch(0, "ab", "moved"), lost]
         else:
             script = [
-                of(batch(2, "cd", "moved"), 1),
+                of(batch(2, "cd", "moved"), 1),  # before its placement: it waits for it
+                placed("moved", attempt=1),
                 of(batch(2, "zz", "moved"), 0),  # the old worker, back from a stall
                 of(batch(4, "ef", "moved"), 1),
                 of(finished(6, "moved"), 1),
             ]
         for item in script:
-            if isinstance(item, TokensGenerated):
-                await bus.publish(Subjects.tokens(INGRESS), item)
-            else:
-                assert not isinstance(item, TokensGenerated)
-                await bus.publish(Subjects.request_terminal(INGRESS), item)
-            await bus.nc.flush()
+            await send(bus, item)
             await asyncio.sleep(0.05)
 
     await bus.subscribe(Subjects.request_accepted, worker)
-    events = gateway.submit("moved", None, spec())
-    received = await asyncio.wait_for(_collect(events), 5)
+    events = gateway.submit("moved", None, request_spec(INGRESS))
+    received = await asyncio.wait_for(collect(events), 5)
     assert text_of(received) == "abcdef"
     assert isinstance(received[-1], RequestFinished)
     moved = attempts[-1]
@@ -279,5 +282,39 @@ async def test_a_request_whose_worker_is_lost_continues_from_the_delivered_token
     assert (moved.sampling.max_tokens, moved.sampling.offset) == (4, 2)
 
 
-async def _collect(events: AsyncIterator[GatewayEvent]) -> list[GatewayEvent]:
-    return [event async for event in events]
+def forged(event: TokensGenerated | RequestFinished) -> GatewayEvent:
+    return event.model_copy(update={"worker_id": "w9", "source": "worker/w9"})
+
+
+async def test_another_workers_tokens_and_terminal_are_dropped(bus: Bus) -> None:
+    """Only the worker the planner placed the request on is heard: another one's batches (the
+    same index with other text, or the next one) and its early end are dropped, before and
+    after the placement came."""
+    script: Script = [
+        ("tokens", batch(0, "ab", "forged")),
+        ("tokens", forged(batch(2, "XX", "forged"))),
+        ("terminal", forged(finished(2, "forged"))),
+        ("tokens", batch(2, "cd", "forged")),
+        ("tokens", forged(batch(4, "YY", "forged"))),
+        ("tokens", batch(4, "ef", "forged")),
+        ("terminal", finished(6, "forged")),
+    ]
+    received = await answer(bus, "forged", script)
+    assert text_of(received) == "abcdef"
+    assert isinstance(received[-1], RequestFinished) and received[-1].worker_id == "w0"
+
+
+async def test_without_a_placement_no_workers_events_reach_the_client(bus: Bus) -> None:
+    """The planner's own failure (naming no worker) is heard without one."""
+    script: Script = [
+        ("tokens", batch(0, "ab", "unplaced")),
+        ("terminal", finished(2, "unplaced")),
+        (
+            "terminal",
+            RequestFailed(
+                source="planner/test", request_id="unplaced", code="no_worker", message="none"
+            ),
+        ),
+    ]
+    received = await answer(bus, "unplaced", script, place=False)
+    assert [type(e).__name__ for e in received] == ["RequestFailed"]

@@ -172,7 +172,7 @@ async def _as_offline_saw_it(
     for view in inputs.decoders:
         while len(open_routes[view.worker_id]) > view.in_flight:
             finished = _finished(open_routes[view.worker_id].pop(0), view.worker_id)
-            await bus.publish(Subjects.request_terminal(REPLY_TO), finished)
+            await bus.publish(Subjects.request_terminal(REPLY_TO, view.worker_id), finished)
     for view in [*inputs.decoders, *inputs.prefillers]:
         await bus.publish(Subjects.load(view.worker_id), _load(view, roles))
     await eventually(

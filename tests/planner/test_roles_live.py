@@ -46,7 +46,7 @@ async def test_a_role_switch_mid_replay_loses_no_request_and_repeats_no_token(
         elif event.type in ("RequestFinished", "RequestFailed", "RequestCancelled"):
             terminals[event.request_id or ""] += 1
 
-    await bus.subscribe(Subjects.tokens(">"), observe)
+    await bus.subscribe(Subjects.all_tokens, observe)
     await bus.subscribe(Subjects.all_request_terminals, observe)
     await bus.subscribe(Subjects.roles_rebalanced, observe)
     trace = [

@@ -1,8 +1,10 @@
 """The attacks of issue 16 on the bus and the store, each against a real NATS and etcd with
 Laneway's auth on (users and permissions as `laneway up` makes them): every one is refused.
 
-What a worker's own credentials still allow (tokens and terminals to any ingress, routes to any
-worker: a prefill worker needs both) is in the README's threat notes, not here."""
+A worker's own credentials send tokens and terminals to any ingress, but on subjects naming that
+worker, and an ingress takes a request's from the worker the planner placed it on alone: a forged
+answer to a request on another worker is dropped (the last tests here). What they still allow
+(routes to any worker: a prefill worker needs that) is in the README's threat notes."""
 
 from __future__ import annotations
 
@@ -26,8 +28,18 @@ from bus.topology import KV, REQUESTS, ROUTES, Subjects, worker_routes
 from infra.cluster_auth import ClusterAuth, secure
 from infra.embedded import EmbeddedServer, start_etcd, start_nats
 from schemas.codec import encode
-from schemas.events import KvBlocksStored
+from schemas.events import (
+    KvBlocksStored,
+    RequestAccepted,
+    RequestFinished,
+    RequestPlaced,
+    TokensGenerated,
+    Usage,
+)
+from services.ingress.follow import Recovery
+from services.ingress.nats_gateway import NatsGateway
 from tests.helpers import eventually, registration
+from tests.ingress.helpers import collect, request_spec
 
 pytestmark = pytest.mark.live
 
@@ -157,11 +169,13 @@ async def test_only_workers_and_planners_end_requests_and_only_workers_send_toke
     the roles that serve requests (another ingress here), never arrives."""
     refusals: list[str] = []
     other = await secured.nats_as(OTHER_INGRESS, refusals)
-    for subject in (Subjects.request_terminal("i1").subject, Subjects.tokens("i1").subject):
+    answers = (Subjects.request_terminal("i1", "w1"), Subjects.tokens("i1", "w1"))
+    for subject in (*(topic.subject for topic in answers), Subjects.placements("i1").subject):
         assert not await _received(secured, subject, other, b"{}")
         await _refused(other, refusals, subject)
     indexer = await secured.nats_as(INDEXER, refusals)
-    assert not await _received(secured, Subjects.request_terminal("i1").subject, indexer, b"{}")
+    terminal = Subjects.request_terminal("i1", "w1").subject
+    assert not await _received(secured, terminal, indexer, b"{}")
 
 
 async def test_only_the_ingress_cancels(secured: Secured) -> None:
@@ -323,3 +337,90 @@ async def test_the_planner_keeps_sessions_and_roles_but_no_worker_key(secured: S
             )
     finally:
         await etcd.close()
+
+
+async def test_a_worker_answers_under_its_own_name_only(secured: Secured) -> None:
+    """Not on another worker's token or terminal subject, not as the planner placing a request,
+    and it does not hear the resend queries asked of another worker."""
+    refusals: list[str] = []
+    worker = await secured.nats_as(WORKER, refusals)
+    assert await _received(secured, Subjects.tokens("i1", "w1").subject, worker, b"{}", True)
+    theirs = (Subjects.tokens("i1", "w2"), Subjects.request_terminal("i1", "w2"))
+    for subject in (*(topic.subject for topic in theirs), Subjects.placements("i1").subject):
+        assert not await _received(secured, subject, worker, b"{}")
+        await _refused(worker, refusals, subject)
+    await worker.subscribe(Subjects.resend("w2"))
+    await _refused(worker, refusals, Subjects.resend("w2"))
+
+
+async def _bus_as(secured: Secured, identity: Identity) -> Bus:
+    return await Bus.connect(secured.creds("nats", identity).within(secured.nats.url), "t")
+
+
+def _batch(worker: str, index: int, text: str) -> TokensGenerated:
+    return TokensGenerated(
+        source=f"worker/{worker}",
+        request_id="victim",
+        worker_id=worker,
+        index=index,
+        token_ids=tuple(text.encode()),
+        text=text,
+    )
+
+
+def _finished(worker: str, tokens: int) -> RequestFinished:
+    return RequestFinished(
+        source=f"worker/{worker}",
+        request_id="victim",
+        worker_id=worker,
+        finish_reason="length",
+        usage=Usage(prompt_tokens=3, completion_tokens=tokens),
+        ttft_ms=1.0,
+        e2e_ms=2.0,
+    )
+
+
+async def test_a_forged_answer_to_a_request_on_another_worker_is_dropped(
+    secured: Secured,
+) -> None:
+    """The issue's injection: w1's credentials send text and an early end for a request the
+    planner placed on w2, first under w1's own name (the ingress drops them), then claiming to
+    be w2 on w1's subject (the bus drops them), then on w2's subjects (the server refuses).
+    The victim's client gets w2's answer, exactly."""
+    planner, ingress = await _bus_as(secured, PLANNER), await _bus_as(secured, INGRESS)
+    victim, attacker = await _bus_as(secured, OTHER_WORKER), await _bus_as(secured, WORKER)
+    refusals: list[str] = []
+    raw = await secured.nats_as(WORKER, refusals)
+    try:
+        await planner.ensure_streams()
+        gateway = NatsGateway(ingress, "i1", Recovery(completion_wait_s=0.3))
+        await gateway.start()
+
+        async def serve(event: RequestAccepted) -> None:
+            placed = RequestPlaced(source="planner/t", request_id="victim", worker_id="w2")
+            await planner.publish(Subjects.placements("i1"), placed)
+            await planner.nc.flush()
+            await attacker.publish(Subjects.tokens("i1", "w1"), _batch("w1", 0, "EVIL"))
+            await attacker.publish(Subjects.request_terminal("i1", "w1"), _finished("w1", 4))
+            await attacker.publish(Subjects.tokens("i1", "w1"), _batch("w2", 0, "EVIL"))
+            await attacker.publish(Subjects.request_terminal("i1", "w1"), _finished("w2", 4))
+            for topic, forged in (
+                (Subjects.tokens("i1", "w2"), _batch("w2", 0, "EVIL")),
+                (Subjects.request_terminal("i1", "w2"), _finished("w2", 4)),
+            ):
+                await raw.publish(topic.subject, encode(forged))
+                await _refused(raw, refusals, topic.subject)
+            await victim.publish(Subjects.tokens("i1", "w2"), _batch("w2", 0, "ab"))
+            await victim.publish(Subjects.tokens("i1", "w2"), _batch("w2", 2, "cd"))
+            await victim.publish(Subjects.request_terminal("i1", "w2"), _finished("w2", 4))
+
+        await planner.subscribe(Subjects.request_accepted, serve)
+        await planner.nc.flush()
+        events = gateway.submit("victim", None, request_spec("i1", max_tokens=4))
+        received = await asyncio.wait_for(collect(events), 10)
+        assert "".join(e.text for e in received if isinstance(e, TokensGenerated)) == "abcd"
+        ended = received[-1]
+        assert isinstance(ended, RequestFinished) and ended.worker_id == "w2"
+    finally:
+        for bus in (planner, ingress, victim, attacker):
+            await bus.close()

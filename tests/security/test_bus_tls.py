@@ -36,7 +36,7 @@ async def _round_trip(bus: Bus) -> None:
     async def on_tokens(event: TokensGenerated) -> None:
         got.append(event)
 
-    topic = Subjects.tokens("tls")
+    topic = Subjects.tokens("tls", "w")
     await bus.subscribe(topic, on_tokens)
     await bus.nc.flush()
     event = TokensGenerated(
