@@ -16,7 +16,7 @@ from infra.bench.live import replay_live
 from infra.bench.metrics import ReplayResult
 from infra.bench.offline import OfflineReplay
 from infra.bench.report import format_table, write_json
-from infra.bench.tiers import TierSettings, add_tier_arguments, tier_settings
+from infra.bench.tiers import TierSettings, add_tier_arguments, live_env, tier_settings
 from infra.bench.traces import TraceRequest, load_trace
 from infra.cluster import ClusterConfig, LocalCluster
 from infra.embedded import free_port
@@ -283,6 +283,7 @@ def _live(
                 policy=policy,
                 env={
                     **_disagg_env(args),
+                    **live_env(args.tiers, args.num_gpu_blocks),
                     "LANEWAY_PERF_MODEL": args.perf_model,
                     "LANEWAY_SPEEDUP": str(args.time_scale),
                     "LANEWAY_SEED": str(args.seed),
@@ -296,7 +297,7 @@ def _live(
         )
         cluster.start()
         try:
-            return asyncio.run(
+            result = asyncio.run(
                 replay_live(
                     trace,
                     cluster.config.base_url,
@@ -307,6 +308,8 @@ def _live(
                     progress=progress,
                 )
             )
+            result.report["kv_tiers"] = args.tiers.report()
+            return result
         finally:
             cluster.stop()
 
@@ -324,6 +327,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         args.tiers = tier_settings(args, sum(_pools(args)))
+        if args.mode == "live":
+            live_env(args.tiers, args.num_gpu_blocks)
     except ValueError as e:
         print(f"laneway bench: {e}", file=sys.stderr)
         return 2

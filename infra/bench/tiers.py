@@ -49,13 +49,13 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-kv-ratio",
         type=float,
         default=defaults.host_kv_ratio,
-        help="offline: host-memory KV tier per worker, as a multiple of its GPU KV (0: none)",
+        help="host-memory KV tier per worker, as a multiple of its GPU KV (0: none)",
     )
     parser.add_argument(
         "--host-link-gb-s",
         type=float,
         default=defaults.host_link_gb_s,
-        help="offline: PCIe bandwidth a host-tier hit loads over",
+        help="PCIe bandwidth a host-tier hit loads over",
     )
     parser.add_argument(
         "--topology",
@@ -68,8 +68,8 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[defaults.output_length],
         metavar="MODE",
-        help="offline: output length the planner is told: oracle (the trace's), predicted "
-        "(learned from finished requests), or max-tokens N",
+        help="output length the planner is told: oracle (the trace's), predicted (learned "
+        "from finished requests), or max-tokens N (offline only)",
     )
 
 
@@ -86,6 +86,24 @@ def tier_settings(args: argparse.Namespace, workers: int) -> TierSettings:
     if args.host_kv_ratio < 0 or args.host_link_gb_s <= 0:
         raise ValueError("--host-kv-ratio must be >= 0 and --host-link-gb-s positive")
     return TierSettings(args.host_kv_ratio, args.host_link_gb_s, args.topology, mode, max_tokens)
+
+
+def live_env(settings: TierSettings, num_gpu_blocks: int) -> dict[str, str]:
+    """The workers' and planner's settings of a live replay; ValueError for what only an
+    offline one models (its workers share one environment, so no topology; the client's
+    max_tokens is the length generated, so no other one to tell the planner)."""
+    if settings.topology is not None:
+        raise ValueError("--topology is offline only (live workers say LANEWAY_NODE themselves)")
+    if settings.output_length == "max-tokens":
+        raise ValueError("--output-length max-tokens is offline only")
+    oracle = settings.output_length == "oracle"
+    return {
+        "LANEWAY_HOST_KV_BLOCKS": str(round(settings.host_kv_ratio * num_gpu_blocks)),
+        "LANEWAY_HOST_LINK_GB_S": str(settings.host_link_gb_s),
+        "LANEWAY_KV_HOST_LINK_GB_S": str(settings.host_link_gb_s),
+        # Live, the client's max_tokens is the trace's true length: `oracle` is trusting it.
+        "LANEWAY_OUTPUT_LENGTH": "max-tokens" if oracle else "predicted",
+    }
 
 
 def placement(index: int, topology: tuple[int, int] | None) -> str:

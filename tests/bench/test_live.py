@@ -142,3 +142,28 @@ def test_live_bench_with_a_prefill_pool(small_trace: Path, tmp_path: Path) -> No
     assert report["remote_prefills"] == 12
     assert set(report["pool_busy_fraction"]) == {"prefill", "decode"}
     assert report["pool_busy_fraction"]["prefill"] > 0
+
+
+def test_live_bench_with_host_tiers_and_predicted_lengths(
+    small_trace: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "live-tiers.json"
+    bench = [
+        sys.executable, "-m", "infra.cli", "bench", "--trace", str(small_trace), "--mode", "live",
+        "--time-scale", "10", "--policy", "kv", "--workers", "2",
+    ]  # fmt: skip
+    run = subprocess.run(
+        [*bench, "--num-gpu-blocks", "512", "--host-kv-ratio", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())["kv"]
+    assert report["completed"] == 12 and report["failed"] == 0
+    assert report["kv_tiers"]["host_kv_ratio"] == 2.0
+    assert report["kv_tiers"]["output_length"] == "predicted"
+    # What live workers cannot be told is refused before anything starts.
+    for offline_only in (["--topology", "1x2"], ["--output-length", "max-tokens", "8"]):
+        refused = subprocess.run(
+            [*bench, *offline_only], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert refused.returncode == 2 and "offline only" in refused.stderr
