@@ -40,6 +40,8 @@ class Routed:
     session_id: str | None
     attempt: int = 0
     """Times the request moved to another worker before this route (migration)."""
+    expected_tokens: int | None = None
+    """The output length it was routed with, when a predictor gave one."""
 
 
 class ClusterView:
@@ -94,14 +96,16 @@ class ClusterView:
         route = self._routed.get(request_id)
         return route is not None and route.attempt >= attempt
 
-    def finished(self, request_id: str, worker_id: str | None = None) -> None:
-        """The request ended; ``worker_id``: on that worker, so not a later attempt's route."""
+    def finished(self, request_id: str, worker_id: str | None = None) -> Routed | None:
+        """The request ended; ``worker_id``: on that worker, so not a later attempt's route.
+        Returns the route it ended, if this planner made it."""
         route = self._routed.get(request_id)
         if route is None or (worker_id is not None and route.worker_id != worker_id):
-            return
+            return None
         del self._routed[request_id]
         if route.worker_id in self._in_flight:
             self._in_flight[route.worker_id] -= 1
+        return route
 
     def decision_inputs(
         self,

@@ -137,7 +137,7 @@ class Planner:
             span.set_attribute("laneway.prefill_worker_id", remote)
         self.cluster.routed(
             event.request_id,
-            Routed(worker_id, spec.reply_to, event.session_id, spec.attempt),
+            Routed(worker_id, spec.reply_to, event.session_id, spec.attempt, expected),
             decision.queued_tokens,
             time.time(),
             remote,
@@ -232,11 +232,15 @@ class Planner:
         return reply.overlaps, reply.host_runs
 
     async def on_terminal(self, event: TerminalEvent) -> None:
+        route = None
         if event.request_id:
-            self.cluster.finished(event.request_id, event.worker_id)
+            route = self.cluster.finished(event.request_id, event.worker_id)
         if self._lengths is not None and isinstance(event, RequestFinished):
             usage = event.usage
             self._lengths.observe(event.session_id, usage.prompt_tokens, usage.completion_tokens)
+            if route is not None and route.expected_tokens is not None:
+                error = abs(route.expected_tokens - usage.completion_tokens)
+                self.metrics.output_length_error.observe(error)
 
     async def on_load(self, event: WorkerLoadReported) -> None:
         self.cluster.report(event)

@@ -89,6 +89,13 @@ class PlannerMetrics:
             ["to_role"],
             registry=self.registry,
         )
+        self.output_length_error = Histogram(
+            "laneway_planner_output_length_error_tokens",
+            "How far the output length a request was routed with was from what it generated "
+            "(absolute, tokens), for the requests this replica routed with a predicted one.",
+            buckets=(1, 4, 16, 64, 256, 1024, 4096),
+            registry=self.registry,
+        )
         self.registry.register(_Pools(cluster))
 
     def decided(self, decision: Decision) -> None:

@@ -34,12 +34,12 @@ HASHES = tuple(range(BLOCKS))
 NEVER = DisaggSettings(mode="never")
 
 
-def _finished(request_id: str, completion_tokens: int) -> RequestFinished:
+def _finished(request_id: str, completion_tokens: int, worker_id: str = "a") -> RequestFinished:
     return RequestFinished(
         source="test",
         request_id=request_id,
         session_id="s",
-        worker_id="a",
+        worker_id=worker_id,
         finish_reason="stop",
         usage=Usage(prompt_tokens=BLOCKS * 16, completion_tokens=completion_tokens),
         ttft_ms=1.0,
@@ -112,6 +112,12 @@ async def test_host_runs_places_and_learned_lengths_reach_the_decision(
         # settings alone.
         policy, disagg = settings_of(configured("planner/tiers", "kv", 0, settings, NEVER, "0"))
         assert differences(route, redecide(route, policy, disagg)) == []
+        # Its answer ends up 13 tokens longer than predicted: the predictor's error, measured.
+        await planner.on_terminal(_finished("r-tiers", 50, worker_id="b"))
+        registry = planner.metrics.registry
+        errors = "laneway_planner_output_length_error_tokens"
+        assert registry.get_sample_value(f"{errors}_count") == 1
+        assert registry.get_sample_value(f"{errors}_sum") == 13
     finally:
         await bus.close()
 
