@@ -32,8 +32,10 @@ async def enable_auth(
     timeout: int = 5,
     tls: TlsFiles | None = None,
 ) -> None:
+    """TLS from ``tls`` or else the ``LANEWAY_ETCD_TLS_*`` settings, as every service's."""
     if root.user != ROOT:
         raise ValueError(f"etcd's bootstrap user is {ROOT}, not {root.user}")
+    tls = tls or TlsFiles.from_env("ETCD")
     host, port = etcd_endpoints(endpoints)[0]
     # As root where auth is on already; etcd refuses the login where it is not.
     client = TlsClient(

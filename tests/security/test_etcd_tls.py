@@ -74,14 +74,17 @@ async def test_a_client_not_trusting_the_ca_is_refused(
         await client.close()
 
 
-async def test_auth_turned_on_over_tls(tls_etcd: tuple[EmbeddedServer, Path]) -> None:
-    """Last in the module: it leaves auth on. A worker then logs in over TLS and may write its
-    own key only."""
+async def test_auth_turned_on_over_tls(
+    tls_etcd: tuple[EmbeddedServer, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Last in the module: it leaves auth on. The bootstrap finds the CA in the settings, as
+    `laneway up` runs it; a worker then logs in over TLS and may write its own key only."""
     server, ca = tls_etcd
     tls = TlsFiles(ca)
     root, worker = Credentials(ROOT, "r" * 32), Credentials("worker-w1", "w" * 32)
     endpoint = f"127.0.0.1:{server.port}"
-    await enable_auth(endpoint, root, {Identity("worker", "w1"): worker}, tls=tls)
+    monkeypatch.setenv("LANEWAY_ETCD_TLS_CA", str(ca))
+    await enable_auth(endpoint, root, {Identity("worker", "w1"): worker})
     client = TlsClient(
         host="127.0.0.1",
         port=server.port,
