@@ -130,6 +130,8 @@ class Planner:
         if self._sessions is not None and event.session_id is not None:
             decision = await self._bind_session(event.session_id, owner, decision, inputs)
         self.metrics.decided(decision)
+        if spec.attempt:
+            self.metrics.migrations.inc()
         worker_id, remote = decision.worker_id, decision.prefill_worker_id
         span = trace.get_current_span()
         span.set_attribute("laneway.worker_id", worker_id)

@@ -89,6 +89,12 @@ class PlannerMetrics:
             ["to_role"],
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "laneway_planner_migrations",
+            "Requests routed again on another worker after theirs was lost, stalled or drained "
+            "(decisions of an attempt after the first).",
+            registry=self.registry,
+        )
         self.output_length_error = Histogram(
             "laneway_planner_output_length_error_tokens",
             "How far the output length a request was routed with was from what it generated "

@@ -59,6 +59,15 @@ async def observe_moves(cluster: LocalCluster) -> tuple[Bus, Moves]:
     return bus, moves
 
 
+async def planner_migrations(cluster: LocalCluster) -> float:
+    """What the planner's metrics say it migrated."""
+    (planner,) = [s for s in cluster.services if s.name == "planner"]
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://127.0.0.1:{planner.metrics_port}/metrics")).text
+    (line,) = [x for x in text.splitlines() if x.startswith("laneway_planner_migrations_total ")]
+    return float(line.split()[1])
+
+
 async def test_a_killed_workers_streams_continue_exactly_on_the_other(
     cluster_factory: ClusterFactory,
 ) -> None:
@@ -75,6 +84,7 @@ async def test_a_killed_workers_streams_continue_exactly_on_the_other(
     await eventually(lambda: moves.routes, timeout=2)
     assert {r.worker_id for r in moves.routes} == set(workers) - {victim.worker_id}
     assert all(r.spec.attempt == 1 and r.spec.sampling.offset > 0 for r in moves.routes)
+    assert await planner_migrations(cluster) == len(moves.routes)
     await bus.close()
 
 
