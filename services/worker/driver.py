@@ -28,6 +28,9 @@ class EngineDriver:
         self.busy_s = 0.0
         self.last_step_s = 0.0
         self._ops: list[Callable[[], object]] = []
+        # Steps begun so far: a request set change made now is first seen by step `steps + 1`,
+        # and the result handed to `run`'s `on_step` is that of step `steps`.
+        self.steps = 0
         # Requests the engine would not take, to fail from the event loop.
         self._refused: list[tuple[str, str]] = []
         self._wake = asyncio.Event()
@@ -83,6 +86,7 @@ class EngineDriver:
         ops, self._ops = self._ops, []
         for op in ops:
             op()
+        self.steps += 1
         return self.engine.step()
 
     async def run(

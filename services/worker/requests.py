@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +62,9 @@ class Active:
     stream: RequestStream
     awaiting: Awaiting | None = None
     prefilled_by: str | None = None
+    first_step: int = sys.maxsize
+    """The first engine step that runs this request (set once the engine has it): an earlier
+    step's output under its id is of an attempt it replaced here."""
 
 
 class Requests:
@@ -113,10 +117,13 @@ class Requests:
     ) -> None:
         """Give the engine ``request``, after ``before`` (an engine op: a hand-off's KV import,
         true if the KV was taken); ``handed_off``: the leading prompt tokens that KV covers."""
+        state = self.active.get(request.request_id)
 
         def add() -> None:
             taken = before() if before is not None else True
             self._driver.add(request, handed_off if taken else 0)
+            if state is not None:
+                state.first_step = self._driver.steps + 1
 
         self._driver.op(add)
         await self.fail_refused()
@@ -148,8 +155,11 @@ class Requests:
             elif request_id in self.active and self.active[request_id].awaiting is None:
                 await self.fail(request_id, f"engine error: {err}")
 
-    async def output(self, output: RequestOutput, stalled: bool = False) -> None:
-        """``stalled``: the step that produced it also computed prompt tokens."""
+    async def output(
+        self, output: RequestOutput, stalled: bool = False, step: int | None = None
+    ) -> None:
+        """``stalled``: the step that produced it also computed prompt tokens; ``step``: that
+        step's number (None: not an engine step's, a hand-off's first token)."""
         request_id = output.request_id
         if request_id in self.prefills:
             if output.finished:
@@ -157,6 +167,10 @@ class Requests:
             return
         state = self.active.get(request_id)
         if state is None:  # cancelled while the step ran
+            return
+        if step is not None and step < state.first_step:
+            # The step ran the attempt this one replaced (its route came while the step ran):
+            # its token is not this attempt's, whose answer would repeat it.
             return
         chunk = state.stream.push(output, time.monotonic(), stalled)
         if chunk is not None:

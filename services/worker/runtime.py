@@ -178,7 +178,9 @@ class Worker:
         self.metrics.step(result, self._driver.last_step_s)
         await self._requests.fail_refused()
         for output in result.outputs:
-            await self._requests.output(output, stalled=result.prefill_tokens > 0)
+            await self._requests.output(
+                output, stalled=result.prefill_tokens > 0, step=self._driver.steps
+            )
         if result.kv_changes and self._opt.kv_events:
             await self._outputs.kv(result.kv_changes)
         loop = asyncio.get_running_loop()

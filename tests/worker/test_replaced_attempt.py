@@ -1,0 +1,112 @@
+"""A request that moved away from a worker and back: the new attempt replaces the old one there
+(same request id in the engine), and no output of a step that ran the old one may go into the new
+attempt's answer (a step's outputs are handed over after its duration is waited out, and the
+route of the new attempt may come meanwhile)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any, cast
+
+from bus.blobs import BlobAssembler
+from bus.client import Bus
+from schemas.events import (
+    RequestFinished,
+    RequestSpec,
+    RouteDecided,
+    SamplingParams,
+    TokensGenerated,
+)
+from services.common.tokenizer import ByteTokenizer
+from services.engine.protocol import EngineRequest, StepResult
+from services.worker.driver import EngineDriver
+from services.worker.handlers import Handlers
+from services.worker.handoff import PrefillSide
+from services.worker.outputs import Background, Outputs
+from services.worker.requests import Requests
+from tests.engine._sim_support import make_engine, run_to_end, tokens_by_request
+
+PROMPT = tuple(b"tell me story number 44")
+
+
+class FakeBus:
+    def __init__(self) -> None:
+        self.published: list[object] = []
+
+    async def publish(self, subject: str, event: object) -> None:
+        self.published.append(event)
+
+
+def spec(attempt: int) -> RequestSpec:
+    return RequestSpec(
+        model="m",
+        prompt_token_ids=PROMPT,
+        block_size=4,
+        block_hashes=(),
+        sampling=SamplingParams(max_tokens=2, seed=44),
+        reply_to="i",
+        deadline=datetime(2100, 1, 1, tzinfo=UTC),
+        attempt=attempt,
+    )
+
+
+def whole_answer() -> bytes:
+    engine, request = make_engine(), spec(0)
+    engine.add_request(EngineRequest("r", request.prompt_token_ids, request.sampling, ()))
+    return bytes(tokens_by_request(run_to_end(engine))["r"])
+
+
+async def test_a_replaced_attempt_takes_no_output_of_a_step_that_ran_the_old_one() -> None:
+    driver = EngineDriver(make_engine(), speedup=1000.0)
+    bus, background = FakeBus(), Background()
+    outputs = Outputs(cast(Bus, bus), "w1", background)
+    prefill = PrefillSide(cast(Any, None), driver, background)
+    requests = Requests(driver, outputs, prefill, BlobAssembler())
+
+    handlers = Handlers("w1", requests, prefill, cast(Any, None), ByteTokenizer(), 0.0)
+
+    async def route(attempt: int) -> None:
+        await handlers.on_route(
+            RouteDecided(
+                source="test",
+                request_id="r",
+                worker_id="w1",
+                policy="test",
+                reason="test",
+                candidates=(),
+                spec=spec(attempt),
+            )
+        )
+
+    async def on_step(result: StepResult) -> None:
+        if driver.steps == 1:
+            # The old attempt's first token is computed; the new attempt's route comes before
+            # it is handed over.
+            await route(1)
+        for output in result.outputs:
+            await requests.output(output, step=driver.steps)
+
+    async def on_error(err: Exception) -> None:
+        raise err
+
+    await route(0)
+    stepping = asyncio.create_task(driver.run(on_step, on_error))
+    try:
+        async with asyncio.timeout(10):
+            while not stepping.done() and not any(
+                isinstance(e, RequestFinished) for e in bus.published
+            ):
+                await asyncio.sleep(0.01)
+    finally:
+        stepping.cancel()
+        await asyncio.gather(stepping, return_exceptions=True)
+    await background.finish()
+    batches = [e for e in bus.published if isinstance(e, TokensGenerated)]
+    assert {b.attempt for b in batches} == {1}
+    whole = whole_answer()
+    assert b"".join(bytes(b.token_ids) for b in batches) == whole
+    assert "".join(b.text for b in batches) == whole.decode()
+    assert [b.index for b in batches] == [0, 1]
+    finished = next(e for e in bus.published if isinstance(e, RequestFinished))
+    assert finished.attempt == 1 and finished.usage.completion_tokens == len(whole)
