@@ -55,6 +55,10 @@ class Handlers:
             self._requests.forget(request_id)
         elif self._requests.holds(request_id):  # a redelivery
             return
+        elif self._requests.ran(request_id, event.spec.attempt):
+            # A redelivery after it ended (its ack was lost): run again, it would publish the
+            # attempt's tokens anew, chunked otherwise than what its stream already has.
+            return
         remote = event.prefill.prefill_worker_id if event.prefill is not None else None
         if remote == self._worker_id and event.worker_id != self._worker_id:
             await self._start_prefill(event)

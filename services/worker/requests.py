@@ -97,6 +97,11 @@ class Requests:
     def holds(self, request_id: str) -> bool:
         return request_id in self.active or request_id in self.prefills
 
+    def ran(self, request_id: str, attempt: int) -> bool:
+        """``attempt`` of the request, or a later one, ended here not long ago."""
+        kept = self._outputs.kept.attempt(request_id)
+        return kept is not None and kept >= attempt
+
     @property
     def in_flight(self) -> bool:
         return bool(self.active or self.prefills)

@@ -80,6 +80,11 @@ class TokenLog:
                 break
             self._drop(request_id)
 
+    def attempt(self, request_id: str) -> int | None:
+        """The attempt of ``request_id`` kept here (running or ended), if any."""
+        kept = self._running.get(request_id) or self._ended.get(request_id)
+        return None if kept is None else kept.attempt
+
     def reply(self, request_id: str, index: int, attempt: int = 0) -> ResendReply | None:
         """The batches of the request's ``attempt`` from token ``index`` on (and the terminal,
         once ended); None: that attempt is not held here."""

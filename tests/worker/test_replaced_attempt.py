@@ -6,6 +6,7 @@ route of the new attempt may come meanwhile)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -57,17 +58,22 @@ def whole_answer() -> bytes:
     return bytes(tokens_by_request(run_to_end(engine))["r"])
 
 
-async def test_a_replaced_attempt_takes_no_output_of_a_step_that_ran_the_old_one() -> None:
-    driver = EngineDriver(make_engine(), speedup=1000.0)
-    bus, background = FakeBus(), Background()
-    outputs = Outputs(cast(Bus, bus), "w1", background)
-    prefill = PrefillSide(cast(Any, None), driver, background)
-    requests = Requests(driver, outputs, prefill, BlobAssembler())
+class Worker:
+    """A worker's route handling and engine stepping, publishing to a list."""
 
-    handlers = Handlers("w1", requests, prefill, cast(Any, None), ByteTokenizer(), 0.0)
+    def __init__(self) -> None:
+        self.driver = EngineDriver(make_engine(), speedup=1000.0)
+        self.bus, background = FakeBus(), Background()
+        outputs = Outputs(cast(Bus, self.bus), "w1", background)
+        prefill = PrefillSide(cast(Any, None), self.driver, background)
+        self.requests = Requests(self.driver, outputs, prefill, BlobAssembler())
+        self._handlers = Handlers("w1", self.requests, prefill, cast(Any, None), ByteTokenizer(), 0)
+        self._background = background
+        # Called with each step's number before its outputs are handed over.
+        self.before_outputs: Callable[[int], Awaitable[None]] | None = None
 
-    async def route(attempt: int) -> None:
-        await handlers.on_route(
+    async def route(self, attempt: int) -> None:
+        await self._handlers.on_route(
             RouteDecided(
                 source="test",
                 request_id="r",
@@ -79,34 +85,68 @@ async def test_a_replaced_attempt_takes_no_output_of_a_step_that_ran_the_old_one
             )
         )
 
-    async def on_step(result: StepResult) -> None:
-        if driver.steps == 1:
+    async def run_until_finished(self, attempt: int) -> None:
+        async def on_step(result: StepResult) -> None:
+            if self.before_outputs is not None:
+                await self.before_outputs(self.driver.steps)
+            for output in result.outputs:
+                await self.requests.output(output, step=self.driver.steps)
+
+        async def on_error(err: Exception) -> None:
+            raise err
+
+        def finished() -> bool:
+            return any(
+                isinstance(e, RequestFinished) and e.attempt == attempt for e in self.bus.published
+            )
+
+        stepping = asyncio.create_task(self.driver.run(on_step, on_error))
+        try:
+            async with asyncio.timeout(10):
+                while not stepping.done() and not finished():
+                    await asyncio.sleep(0.01)
+        finally:
+            stepping.cancel()
+            await asyncio.gather(stepping, return_exceptions=True)
+        await self._background.finish()
+
+    def batches(self) -> list[TokensGenerated]:
+        return [e for e in self.bus.published if isinstance(e, TokensGenerated)]
+
+
+async def test_a_replaced_attempt_takes_no_output_of_a_step_that_ran_the_old_one() -> None:
+    worker = Worker()
+
+    async def before_outputs(step: int) -> None:
+        if step == 1:
             # The old attempt's first token is computed; the new attempt's route comes before
             # it is handed over.
-            await route(1)
-        for output in result.outputs:
-            await requests.output(output, step=driver.steps)
+            await worker.route(1)
 
-    async def on_error(err: Exception) -> None:
-        raise err
-
-    await route(0)
-    stepping = asyncio.create_task(driver.run(on_step, on_error))
-    try:
-        async with asyncio.timeout(10):
-            while not stepping.done() and not any(
-                isinstance(e, RequestFinished) for e in bus.published
-            ):
-                await asyncio.sleep(0.01)
-    finally:
-        stepping.cancel()
-        await asyncio.gather(stepping, return_exceptions=True)
-    await background.finish()
-    batches = [e for e in bus.published if isinstance(e, TokensGenerated)]
+    worker.before_outputs = before_outputs
+    await worker.route(0)
+    await worker.run_until_finished(1)
+    batches = worker.batches()
     assert {b.attempt for b in batches} == {1}
     whole = whole_answer()
     assert b"".join(bytes(b.token_ids) for b in batches) == whole
     assert "".join(b.text for b in batches) == whole.decode()
     assert [b.index for b in batches] == [0, 1]
-    finished = next(e for e in bus.published if isinstance(e, RequestFinished))
+    finished = next(e for e in worker.bus.published if isinstance(e, RequestFinished))
     assert finished.attempt == 1 and finished.usage.completion_tokens == len(whole)
+
+
+async def test_a_route_redelivered_after_its_attempt_ended_here_is_not_run_again() -> None:
+    worker = Worker()
+    await worker.route(0)
+    await worker.run_until_finished(0)
+    first = len(worker.bus.published)
+    await worker.route(0)
+    assert not worker.requests.in_flight
+    assert len(worker.bus.published) == first
+    # A later attempt that comes back here does run.
+    await worker.route(1)
+    await worker.run_until_finished(1)
+    for attempt in (0, 1):
+        batches = [b for b in worker.batches() if b.attempt == attempt]
+        assert b"".join(bytes(b.token_ids) for b in batches) == whole_answer()

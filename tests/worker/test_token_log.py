@@ -68,3 +68,14 @@ def test_a_long_answer_comes_back_in_bounded_replies() -> None:
     rest = log.reply("r", first.batches[-1].index + 4_000)
     assert rest is not None
     assert len(first.batches) + len(rest.batches) == 200 or not rest.complete
+
+
+def test_the_kept_attempt_is_known_while_running_and_after_the_end() -> None:
+    log = TokenLog()
+    assert log.attempt("r") is None
+    log.started("r", attempt=2)
+    assert log.attempt("r") == 2
+    log.ended(ended("r"), now=0.0)
+    assert log.attempt("r") == 2
+    log.expire(now=60.0)
+    assert log.attempt("r") is None
