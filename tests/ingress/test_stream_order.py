@@ -4,6 +4,7 @@ live gateway against a real nats-server with a worker that publishes out of orde
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from nats.aio.msg import Msg
@@ -90,6 +91,27 @@ def test_batches_go_out_by_index_and_repeats_are_dropped() -> None:
     assert text_of(out) == "abcdef"
     assert isinstance(out[-1], RequestFinished) and len(out) == 4
     assert order.delivered == 6
+
+
+def test_no_arrival_order_of_two_chunkings_repeats_or_reorders_a_token() -> None:
+    """The same answer published twice, cut otherwise (a batch from each can overlap the other's
+    by some tokens), arriving in any order: the client gets a prefix of the answer, never a token
+    twice. A batch that starts before the delivered token is dropped whole (its text cannot be cut
+    by token), so a gap it leaves is asked for again rather than filled from it."""
+    one = [batch(0, "ab"), batch(2, "cd"), batch(4, "ef")]
+    other = [batch(0, "a"), batch(1, "bcd"), batch(4, "e"), batch(5, "f")]
+    for arrivals in itertools.permutations([*one, *other]):
+        text = text_of(replay(StreamOrder(), list(arrivals)))
+        assert "abcdef".startswith(text), (arrivals, text)
+
+
+def test_every_arrival_order_of_one_chunking_and_its_resends_is_the_answer() -> None:
+    batches = [batch(0, "a"), batch(1, "bcd"), batch(4, "ef")]
+    events: list[GatewayEvent] = [*batches, batches[1], finished(6)]
+    for arrivals in itertools.permutations(events):
+        out = replay(StreamOrder(), list(arrivals))
+        assert text_of(out) == "abcdef" and isinstance(out[-1], RequestFinished), arrivals
+        assert len(out) == 4
 
 
 def test_only_the_first_terminal_counts() -> None:

@@ -1,0 +1,93 @@
+"""One request followed across its attempts when the bus loses and delays messages (a NATS node
+that stops answering), pure: a fake queue, resend holder and resubmission. Whatever arrives late,
+twice or not at all, the client gets the answer once, in order."""
+
+from __future__ import annotations
+
+import asyncio
+
+from schemas.events import RequestAccepted, RequestPlaced, TokensGenerated
+from schemas.messages import ResendReply
+from services.ingress.follow import Follow, Heard, Recovery
+from services.ingress.gateway import GatewayEvent
+from tests.ingress.helpers import collect, request_spec
+from tests.ingress.test_stream_order import batch, finished, text_of
+
+FAST = Recovery(completion_wait_s=0.2, silence_s=0.05, orphan_s=0.3, unrouted_s=0.3)
+
+
+def placed(worker_id: str, attempt: int) -> RequestPlaced:
+    return RequestPlaced(source="planner/t", request_id="r1", worker_id=worker_id, attempt=attempt)
+
+
+def of(event: GatewayEvent, worker_id: str, attempt: int) -> GatewayEvent:
+    return event.model_copy(update={"worker_id": worker_id, "attempt": attempt})
+
+
+async def follow(
+    on_resubmit: dict[int, list[Heard]],
+) -> tuple[list[GatewayEvent], list[RequestAccepted]]:
+    """Follow request r1 (max_tokens 6) whose holders answer no resend query; each attempt's
+    resubmission puts its events in the queue."""
+    queue: asyncio.Queue[Heard] = asyncio.Queue()
+    accepted = RequestAccepted(source="ingress/t", request_id="r1", spec=request_spec("t"))
+    resubmitted: list[RequestAccepted] = []
+
+    async def resend(_: str, worker: str, index: int, attempt: int) -> ResendReply | None:
+        return None
+
+    async def resubmit(moved: RequestAccepted) -> None:
+        resubmitted.append(moved)
+        for event in on_resubmit.get(moved.spec.attempt, []):
+            queue.put_nowait(event)
+
+    for event in on_resubmit.get(0, []):
+        queue.put_nowait(event)
+    out = Follow(accepted, queue, FAST, resend, resubmit, "ingress/t")
+    return await asyncio.wait_for(collect(out.events()), 5), resubmitted
+
+
+async def test_a_request_no_worker_took_up_moves_on_and_its_first_attempt_comes_too_late() -> None:
+    """The frozen node held the first attempt's route (and its placement was lost): the request
+    was submitted again, and both attempts then ran, the first one's events arriving among the
+    second's."""
+    late = [
+        of(batch(0, "ab"), "w1", 0),
+        placed("w1", 0),
+        of(batch(2, "cdef"), "w1", 0),
+        of(finished(6), "w1", 0),
+    ]
+    second = [
+        of(batch(0, "ab"), "w1", 1),  # before its placement: held for it
+        *late,
+        placed("w1", 1),
+        of(batch(2, "cd"), "w1", 1),
+        of(batch(4, "ef"), "w1", 1),
+        of(finished(6), "w1", 1),
+    ]
+    out, resubmitted = await follow({0: [of(batch(0, "a"), "w1", 0)], 1: second})
+    assert text_of(out) == "abcdef"
+    assert [e.attempt for e in out] == [1, 1, 1, 1]
+    assert [m.spec.attempt for m in resubmitted] == [1]
+
+
+async def test_a_silent_worker_after_the_first_tokens_continues_from_them_once() -> None:
+    """The worker's later batches and terminal were lost and it answers no resend query: the
+    next attempt goes on from the two tokens the client has, and the old worker's events that come
+    after it (the node thawed) are dropped."""
+    first = [placed("w1", 0), of(batch(0, "ab"), "w1", 0)]
+    continued = [
+        of(batch(2, "cd"), "w1", 0),  # the old attempt, late
+        placed("w2", 1),
+        of(batch(4, "ef"), "w1", 0),
+        of(batch(2, "cd"), "w2", 1),
+        of(batch(2, "cd"), "w2", 1),  # twice
+        of(finished(6), "w1", 0),
+        of(batch(4, "ef"), "w2", 1),
+        of(finished(6), "w2", 1),
+    ]
+    out, resubmitted = await follow({0: first, 1: continued})
+    assert text_of(out) == "abcdef"
+    assert sum(isinstance(e, TokensGenerated) for e in out) == 3
+    (moved,) = resubmitted
+    assert moved.spec.sampling.offset == 2 and moved.spec.prompt_token_ids[-2:] == tuple(b"ab")
