@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, cast
 
+import pytest
+
 from bus.blobs import BlobAssembler
 from bus.client import Bus
 from schemas.events import (
@@ -20,7 +22,7 @@ from schemas.events import (
     TokensGenerated,
 )
 from services.common.tokenizer import ByteTokenizer
-from services.engine.protocol import EngineRequest, StepResult
+from services.engine.protocol import EngineCapabilities, EngineRequest, StepResult
 from services.worker.driver import EngineDriver
 from services.worker.handlers import Handlers
 from services.worker.handoff import PrefillSide
@@ -61,8 +63,15 @@ def whole_answer() -> bytes:
 class Worker:
     """A worker's route handling and engine stepping, publishing to a list."""
 
-    def __init__(self) -> None:
-        self.driver = EngineDriver(make_engine(), speedup=1000.0)
+    def __init__(self, threaded: bool = False) -> None:
+        engine = make_engine()
+        if threaded:
+            # Stepped on a thread of its own, as an engine that computes for real is: request
+            # set changes wait there for the next step.
+            engine.capabilities = EngineCapabilities(
+                kv_handoff=True, kv_events=True, modelled_time=False
+            )
+        self.driver = EngineDriver(engine, speedup=1000.0)
         self.bus, background = FakeBus(), Background()
         outputs = Outputs(cast(Bus, self.bus), "w1", background)
         prefill = PrefillSide(cast(Any, None), self.driver, background)
@@ -114,8 +123,11 @@ class Worker:
         return [e for e in self.bus.published if isinstance(e, TokensGenerated)]
 
 
-async def test_a_replaced_attempt_takes_no_output_of_a_step_that_ran_the_old_one() -> None:
-    worker = Worker()
+@pytest.mark.parametrize("threaded", [False, True])
+async def test_a_replaced_attempt_takes_no_output_of_a_step_that_ran_the_old_one(
+    threaded: bool,
+) -> None:
+    worker = Worker(threaded)
 
     async def before_outputs(step: int) -> None:
         if step == 1:
