@@ -31,6 +31,9 @@ from services.worker.outputs import Background, Outputs
 from services.worker.requests import Requests
 from services.worker.settings import WorkerOptions, WorkerSettings, build_engine, worker_options
 
+# A draining worker hands on what is routed to it anyway, so the notice is worth only a moment.
+DRAINING_NOTICE_TIMEOUT_S = 2.0
+
 log = logging.getLogger(__name__)
 
 
@@ -130,7 +133,8 @@ class Worker:
         # taking no new work; what does not finish in time moves to other workers (the ingress
         # continues it from its tokens when it hears worker_lost), then the worker leaves.
         self._handlers.draining = True
-        await self._register()
+        if self._requests.in_flight:
+            await self._say_draining()
         await self._drained(self._opt.drain_timeout_s)
         await self._requests.end_all()
         await self._background.finish()
@@ -167,6 +171,14 @@ class Worker:
         self._opt.role, self._next_role = self._next_role, None
         await self._register()
         await self._report_load()
+
+    async def _say_draining(self) -> None:
+        """Registered as draining, so the planner routes nothing new here; bounded, since an
+        etcd that is gone (``laneway up`` killed with everything) must not hold the exit."""
+        try:
+            await asyncio.wait_for(self._register(), DRAINING_NOTICE_TIMEOUT_S)
+        except Exception:
+            log.warning("could not register as draining; routes that still come are handed on")
 
     async def _register(self) -> None:
         if self._lease is not None:
