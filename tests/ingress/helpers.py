@@ -13,7 +13,13 @@ import httpx
 import orjson
 from starlette.applications import Starlette
 
-from schemas.events import RequestSpec, SamplingParams
+from schemas.events import (
+    RequestFinished,
+    RequestSpec,
+    SamplingParams,
+    TokensGenerated,
+    Usage,
+)
 from services.common.tokenizer import ByteTokenizer
 from services.ingress.admission import Admission
 from services.ingress.api import create_app
@@ -87,3 +93,33 @@ def request_spec(reply_to: str, max_tokens: int = 6) -> RequestSpec:
 
 async def collect(events: AsyncIterator[GatewayEvent]) -> list[GatewayEvent]:
     return [event async for event in events]
+
+
+WORKER_SOURCE = "worker/test"
+
+
+def batch(index: int, text: str, request_id: str = "r1") -> TokensGenerated:
+    return TokensGenerated(
+        source=WORKER_SOURCE,
+        request_id=request_id,
+        worker_id="w0",
+        index=index,
+        token_ids=tuple(text.encode()),
+        text=text,
+    )
+
+
+def finished(completion_tokens: int, request_id: str = "r1") -> RequestFinished:
+    return RequestFinished(
+        source=WORKER_SOURCE,
+        request_id=request_id,
+        worker_id="w0",
+        finish_reason="length",
+        usage=Usage(prompt_tokens=3, completion_tokens=completion_tokens),
+        ttft_ms=1.0,
+        e2e_ms=2.0,
+    )
+
+
+def text_of(events: list[GatewayEvent]) -> str:
+    return "".join(e.text for e in events if isinstance(e, TokensGenerated))

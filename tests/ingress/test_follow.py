@@ -10,8 +10,7 @@ from schemas.events import RequestAccepted, RequestPlaced, TokensGenerated
 from schemas.messages import ResendReply
 from services.ingress.follow import Follow, Heard, Recovery
 from services.ingress.gateway import GatewayEvent
-from tests.ingress.helpers import collect, request_spec
-from tests.ingress.test_stream_order import batch, finished, text_of
+from tests.ingress.helpers import batch, collect, finished, request_spec, text_of
 
 FAST = Recovery(completion_wait_s=0.2, silence_s=0.05, orphan_s=0.3, unrouted_s=0.3)
 

@@ -21,47 +21,17 @@ from schemas.events import (
     RequestSpec,
     TerminalEvent,
     TokensGenerated,
-    Usage,
 )
 from schemas.messages import ResendQuery, ResendReply
 from services.ingress.follow import Recovery
 from services.ingress.gateway import GatewayEvent
 from services.ingress.nats_gateway import NatsGateway
 from services.ingress.stream_order import StreamOrder
-from tests.ingress.helpers import collect, request_spec
-
-SOURCE = "worker/test"
-
-
-def batch(index: int, text: str, request_id: str = "r1") -> TokensGenerated:
-    return TokensGenerated(
-        source=SOURCE,
-        request_id=request_id,
-        worker_id="w0",
-        index=index,
-        token_ids=tuple(text.encode()),
-        text=text,
-    )
-
-
-def finished(completion_tokens: int, request_id: str = "r1") -> RequestFinished:
-    return RequestFinished(
-        source=SOURCE,
-        request_id=request_id,
-        worker_id="w0",
-        finish_reason="length",
-        usage=Usage(prompt_tokens=3, completion_tokens=completion_tokens),
-        ttft_ms=1.0,
-        e2e_ms=2.0,
-    )
+from tests.ingress.helpers import WORKER_SOURCE, batch, collect, finished, request_spec, text_of
 
 
 def replay(order: StreamOrder, arrivals: list[GatewayEvent]) -> list[GatewayEvent]:
     return [event for arrived in arrivals for event in order.take(arrived)]
-
-
-def text_of(events: list[GatewayEvent]) -> str:
-    return "".join(e.text for e in events if isinstance(e, TokensGenerated))
 
 
 def test_in_order_events_pass_straight_through() -> None:
@@ -123,8 +93,8 @@ def test_only_the_first_terminal_counts() -> None:
 @pytest.mark.parametrize(
     "terminal",
     [
-        RequestFailed(source=SOURCE, request_id="r1", code="engine_error", message="x"),
-        RequestCancelled(source=SOURCE, request_id="r1", reason="timeout"),
+        RequestFailed(source=WORKER_SOURCE, request_id="r1", code="engine_error", message="x"),
+        RequestCancelled(source=WORKER_SOURCE, request_id="r1", reason="timeout"),
     ],
 )
 def test_a_terminal_without_tokens_is_not_held(terminal: TerminalEvent) -> None:
@@ -144,7 +114,7 @@ def test_giving_up_on_an_answer_with_a_gap_is_an_error() -> None:
 def test_giving_up_on_a_failure_keeps_the_failure() -> None:
     order = StreamOrder()
     failure = RequestFailed(
-        source=SOURCE, request_id="r1", code="engine_error", message="x", completion_tokens=4
+        source=WORKER_SOURCE, request_id="r1", code="engine_error", message="x", completion_tokens=4
     )
     replay(order, [batch(0, "ab"), failure])
     assert order.give_up("ingress/x") is failure
@@ -278,7 +248,10 @@ async def test_a_request_whose_worker_is_lost_continues_from_the_delivered_token
         script: list[GatewayEvent | RequestPlaced]
         if event.spec.attempt == 0:
             lost = RequestFailed(
-                source=SOURCE, request_id="moved", code="worker_lost", message="lease expired"
+                source=WORKER_SOURCE,
+                request_id="moved",
+                code="worker_lost",
+                message="lease expired",
             )
             script = [placed("moved"), batch(0, "ab", "moved"), lost]
         else:
