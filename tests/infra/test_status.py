@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -152,8 +153,15 @@ def test_ha_shape_shows_every_server_member_and_replica(
     cluster_factory: ClusterFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ha = cluster_factory(workers=1, ha=True)
-    code, found = _json(capsys, "--state-dir", str(ha.config.state_dir))
-    assert code == 0
+    # Just started on a loaded machine, a service of the HA shape may not be ready yet.
+    deadline = time.monotonic() + 20
+    while True:
+        code, found = _json(capsys, "--state-dir", str(ha.config.state_dir))
+        if code == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    unwell = [p for p in found["processes"] if not (p["alive"] and p.get("ready", True))]
+    assert code == 0, (unwell, found["nats"], found["etcd"])
     servers = found["nats"]["servers"]
     assert len(servers) == 3 and all(s["ok"] and s["cluster"] for s in servers)
     assert len({s["name"] for s in servers}) == 3
