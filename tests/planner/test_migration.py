@@ -11,20 +11,12 @@ from schemas.messages import WorkerRegistration
 from services.planner.cluster import ClusterView, Routed, decided_reason, migrated_reason
 from services.planner.kv_policy import KvAware
 from services.planner.replay import differences, redecide
+from tests.helpers import registration as small
 from tests.planner.recorded import DISAGG, recorded
 
 
 def registration(worker_id: str) -> WorkerRegistration:
-    return WorkerRegistration(
-        worker_id=worker_id,
-        role="both",
-        engine="sim",
-        model="m",
-        block_size=16,
-        kv_blocks_total=64,
-        max_num_seqs=8,
-        pid=1,
-    )
+    return small(worker_id).model_copy(update={"kv_blocks_total": 64, "max_num_seqs": 8})
 
 
 def in_flight(cluster: ClusterView) -> dict[str, int]:
