@@ -209,6 +209,14 @@ KV_HANDOFF = Endpoint(
     "megabytes, useless once delivered; announced by `PrefillCompleted`",
     publish_any=("worker",),
 )
+KV_PULL = Endpoint(
+    "lw.kvpull.{worker}",
+    "`KvPullQuery` → `KvPullReply`",
+    ("worker (a KV move's target)",),
+    ("worker (the KV's holder)",),
+    "a KV move: the chunks go to the asker's `lw.kvx.{worker}`, then the answer",
+    publish_any=("worker",),
+)
 RESEND = Endpoint(
     "lw.resend.{worker}",
     "`ResendQuery` → `ResendReply`",
@@ -216,7 +224,7 @@ RESEND = Endpoint(
     ("worker (its own)",),
     "token deltas are core messages: one lost on its way is asked of the request's worker again",
 )
-ENDPOINTS = (OVERLAP_QUERY, INDEX_STATE, KV_HANDOFF, RESEND)
+ENDPOINTS = (OVERLAP_QUERY, INDEX_STATE, KV_HANDOFF, KV_PULL, RESEND)
 
 
 class Subjects:
@@ -248,6 +256,7 @@ class Subjects:
     route = staticmethod(ROUTE.at)
     kv_transferred = staticmethod(TRANSFERRED.at)
     kv_handoff = staticmethod(KV_HANDOFF.at)
+    kv_pull = staticmethod(KV_PULL.at)
     kv = staticmethod(KV_EVENTS.at)
     tokens = staticmethod(TOKEN_DELTAS.at)
     load = staticmethod(LOAD_REPORTS.at)

@@ -7,6 +7,7 @@ from pydantic import Field
 from schemas.events import (
     BlockHashes,
     Frozen,
+    KvPayload,
     RequestCancelled,
     RequestFailed,
     RequestFinished,
@@ -95,3 +96,26 @@ class ResendReply(Frozen):
         default=None, discriminator="type"
     )
     complete: bool = True
+
+
+class KvPullQuery(Frozen):
+    """A worker the planner sent a request with a KV move asks the worker holding the prompt's KV
+    for its leading blocks (GPU or host tier); the chunks come on the asker's hand-off subject."""
+
+    request_id: str = Field(max_length=64)
+    attempt: int = Field(default=0, ge=0, description="the request's attempt that moves")
+    to_worker_id: str = Field(max_length=64, description="the asker: where the chunks go")
+    block_hashes: BlockHashes = Field(
+        min_length=1, max_length=65_536, description="the leading prompt blocks wanted"
+    )
+
+
+class KvPullReply(Frozen):
+    """The holder's answer, once its chunks are sent: how many leading blocks it sends (those it
+    holds, at most those asked), or why none."""
+
+    blocks: int = Field(ge=0, description="leading blocks of the query sent")
+    payload: KvPayload | None = Field(
+        default=None, description="the chunks' count, size and checksum; None: modelled KV"
+    )
+    error: str | None = Field(default=None, max_length=512, description="why nothing is sent")
