@@ -160,9 +160,10 @@ class KvPortable(Protocol):
     ``capabilities.kv_handoff`` is set has these; :func:`kv_portable` gives that view of it."""
 
     def export_prefix(self, block_hashes: Sequence[int]) -> tuple[int, bytes]:
-        """The leading blocks of ``block_hashes`` cached here: how many, and their KV serialized
-        (empty for an engine that only models its KV). Called by a prefill worker once a request's
-        prompt is computed, to ship its KV to the decode worker."""
+        """The leading blocks of ``block_hashes`` held here (in the prefix cache, then in a host
+        tier if the engine has one): how many, and their KV serialized (empty for an engine that
+        only models its KV). Called by a prefill worker once a request's prompt is computed, to
+        ship its KV to the decode worker, and by a KV move's source."""
         ...
 
     def import_prefix(self, block_hashes: Sequence[int], payload: bytes) -> int:

@@ -1,8 +1,11 @@
 """A sim engine taking a request whose KV another worker sends (a KV move): the blocks are cached
-and the step that first schedules the request waits out the transfer."""
+and the step that first schedules the request waits out the transfer; the source sends what its
+GPU and host tiers hold."""
 
 from __future__ import annotations
 
+from schemas.block_hash import chain_block_hashes
+from services.engine.sim import FixedPerf, SimConfig, SimEngine
 from tests.engine._sim_support import make_engine, make_request, run_to_end
 
 
@@ -15,3 +18,20 @@ def test_the_moved_blocks_are_hits_and_their_transfer_is_waited_out_once() -> No
     # FixedPerf: 0.02 ms a prefill token, 5 ms a step that decodes.
     assert abs(steps[0].duration_s * 1000 - (40.0 + 0.02)) < 1e-9
     assert [round(s.duration_s * 1000, 6) for s in steps[1:]] == [5.0, 5.0]
+
+
+def test_a_move_source_exports_what_its_gpu_and_host_tiers_hold() -> None:
+    config = SimConfig(block_size=4, num_gpu_blocks=6, num_host_blocks=16, perf_model="fixed")
+    source = SimEngine(config, FixedPerf())
+    first, other = list(range(1, 22)), list(range(100, 121))
+    for request_id, prompt in (("a", first), ("b", other)):
+        source.add_request(make_request(request_id, prompt, max_tokens=1))
+        run_to_end(source)
+    hashes = chain_block_hashes(first, 4)
+    gpu, _ = source.cached_prefix(hashes)
+    assert gpu < len(hashes)  # b's prompt pushed some of a's blocks out to the host tier
+    assert source.export_prefix(hashes) == (len(hashes), b"")
+    target = make_engine()
+    assert target.import_prefix(hashes, b"") == len(hashes)
+    target.add_request(make_request("moved", first, max_tokens=1))
+    assert run_to_end(target)[0].prefill_tokens == 1

@@ -71,8 +71,9 @@ class SimEngine(ScheduledEngine):
         return gpu + self._pool.count_host(block_hashes, gpu, len(block_hashes))
 
     def export_prefix(self, block_hashes: Sequence[int]) -> tuple[int, bytes]:
-        # Modelled KV has no contents to send: the receiver models the transfer's time.
-        return self.cached_prefix(block_hashes)[0], b""
+        # Modelled KV has no contents to send: the receiver models the transfer's time. A KV
+        # move may take blocks from the host tier too.
+        return self.held_prefix(block_hashes), b""
 
     def import_prefix(self, block_hashes: Sequence[int], payload: bytes) -> int:
         return self.import_blocks(block_hashes)

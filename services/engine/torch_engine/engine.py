@@ -146,10 +146,23 @@ class TorchEngine(ScheduledEngine):
         return import_blocks(self._cache, self._paged_pool, export)
 
     def export_prefix(self, block_hashes: Sequence[int]) -> tuple[int, bytes]:
-        hits, _ = self._paged_pool.count_hits(block_hashes, len(block_hashes))
+        """The leading blocks held here, on the device and then in the host tier (a KV move
+        may pull either), and their K and V."""
+        pool = self._paged_pool
+        hits, _ = pool.count_hits(block_hashes, len(block_hashes))
         hashes = list(block_hashes[:hits])
-        ids = [self._paged_pool.block_id(h) for h in hashes]
-        return hits, to_bytes(export_blocks(self._cache, hashes, ids))
+        export = export_blocks(self._cache, hashes, [pool.block_id(h) for h in hashes])
+        held = hits + pool.count_host(block_hashes, hits, len(block_hashes))
+        if held > hits:
+            assert pool.host is not None  # only a host tier holds blocks beyond the hits
+            key, value = pool.host.read(block_hashes[hits:held])
+            export = KvExport(
+                export.layout,
+                tuple(block_hashes[:held]),
+                torch.cat([export.key, key], 1),
+                torch.cat([export.value, value], 1),
+            )
+        return held, to_bytes(export)
 
     def import_prefix(self, block_hashes: Sequence[int], payload: bytes) -> int:
         export = from_bytes(payload)
