@@ -12,6 +12,7 @@ from schemas.events import CancellationRequested, PrefillCompleted, RouteDecided
 from services.common.tokenizer import Tokenizer
 from services.worker.decode_side import DecodeSide
 from services.worker.handoff import PrefillSide
+from services.worker.kv_move import KvMoves
 from services.worker.requests import Active, Requests
 from services.worker.stream import RequestStream, request_detokenizer
 
@@ -29,8 +30,12 @@ class Handlers:
         decode: DecodeSide,
         tokenizer: Tokenizer,
         stream_interval_s: float,
+        moves: KvMoves | None = None,
     ) -> None:
+        """``moves``: pulls a request's KV from another worker when the planner says so (None:
+        such a request recomputes its prompt)."""
         self._worker_id = worker_id
+        self._moves = moves
         self._requests = requests
         self._prefill = prefill
         self._decode = decode
@@ -85,6 +90,9 @@ class Handlers:
             return
         if remote is not None and event.prefill is not None:
             self._decode.await_prefill(request_id, state, event)
+            return
+        if event.kv_move is not None and self._moves is not None:
+            self._moves.pull(request_id, state, event)
             return
         await self._requests.admit(self._requests.engine_request(request_id, spec))
 

@@ -126,8 +126,15 @@ class KvReceiver:
 
     def deadline_s(self, placement: PrefillPlacement) -> float:
         """How long to wait for a remote prefill before prefilling locally instead."""
-        predicted_s = (placement.remote_ms or 0.0) / 1000 / self._speedup
-        return max(self._timeout_s, self._timeout_factor * predicted_s)
+        return self.within_s(placement.remote_ms or 0.0)
+
+    def within_s(self, predicted_ms: float) -> float:
+        """How long to wait for KV the planner predicted ``predicted_ms`` for (modelled time)."""
+        return max(self._timeout_s, self._timeout_factor * predicted_ms / 1000 / self._speedup)
+
+    async def wait_modelled(self, transfer_ms: float) -> None:
+        """Wait out a modelled KV transfer (modelled time, divided by the speed-up)."""
+        await asyncio.sleep(transfer_ms / 1000 / self._speedup)
 
     async def receive(
         self, event: PrefillCompleted, cached_blocks: int, prompt_tokens: int
@@ -140,7 +147,7 @@ class KvReceiver:
             return await self.blobs.take(request_id, event.payload, self._timeout_s)
         # Only the sim engine models its KV, and it hands the whole prompt over.
         tokens = handoff_tokens(prompt_tokens, cached_blocks, self._block_size)
-        await asyncio.sleep(self._transfer.transfer_ms(tokens) / 1000 / self._speedup)
+        await self.wait_modelled(self._transfer.transfer_ms(tokens))
         return b""
 
     @staticmethod

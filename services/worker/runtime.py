@@ -26,6 +26,7 @@ from services.worker.decode_side import DecodeSide
 from services.worker.driver import EngineDriver
 from services.worker.handlers import Handlers
 from services.worker.handoff import KvReceiver, KvSender, PrefillSide
+from services.worker.kv_move import KvMoves
 from services.worker.metrics import WorkerMetrics
 from services.worker.outputs import Background, Outputs
 from services.worker.requests import Requests
@@ -67,6 +68,15 @@ class Worker:
             self._background,
             self.metrics.handoffs,
         )
+        self._moves = KvMoves(
+            bus,
+            self._requests,
+            self._receiver,
+            self._driver,
+            self._outputs,
+            self._background,
+            self.metrics.registry,
+        )
         self._handlers = Handlers(
             options.worker_id,
             self._requests,
@@ -74,6 +84,7 @@ class Worker:
             decode,
             tokenizer,
             options.stream_interval_s,
+            moves=self._moves,
         )
         self._reported_at = 0.0
         self._lease: LeasedKey | None = None
@@ -116,6 +127,7 @@ class Worker:
         await self._bus.subscribe_bytes(
             Subjects.kv_handoff(self._opt.worker_id), self._receiver.blobs.on_msg
         )
+        await self._bus.subscribe_bytes(Subjects.kv_pull(self._opt.worker_id), self._moves.on_pull)
         await self._bus.consume(worker_routes(self._opt.worker_id), self._handlers.on_route)
         loops = [
             asyncio.create_task(

@@ -1,0 +1,258 @@
+"""KV moves between live sim workers over a real nats-server: a worker told to pull a prompt's KV
+from the worker that holds it gets the blocks (announcing them in its KV events), computes only
+the rest of the prompt, and answers exactly as without the move; a holder that is gone, silent or
+holds none of the blocks costs a recompute, never the request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any, cast
+
+from nats.aio.msg import Msg
+from prometheus_client import CollectorRegistry
+
+from bus.client import Bus
+from bus.credentials import inbox_prefix
+from bus.registry import LeasedKey, connect_etcd
+from bus.topology import Subjects
+from infra.embedded import EmbeddedServer
+from schemas.block_hash import chain_block_hashes
+from schemas.codec import decode_as, encode
+from schemas.events import (
+    Event,
+    KvBlocksStored,
+    KvMove,
+    KvTransferred,
+    RequestFinished,
+    RequestSpec,
+    RouteDecided,
+    SamplingParams,
+)
+from schemas.messages import KvPullQuery, KvPullReply
+from services.common.perf_model import FixedPerf
+from services.common.tokenizer import ByteTokenizer
+from services.engine.protocol import StepResult
+from services.engine.sim import SimConfig, SimEngine
+from services.worker.driver import EngineDriver
+from services.worker.kv_move import KvMoves
+from services.worker.outputs import Background
+from services.worker.runtime import Worker
+from services.worker.settings import WorkerOptions
+from tests.helpers import eventually
+
+BLOCK = 16
+PROMPT = tuple(range(1, 8 * BLOCK + 6))  # eight full blocks and five tokens
+HASHES = chain_block_hashes(PROMPT, BLOCK)
+INGRESS = "moveingress"
+
+
+def route(request_id: str, worker_id: str, move: KvMove | None = None) -> RouteDecided:
+    spec = RequestSpec(
+        model="m",
+        prompt_token_ids=PROMPT,
+        block_size=BLOCK,
+        block_hashes=HASHES,
+        sampling=SamplingParams(max_tokens=6, seed=18),
+        reply_to=INGRESS,
+        deadline=datetime(2100, 1, 1, tzinfo=UTC),
+    )
+    return RouteDecided(
+        source="test",
+        request_id=request_id,
+        worker_id=worker_id,
+        policy="test",
+        reason="test",
+        candidates=(),
+        spec=spec,
+        kv_move=move,
+    )
+
+
+def move_from(source: str, transfer_ms: float = 30.0) -> KvMove:
+    return KvMove(source_worker_id=source, blocks=len(HASHES), transfer_ms=transfer_ms)
+
+
+class Seen:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    async def on(self, event: Event) -> None:
+        self.events.append(event)
+
+    def of(self, kind: type[Event], request_id: str | None = None) -> list[Event]:
+        return [
+            e
+            for e in self.events
+            if isinstance(e, kind) and (request_id is None or e.request_id == request_id)
+        ]
+
+    def finished(self, request_id: str) -> RequestFinished | None:
+        done = self.of(RequestFinished, request_id)
+        return done[0] if done and isinstance(done[0], RequestFinished) else None
+
+
+class Recording(SimEngine):
+    """A sim engine that keeps the tokens it produced for each request, and the prompt tokens it
+    computed."""
+
+    def __init__(self) -> None:
+        super().__init__(SimConfig(block_size=BLOCK, num_gpu_blocks=64), FixedPerf())
+        self.tokens: dict[str, list[int]] = {}
+        self.prefilled = 0
+
+    def step(self) -> StepResult:
+        result = super().step()
+        self.prefilled += result.prefill_tokens
+        for output in result.outputs:
+            self.tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        return result
+
+
+@contextlib.asynccontextmanager
+async def workers(
+    bus: Bus, etcd_server: EmbeddedServer, *names: str
+) -> AsyncIterator[tuple[Seen, dict[str, Recording]]]:
+    """Sim workers of ``names`` (one ms of modelled time is one ms), and what they publish."""
+    seen = Seen()
+    await bus.subscribe(Subjects.request_terminal(INGRESS), seen.on)
+    await bus.subscribe(Subjects.all_routes, seen.on)
+    await bus.subscribe(Subjects.all_kv, seen.on)
+    etcd = connect_etcd(etcd_server.url)
+    stop = asyncio.Event()
+    engines: dict[str, Recording] = {}
+    running = []
+    for name in names:
+        engine = Recording()
+        options = WorkerOptions(name, "both", "sim", "m", 1.0, 5, 1.0, 1.0)
+        options.handoff_timeout_s, options.handoff_timeout_factor = 1.0, 2.0
+        worker = Worker(bus, engine, ByteTokenizer(), options)
+        engines[name] = engine
+        lease = LeasedKey.worker(etcd, worker.registration(), 5)
+        running.append(asyncio.create_task(worker.run(lease, stop)))
+    await asyncio.sleep(0.5)
+    try:
+        yield seen, engines
+    finally:
+        stop.set()
+        await asyncio.gather(*running)
+        await etcd.close()
+
+
+async def answer(bus: Bus, seen: Seen, event: RouteDecided) -> RequestFinished:
+    await bus.publish(Subjects.route(event.worker_id), event)
+    assert event.request_id is not None
+    request_id = event.request_id
+    return await eventually(lambda: seen.finished(request_id), timeout=10.0)
+
+
+async def test_a_moved_prompt_is_pulled_announced_and_answered_as_without_the_move(
+    bus: Bus, etcd_server: EmbeddedServer
+) -> None:
+    async with workers(bus, etcd_server, "mvsrc", "mvdst", "mvctl") as (seen, engines):
+        await answer(bus, seen, route("warm", "mvsrc"))
+        control = await answer(bus, seen, route("control", "mvctl"))
+        moved = await answer(bus, seen, route("moved", "mvdst", move_from("mvsrc")))
+        answers = engines["mvdst"].tokens["moved"], engines["mvctl"].tokens["control"]
+        assert answers[0] == answers[1] and len(answers[0]) == 6
+        assert moved.usage.completion_tokens == control.usage.completion_tokens == 6
+        # Everything but the last prompt token came with the move.
+        assert control.usage.cached_tokens == 0
+        assert moved.usage.cached_tokens == len(HASHES) * BLOCK == 128
+        assert (engines["mvdst"].prefilled, engines["mvctl"].prefilled) == (
+            len(PROMPT) - 128,
+            len(PROMPT),
+        )
+        [transferred] = seen.of(KvTransferred, "moved")
+        assert isinstance(transferred, KvTransferred)
+        assert (transferred.from_worker_id, transferred.to_worker_id) == ("mvsrc", "mvdst")
+        assert transferred.block_hashes == HASHES
+        # The modelled link time (30 ms) was waited out before the request ran.
+        assert transferred.transfer_ms >= 30.0
+        # The target announced the moved blocks, so the index learns them.
+        stored = [
+            h
+            for e in seen.of(KvBlocksStored)
+            if isinstance(e, KvBlocksStored) and e.worker_id == "mvdst"
+            for h in e.block_hashes
+        ]
+        assert stored[: len(HASHES)] == list(HASHES)
+        assert set(HASHES) <= engines["mvdst"].cached_block_hashes()
+
+
+async def test_a_holder_that_is_gone_silent_or_empty_costs_a_recompute(
+    bus: Bus, etcd_server: EmbeddedServer
+) -> None:
+    silent: list[bytes] = []
+
+    async def ignore(msg: object) -> None:
+        silent.append(b"")
+
+    await bus.subscribe_bytes(Subjects.kv_pull("mvmute"), ignore)
+    targets = {"gone": "mvnobody", "mute": "mvmute", "empty": "mvempty"}
+    names = ("mvempty", "mvctl2", *(f"mvdst-{r}" for r in targets))
+    async with workers(bus, etcd_server, *names) as (seen, engines):
+        control = await answer(bus, seen, route("control2", "mvctl2"))
+        for request_id, source in targets.items():
+            target = f"mvdst-{request_id}"
+            done = await answer(bus, seen, route(request_id, target, move_from(source)))
+            # Recomputed once: the whole answer, exactly, the prompt not served from cache.
+            assert engines[target].tokens[request_id] == engines["mvctl2"].tokens["control2"]
+            assert engines[target].prefilled == len(PROMPT)
+            assert len(seen.of(RequestFinished, request_id)) == 1
+            assert (done.worker_id, done.usage.cached_tokens) == (target, 0)
+            assert done.usage.completion_tokens == control.usage.completion_tokens
+            assert not seen.of(KvTransferred, request_id)
+        # The silent holder was asked, and the wait for it bounded (1 s here).
+        assert silent
+
+
+async def test_the_holder_sends_only_blocks_it_holds_to_the_worker_that_asks(
+    bus: Bus, etcd_server: EmbeddedServer
+) -> None:
+    async with workers(bus, etcd_server, "mvhold") as (seen, _):
+        await answer(bus, seen, route("held", "mvhold"))
+
+        async def ask(to: str, hashes: tuple[int, ...]) -> KvPullReply:
+            query = KvPullQuery(request_id="q", to_worker_id=to, block_hashes=hashes)
+            return await bus.request(Subjects.kv_pull("mvhold"), query, KvPullReply, 2.0)
+
+        # What it holds of a longer chain: its leading blocks, modelled (no payload).
+        longer = chain_block_hashes([*PROMPT[: 8 * BLOCK], *range(500, 532)], BLOCK)
+        assert await ask("mvasker", longer) == KvPullReply(blocks=len(HASHES))
+        assert (await ask("mvasker", (12345,))).error == "none of the blocks is held here"
+        assert (await ask("mv.asker", HASHES)).error == "not a worker id"
+        too_many = tuple(range(65))  # its pool has 64 blocks
+        assert (await ask("mvasker", too_many)).error == "more blocks than this worker's KV holds"
+
+
+async def test_with_bus_auth_kv_goes_only_to_the_worker_named() -> None:
+    moves = KvMoves(
+        cast(Bus, None),
+        cast(Any, None),
+        cast(Any, None),
+        EngineDriver(Recording(), 1.0),
+        cast(Any, None),
+        Background(),
+        CollectorRegistry(),
+    )
+    replies: list[KvPullReply] = []
+
+    class Asked:
+        data = encode(KvPullQuery(request_id="q", to_worker_id="victim", block_hashes=HASHES))
+
+        def __init__(self, reply: str) -> None:
+            self.reply = reply
+
+        async def respond(self, data: bytes) -> None:
+            replies.append(decode_as(KvPullReply, data))
+
+    # Another worker's inbox (its bus user's): refused; the victim's own: answered.
+    await moves.on_pull(cast(Msg, Asked(inbox_prefix("worker-thief") + ".1")))
+    await moves.on_pull(cast(Msg, Asked(inbox_prefix("worker-victim") + ".1")))
+    assert [r.error for r in replies] == [
+        "the asker is not the worker named",
+        "none of the blocks is held here",
+    ]
