@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import signal
 import statistics
 import sys
 from dataclasses import dataclass, replace
@@ -152,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown loads: {', '.join(sorted(unknown))}")
     specs = {n: shapes[n] for n in names}
     targets = [replace(t, api_key=args.api_key) for t in args.target]
+    # Stopped by a signal, the laneway up it started is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with contextlib.ExitStack() as stack:
         if args.laneway or not targets:
             up = stack.enter_context(laneway_up(args.workers, args.speedup))

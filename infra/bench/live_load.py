@@ -10,9 +10,11 @@ words of about ``--prompt-chars`` characters), so no two requests share a prefix
 template. Prints one JSON object: requests per second (those finished inside the window), TTFT,
 latency and inter-chunk gap percentiles in ms, and errors by kind.
 
-TTFT is from sending to the first chunk carrying text; a gap is between two chunks carrying text
-(a chunk holding several tokens is one gap). An error: a status other than 200, a broken or
-timed-out stream, an ``error`` payload, or a stream ending without ``data: [DONE]``.
+TTFT is from sending to the first chunk carrying text, or to the first event of a stream that
+carries none (Dynamo's mocker streams only a role event and the finish: its tokens decode to no
+text); a gap is between two chunks carrying text (a chunk holding several tokens is one gap).
+An error: a status other than 200, a broken or timed-out stream, an ``error`` payload, or a
+stream ending without ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Sample:
 
     sent: float
     first: float | None = None
+    first_event: float | None = None
     end: float = 0.0
     gaps: list[float] = field(default_factory=list)
     chunks: int = 0
@@ -113,6 +116,8 @@ async def stream_one(
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
+                if sample.first_event is None:
+                    sample.first_event = time.perf_counter()
                 if data == b"[DONE]":
                     done = True
                     break
@@ -164,7 +169,8 @@ def summarize(
     # A closed loop drains its streams after the deadline: the rate counts those ended inside.
     window = elapsed if spec.requests else spec.duration_s
     in_window = [s for s in ok if spec.requests or s.end - t0 <= spec.duration_s]
-    ttft = [s.first - s.sent for s in ok if s.first is not None]
+    firsts = [s.first or s.first_event for s in ok]
+    ttft = [first - s.sent for s, first in zip(ok, firsts, strict=True) if first is not None]
     latency = [s.end - s.sent for s in ok]
     gaps = [g for s in ok for g in s.gaps]
     tokens = [s.completion_tokens for s in ok if s.completion_tokens is not None]
@@ -183,6 +189,7 @@ def summarize(
         "elapsed_s": round(elapsed, 3),
         "window_s": round(window, 3),
         "rps": round(len(in_window) / window, 2) if window > 0 else 0.0,
+        "ttft_without_text": sum(1 for s in ok if s.first is None),
         "mean_chunks": round(sum(s.chunks for s in ok) / len(ok), 2) if ok else None,
         "mean_completion_tokens": round(sum(tokens) / len(tokens), 2) if tokens else None,
     }

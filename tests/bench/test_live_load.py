@@ -28,7 +28,8 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     await response.write(_event({"choices": [{"delta": {"role": "assistant"}}]}))
-    for i in range(body["max_tokens"]):
+    # "notx": no text at all, as Dynamo's mocker streams.
+    for i in range(0 if mode == "notx" else body["max_tokens"]):
         await asyncio.sleep(0.01)
         # One event split across two writes: the client must reassemble the line.
         data = _event({"choices": [{"delta": {"content": f"t{i}"}}]})
@@ -66,6 +67,7 @@ async def test_counts_text_chunks_gaps_and_rate(server: str) -> None:
     out = await run_load(spec)
     assert (out["sent"], out["ok"], out["errors"]) == (6, 6, 0)
     assert out["mean_chunks"] == 4 and out["mean_completion_tokens"] == 4
+    assert out["ttft_without_text"] == 0
     # The role-only first event is no token: the first text comes a sleep later.
     assert 8 <= out["ttft_ms_p50"] < out["lat_ms_p50"]
     assert 8 <= out["itl_ms_p50"] < 200
@@ -91,6 +93,15 @@ async def test_duration_window_counts_requests_ended_inside(server: str) -> None
     assert out["window_s"] == 0.5 and out["ok"] == out["sent"] >= 6
     assert out["rps"] * 0.5 <= out["ok"]
     assert await first_model(server, None) == "tiny"
+
+
+async def test_ttft_of_a_stream_without_text_is_its_first_event(server: str) -> None:
+    content = {"messages": [{"role": "user", "content": "notx"}]}
+    spec = LoadSpec(server, "tiny", KEY, requests=3, warmup=0, extra=content)
+    out = await run_load(spec)
+    assert out["ok"] == 3 and out["ttft_without_text"] == 3 and out["mean_chunks"] == 0
+    assert 0 < out["ttft_ms_p50"] < out["lat_ms_p50"]
+    assert out["itl_ms_p50"] is None
 
 
 def test_percentile_interpolates() -> None:
