@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help run test test-pure chaos lint typecheck check gpu-check clean
+.PHONY: help run test test-pure chaos lint typecheck check gpu-check clean bench-live bench-dynamo
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -58,6 +58,14 @@ check: lint typecheck test ## everything CI cares about
 gpu-check: $(STAMP) ## on a machine with a GPU: torch engine on CUDA (and TensorRT-LLM if installed)
 	$(BIN)/pytest -q -m gpu -p no:cacheprovider
 	$(BIN)/python scripts/gpu_check.py
+
+# The live path's load shapes (issue 14): seq 300, c32 and c128 for 20 s, 8 tokens each.
+bench-live: $(STAMP) ## start laneway up --workers 4 --speedup 1000, run seq/c32/c128 against it, print the table
+	$(BIN)/python -m infra.bench.bench_live
+
+DYNLAB ?= /work/dynlab
+bench-dynamo: $(STAMP) ## the same loads on Dynamo 1.6.1 (DYNLAB) and Laneway in one run, with ratios
+	DYNLAB=$(DYNLAB) bash infra/bench/dynamo_side_by_side.sh
 
 clean: ## remove the virtualenv and local state
 	rm -rf $(VENV) .state
