@@ -1,0 +1,160 @@
+"""`make profile`: where a live request's CPU goes, service by service.
+
+Starts `laneway up --workers 4 --speedup 1000` and a closed loop of 32 streams against it (the
+load client in a process of its own), then, after a warm-up:
+
+1. a quiet window: every process's CPU seconds from /proc (the services, nats-server, etcd and
+   the client), as a share of a core and as CPU milliseconds per request;
+2. a sampled window: py-spy records each Python service (``--nonblocking``: the service is never
+   paused), written as collapsed stacks (``<service>.txt``: flamegraph.pl or speedscope.app draw
+   them) and summed by package and function (``<service>.top.txt``).
+
+    python -m infra.bench.profile_live --out /tmp/laneway-profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from infra.bench.live_cluster import laneway_up
+from infra.bench.profile_summary import parse, report
+
+_TICK = os.sysconf("SC_CLK_TCK")
+_SERVERS = ("nats", "etcd")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User and system CPU of a live process (its threads included), or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    # After the command's closing parenthesis: state is field 3, utime 14 and stime 15.
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def cpu_window(pids: dict[str, int], seconds: float) -> tuple[dict[str, float], float]:
+    """Each process's CPU seconds over a window of about ``seconds``, and its real length."""
+    before = {n: cpu_seconds(p) for n, p in pids.items()}
+    start = time.monotonic()
+    time.sleep(seconds)
+    after = {n: cpu_seconds(p) for n, p in pids.items()}
+    spent = {
+        n: a - b for n, a in after.items() if a is not None and (b := before[n]) is not None
+    }
+    return spent, time.monotonic() - start
+
+
+def spy(pids: dict[str, int], out: Path, seconds: float, rate: int) -> dict[str, Path]:
+    """Records each process with py-spy at once; its collapsed stacks, by name."""
+    binary = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if binary is None:
+        raise SystemExit("profile: py-spy not found (pip install -e '.[dev]')")
+    runs = {}
+    for name, pid in pids.items():
+        path = out / f"{name}.txt"
+        command = [
+            binary, "record", "--pid", str(pid), "--duration", f"{seconds:g}",
+            "--rate", str(rate), "--nonblocking", "--format", "raw", "--output", str(path),
+        ]  # fmt: skip
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        runs[name] = (proc, path)
+    written = {}
+    for name, (proc, path) in runs.items():
+        _, err = proc.communicate(timeout=seconds + 60)
+        if proc.returncode == 0 and path.exists():
+            written[name] = path
+        else:
+            print(f"profile: py-spy on {name} failed: {err.decode()[-300:]}", file=sys.stderr)
+    return written
+
+
+def cpu_table(spent: dict[str, float], window_s: float, requests: float) -> list[dict[str, Any]]:
+    rows = [
+        {
+            "process": name,
+            "cpu_s": round(cpu, 3),
+            "core_share": round(cpu / window_s, 3),
+            "cpu_ms_per_request": round(1000 * cpu / requests, 3) if requests else None,
+        }
+        for name, cpu in sorted(spent.items(), key=lambda kv: -kv[1])
+    ]
+    total = sum(spent.values())
+    rows.append(
+        {
+            "process": "all",
+            "cpu_s": round(total, 3),
+            "core_share": round(total / window_s, 3),
+            "cpu_ms_per_request": round(1000 * total / requests, 3) if requests else None,
+        }
+    )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m infra.bench.profile_live",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", type=Path, default=Path("/tmp/laneway-profile"))
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--speedup", type=float, default=1000.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load first")
+    parser.add_argument("--cpu-window", type=float, default=10.0, help="seconds, /proc only")
+    parser.add_argument("--spy-window", type=float, default=15.0, help="seconds under py-spy")
+    parser.add_argument("--rate", type=int, default=100, help="py-spy samples a second")
+    parser.add_argument("--up-arg", action="append", default=[], help="passed to laneway up")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    load_s = args.warmup + args.cpu_window + args.spy_window + 2
+    with laneway_up(args.workers, args.speedup, tuple(args.up_arg)) as up:
+        load = subprocess.Popen(
+            [
+                sys.executable, "-m", "infra.bench.live_load", "--base-url", up.base_url,
+                "--concurrency", str(args.concurrency), "--duration", f"{load_s:g}",
+                "--max-tokens", str(args.max_tokens), "--warmup", "0", "--label", "profile",
+            ],
+            stdout=subprocess.PIPE,
+            env={**os.environ, "LANEWAY_API_KEY": up.api_key or ""},
+        )  # fmt: skip
+        time.sleep(args.warmup)
+        spent, window_s = cpu_window({**up.pids, "load-client": load.pid}, args.cpu_window)
+        services = {n: p for n, p in up.pids.items() if n not in _SERVERS}
+        stacks = spy(services, args.out, args.spy_window, args.rate)
+        out, _ = load.communicate(timeout=load_s + 120)
+    result = orjson.loads(out.splitlines()[-1])
+    requests = result["rps"] * window_s
+    table = cpu_table(spent, window_s, requests)
+    summary = {"load": result, "cpu_window_s": round(window_s, 3), "cpu": table}
+    (args.out / "cpu.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    print(f"c={args.concurrency}: {result['rps']} req/s, errors {result['errors']}")
+    print(f"{'process':<18}{'cpu s':>8}{'cores':>8}{'ms/req':>9}")
+    for row in table:
+        per_request = row["cpu_ms_per_request"]
+        print(
+            f"{row['process']:<18}{row['cpu_s']:>8.2f}{row['core_share']:>8.2f}"
+            f"{per_request if per_request is not None else float('nan'):>9.3f}"
+        )
+    for name, path in stacks.items():
+        with path.open() as lines:
+            text = report(name, parse(lines))
+        (args.out / f"{name}.top.txt").write_text(text)
+        print("\n" + "\n".join(text.splitlines()[:12]))
+    print(f"\nstacks and summaries in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
