@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help run test test-pure chaos lint typecheck check gpu-check clean bench-live bench-dynamo
+.PHONY: help run test test-pure chaos lint typecheck check gpu-check clean bench-live bench-dynamo profile
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -66,6 +66,9 @@ bench-live: $(STAMP) ## start laneway up --workers 4 --speedup 1000, run seq/c32
 DYNLAB ?= /work/dynlab
 bench-dynamo: $(STAMP) ## the same loads on Dynamo 1.6.1 (DYNLAB) and Laneway in one run, with ratios
 	DYNLAB=$(DYNLAB) bash infra/bench/dynamo_side_by_side.sh
+
+profile: $(STAMP) ## laneway up under c=32: CPU per request of each process, py-spy stacks of each service (PROFILE_OUT)
+	$(BIN)/python -m infra.bench.profile_live --out $(or $(PROFILE_OUT),/tmp/laneway-profile)
 
 clean: ## remove the virtualenv and local state
 	rm -rf $(VENV) .state
