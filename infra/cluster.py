@@ -34,7 +34,7 @@ from infra.embedded import (
     start_nats,
     start_nats_cluster,
 )
-from infra.keys import startup_key
+from infra.keys import STARTUP_KEY_FILE, startup_key
 from infra.metrics_targets import assign_metrics_ports
 from infra.startup import StartupError, check_port_free, check_reachable, log_cause
 from infra.statedir import StateDir
@@ -63,8 +63,9 @@ class ClusterConfig:
     ha: bool = False
     # Extra LANEWAY_* settings for every service (perf model, speed-up, lease TTL, tracing, …).
     env: dict[str, str] = field(default_factory=dict)
-    # Every API request but /health needs a key: one is made at each start (``api_key``).
-    api_auth: bool = False
+    # Every API request but /health needs a key: one is made at each start (``api_key``, and
+    # STATE_DIR/api-key while it runs); False for experiments.
+    api_auth: bool = True
     # The API over HTTPS, with this PEM certificate (chain) and its private key.
     api_tls: tuple[Path, Path] | None = None
     # A NATS user per service with only its subjects, and etcd auth, on the embedded servers
@@ -335,17 +336,24 @@ class LocalCluster:
         cfg = self.config
         env = self.service("ingress").env
         if cfg.api_auth:
-            self.api_key = startup_key(self.etcd_endpoints)
+            self.api_key = startup_key(self.etcd_endpoints, cfg.state_dir)
             env["LANEWAY_API_AUTH"] = "true"
         if cfg.api_tls is not None:
             env["LANEWAY_API_TLS_CERTFILE"], env["LANEWAY_API_TLS_KEYFILE"] = map(str, cfg.api_tls)
 
+    @property
+    def api_headers(self) -> dict[str, str]:
+        """What a client of this cluster's API sends: the run's key, where the API takes keys."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def _api_up(self) -> bool:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
             # Our own child, on the caller's certificate: whether it answers is the question.
             reply = httpx.get(
-                self.config.base_url + "/models", headers=headers, timeout=1.0, verify=False
+                self.config.base_url + "/models",
+                headers=self.api_headers,
+                timeout=1.0,
+                verify=False,
             )
         except httpx.HTTPError:
             return False
@@ -383,6 +391,10 @@ class LocalCluster:
         for server in reversed(self.servers):
             server.stop()
         self.servers.clear()
+        # The run's key is revoked by the next start; a stopped run hands it to no one (a run
+        # refused the state dir made none, and leaves its owner's).
+        if self.api_key is not None:
+            (self.config.state_dir / STARTUP_KEY_FILE).unlink(missing_ok=True)
         self.state.release()
 
     def pids(self) -> dict[str, int]:

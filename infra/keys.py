@@ -23,6 +23,7 @@ import aetcd
 
 from bus.api_keys import (
     KEY_ID_PATTERN,
+    KEY_PREFIX,
     SCOPES,
     TENANT_PATTERN,
     ApiKeyRecord,
@@ -38,6 +39,11 @@ from infra import status_local
 T = TypeVar("T")
 # The tenant of the key `laneway up` makes for its own run.
 STARTUP_TENANT = "local"
+# Where that key is kept in the state dir (0600) while the run lasts, for the tools and
+# benchmarks of the same user (``read_startup_key``).
+STARTUP_KEY_FILE = "api-key"
+# A key is 46 characters; a larger file is not ours.
+_MAX_KEY_FILE_BYTES = 256
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -139,14 +145,35 @@ def _revoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def startup_key(etcd_endpoints: str) -> str:
-    """The key `laneway up` prints: a new one each start, those of earlier starts revoked."""
+def startup_key(etcd_endpoints: str, state_dir: Path) -> str:
+    """The key `laneway up` prints: a new one each start, those of earlier starts revoked; also
+    written to ``STARTUP_KEY_FILE`` in the state dir, readable by its owner only."""
 
     async def make(etcd: aetcd.Client) -> str:
         await revoke_startup_keys(etcd)
         return (await create_key(etcd, STARTUP_TENANT, startup=True))[1]
 
-    return _in_thread(etcd_endpoints, make)
+    key = _in_thread(etcd_endpoints, make)
+    path = state_dir / STARTUP_KEY_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(key + "\n")
+    tmp.replace(path)
+    return key
+
+
+def read_startup_key(state_dir: Path) -> str | None:
+    """The key of the `laneway up` running on ``state_dir``; None where it takes no keys."""
+    try:
+        with open(state_dir / STARTUP_KEY_FILE, "rb") as file:
+            raw = file.read(_MAX_KEY_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    key = raw.decode(errors="replace").strip()
+    if len(raw) > _MAX_KEY_FILE_BYTES or not key.startswith(KEY_PREFIX):
+        raise ValueError(f"{state_dir / STARTUP_KEY_FILE} holds no API key")
+    return key
 
 
 def _limits(record: ApiKeyRecord) -> str:

@@ -99,10 +99,17 @@ async def bus(nats_server: EmbeddedServer) -> AsyncIterator[Bus]:
 
 @pytest.fixture(scope="module")
 def cluster_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFactory]:
-    """Start clusters with their own NATS and etcd (no state shared between tests)."""
+    """Start clusters with their own NATS and etcd (no state shared between tests). Their API
+    takes keys, as `laneway up`'s does: clients send ``cluster.api_key`` (``api_auth=False`` for
+    a test of the API without them)."""
     started: list[LocalCluster] = []
 
-    def make(workers: int = 2, env: dict[str, str] | None = None, **kwargs: object) -> LocalCluster:
+    def make(
+        workers: int = 2,
+        env: dict[str, str] | None = None,
+        api_auth: bool = True,
+        **kwargs: object,
+    ) -> LocalCluster:
         state: Path = tmp_path_factory.mktemp("cluster")
         cluster = LocalCluster(
             ClusterConfig(
@@ -110,6 +117,7 @@ def cluster_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluste
                 http_port=free_port(),
                 workers=workers,
                 env={**FAST_WORKERS, **(env or {})},
+                api_auth=api_auth,
                 **kwargs,  # type: ignore[arg-type]
             )
         )

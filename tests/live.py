@@ -1,19 +1,45 @@
 """Helpers for the live tests, beside the server fixtures in conftest: the cluster factory's type,
-the workers as etcd has them, and an observer of the cluster's events."""
+servers of a test's own with auth on, the workers as etcd has them, and an observer of the
+cluster's events."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 from bus.client import Bus
 from bus.registry import WORKERS_PREFIX, connect_etcd
 from bus.topology import Subjects
 from infra.cluster import LocalCluster
+from infra.cluster_auth import ClusterAuth, secure
+from infra.embedded import NATS_MAX_PAYLOAD, EmbeddedServer, start_etcd, start_nats
 from schemas.events import Event
 from schemas.messages import WorkerRegistration
 
 ClusterFactory = Callable[..., LocalCluster]
+
+
+def admin_nats(
+    auth: ClusterAuth, data_dir: Path, max_payload: int = NATS_MAX_PAYLOAD
+) -> EmbeddedServer:
+    """A nats-server of a test's own that takes ``auth``'s users alone; its ``url`` carries the
+    admin's credentials."""
+    server = start_nats(data_dir, max_payload=max_payload, authorization=auth.nats_authorization())
+    server.url = auth.admin("nats").within(server.url)
+    return server
+
+
+def admin_etcd(auth: ClusterAuth, data_dir: Path, log_file: Path | None = None) -> EmbeddedServer:
+    """An etcd of a test's own with auth on, ``auth``'s users and roles and its root; its ``url``
+    carries the admin's credentials."""
+    server = start_etcd(data_dir, log_file=log_file)
+    try:
+        server.url = secure(auth, "", server.url, 1, nats=False, etcd=True)[1]
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 async def registrations(etcd_endpoints: str) -> dict[str, WorkerRegistration]:

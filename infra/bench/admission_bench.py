@@ -172,10 +172,12 @@ class BenchConfig:
     seed: int = 1
 
 
-async def measure(base_url: str, config: BenchConfig) -> dict[str, object]:
+async def measure(base_url: str, config: BenchConfig, headers: dict[str, str]) -> dict[str, object]:
     capacity = config.workers * config.max_num_seqs
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
-    async with httpx.AsyncClient(base_url=base_url, timeout=60.0, limits=limits) as http:
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, timeout=60.0, limits=limits
+    ) as http:
         client = Client(http, config.prompt_tokens, config.max_tokens)
         await sequential(client, 5)  # warm-up: connections, the planner's first decisions
         unloaded = await sequential(client, config.unloaded_requests)
@@ -211,7 +213,7 @@ def run(config: BenchConfig, env: dict[str, str] | None = None) -> dict[str, obj
         )
         cluster.start()
         try:
-            return asyncio.run(measure(cluster.config.base_url, config))
+            return asyncio.run(measure(cluster.config.base_url, config, cluster.api_headers))
         finally:
             cluster.stop()
 

@@ -152,8 +152,10 @@ async def replay_live(
     time_scale: float = 1.0,
     timeout_s: float = 3600.0,
     progress: Callable[[int], None] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> ReplayResult:
-    """``progress``, if given, is called with the number of requests finished so far."""
+    """``progress``, if given, is called with the number of requests finished so far;
+    ``headers`` go on every request (the cluster's API key: ``LocalCluster.api_headers``)."""
     prompts = PromptFactory(block_size)
     texts = [prompts.prompt(r).text() for r in trace]
     records = [RequestRecord(r.arrival_s, r.input_length) for r in trace]
@@ -169,7 +171,7 @@ async def replay_live(
     started = time.perf_counter()
     request_ids: list[str | None] = []
     async with httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits
+        headers=headers, timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits
     ) as http:
         t0 = time.monotonic()
         finished = 0

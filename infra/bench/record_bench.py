@@ -220,7 +220,9 @@ def _cpu_s(pids: Sequence[int]) -> float:
     return total / ticks
 
 
-async def drive(url: str, requests: int, concurrency: int, tag: str) -> list[float]:
+async def drive(
+    url: str, requests: int, concurrency: int, tag: str, headers: dict[str, str]
+) -> list[float]:
     """Client-side seconds per request: ``concurrency`` clients, each one request at a time."""
     latencies: list[float] = []
 
@@ -236,7 +238,7 @@ async def drive(url: str, requests: int, concurrency: int, tag: str) -> list[flo
     # writes, and Nagle's algorithm against the server's delayed ACK adds ~40 ms to each request
     # after the first (measured here: 4 ms, then 45-52 ms; curl and fresh connections 3-10 ms).
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+    async with httpx.AsyncClient(headers=headers, timeout=60, limits=limits) as http:
         await asyncio.gather(*(client(http, me) for me in range(concurrency)))
     return latencies
 
@@ -265,7 +267,7 @@ async def one_round(cluster: LocalCluster, requests: int, tag: str) -> Round:
     for c in CONCURRENCIES:
         n = max(requests, 4 * c)
         cpu = _cpu_s(pids)
-        latencies = await drive(url, n, c, f"{tag}-c{c}")
+        latencies = await drive(url, n, c, f"{tag}-c{c}", cluster.api_headers)
         cpu_ms[c] = (_cpu_s(pids) - cpu) / n * 1000
         latency_ms[c] = statistics.median(latencies) * 1000
     await asyncio.sleep(0.2)  # the last decisions' copies on their way to this observer
@@ -338,7 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         cluster.start()
         try:
-            asyncio.run(drive(cluster.config.base_url + "/completions", 32, 8, "warm-up"))
+            url = cluster.config.base_url + "/completions"
+            asyncio.run(drive(url, 32, 8, "warm-up", cluster.api_headers))
             rounds = []
             for i in range(args.rounds):
                 rounds.append(asyncio.run(one_round(cluster, args.requests, f"round{i}")))

@@ -306,6 +306,7 @@ def _live(
                     args.block_size,
                     args.time_scale,
                     progress=progress,
+                    headers=cluster.api_headers,
                 )
             )
             result.report["kv_tiers"] = args.tiers.report()

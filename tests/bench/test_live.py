@@ -33,6 +33,7 @@ async def test_live_replay_completes_every_request(
         "laneway-sim",
         block_size=64,
         progress=finished.append,
+        headers=cluster.api_headers,
     )
     report = result.report
     assert finished == list(range(13))  # the progress callback: the start, each finished request

@@ -11,20 +11,30 @@ import pytest
 from bus.etcd_space import clear_space_alarm
 from bus.permissions import Identity
 from bus.registry import connect_etcd
-from infra.cluster_auth import ClusterAuth, secure
-from infra.embedded import EmbeddedServer, start_etcd
+from infra.cluster_auth import ClusterAuth
+from infra.embedded import EmbeddedServer
+from tests.live import admin_etcd
 
 
 @pytest.fixture
-def own_etcd(tmp_path: Path) -> Iterator[EmbeddedServer]:
-    """An etcd of its own: an alarm on the shared one would refuse other tests' writes."""
-    server = start_etcd(tmp_path / "etcd")
+def auth(tmp_path: Path) -> ClusterAuth:
+    return ClusterAuth(tmp_path / "auth", [Identity("planner")])
+
+
+@pytest.fixture
+def own_etcd(tmp_path: Path, auth: ClusterAuth) -> Iterator[EmbeddedServer]:
+    """An etcd of its own, auth on: an alarm on the shared one would refuse other tests'
+    writes."""
+    server = admin_etcd(auth, tmp_path / "etcd")
     yield server
     server.stop()
 
 
-async def test_a_raised_space_alarm_is_cleared_and_writes_go_on(own_etcd: EmbeddedServer) -> None:
-    client = connect_etcd(own_etcd.url)
+async def test_a_raised_space_alarm_is_cleared_and_writes_go_on(
+    own_etcd: EmbeddedServer, auth: ClusterAuth
+) -> None:
+    """As etcd's root, the one user that may also defragment (an operator's tool)."""
+    client = connect_etcd(auth.etcd_root.within(own_etcd.url))
     try:
         assert not await clear_space_alarm(client)
         for i in range(50):  # history for the compaction to drop
@@ -41,12 +51,10 @@ async def test_a_raised_space_alarm_is_cleared_and_writes_go_on(own_etcd: Embedd
 
 
 async def test_the_planner_clears_the_alarm_with_etcd_auth_on(
-    own_etcd: EmbeddedServer, tmp_path: Path
+    own_etcd: EmbeddedServer, auth: ClusterAuth
 ) -> None:
     """Its user may compact and disarm but not defragment (etcd's root alone may): the alarm
     still goes, and writes go on."""
-    auth = ClusterAuth(tmp_path / "auth", [Identity("planner")])
-    secure(auth, "", own_etcd.url, 1, nats=False, etcd=True)
     root = connect_etcd(auth.etcd_root.within(own_etcd.url))
     planner = connect_etcd(auth.credentials("etcd", "planner").within(own_etcd.url))
     try:

@@ -1,4 +1,6 @@
-"""Clients over a 3-member etcd and a 3-node JetStream cluster carry on when a member dies."""
+"""Clients over a 3-member etcd and a 3-node JetStream cluster carry on when a member dies; the
+servers take only their users, as `laneway up --ha` runs them (an etcd client logs in again on
+the member it moves to)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import pytest
 from nats.js.client import JetStreamContext
 
 from bus.client import Bus
+from bus.permissions import Identity
 from bus.registry import LeasedKey, connect_etcd, watch_workers
 from bus.topology import CANCELS, REQUESTS, STREAM_SUBJECTS
+from infra.cluster_auth import ClusterAuth, secure
 from infra.embedded import EmbeddedServer, start_etcd_cluster, start_nats_cluster
 from schemas.codec import decode_event
 from schemas.events import CancellationRequested
@@ -23,6 +27,13 @@ from schemas.messages import WorkerRegistration
 from tests.helpers import eventually, registration
 
 pytestmark = pytest.mark.live
+
+
+PLANNER, SURVIVOR, RETURNING = (
+    Identity("planner"),
+    Identity("worker", "survivor"),
+    Identity("worker", "returning"),
+)
 
 
 def _members(
@@ -36,25 +47,44 @@ def _members(
 
 
 @pytest.fixture(scope="module")
-def etcd_members(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EmbeddedServer]]:
-    yield from _members(tmp_path_factory, start_etcd_cluster)
+def auth(tmp_path_factory: pytest.TempPathFactory) -> ClusterAuth:
+    return ClusterAuth(tmp_path_factory.mktemp("auth"), [PLANNER, SURVIVOR, RETURNING])
 
 
 @pytest.fixture(scope="module")
-def nats_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EmbeddedServer]]:
-    yield from _members(tmp_path_factory, start_nats_cluster)
+def etcd_members(
+    tmp_path_factory: pytest.TempPathFactory, auth: ClusterAuth
+) -> Iterator[list[EmbeddedServer]]:
+    for members in _members(tmp_path_factory, start_etcd_cluster):
+        secure(auth, "", ",".join(m.url for m in members), 3, nats=False, etcd=True)
+        yield members
+
+
+@pytest.fixture(scope="module")
+def nats_nodes(
+    tmp_path_factory: pytest.TempPathFactory, auth: ClusterAuth
+) -> Iterator[list[EmbeddedServer]]:
+    users = auth.nats_authorization()
+    for nodes in _members(tmp_path_factory, lambda d, logs: start_nats_cluster(d, logs, 3, users)):
+        for node in nodes:
+            node.url = auth.admin("nats").within(node.url)
+        yield nodes
+
+
+def _as(auth: ClusterAuth, identity: Identity, members: list[EmbeddedServer]) -> str:
+    return auth.credentials("etcd", identity.user).within(",".join(m.url for m in members))
 
 
 async def test_etcd_client_moves_to_a_live_member_and_keeps_watch_and_lease(
-    etcd_members: list[EmbeddedServer],
+    etcd_members: list[EmbeddedServer], auth: ClusterAuth
 ) -> None:
-    endpoints = ",".join(member.url for member in etcd_members)
     views: list[set[str]] = []
 
     async def on_change(workers: dict[str, WorkerRegistration]) -> None:
         views.append(set(workers))
 
-    watcher_client, worker_client = connect_etcd(endpoints), connect_etcd(endpoints)
+    watcher_client = connect_etcd(_as(auth, PLANNER, etcd_members))
+    worker_client = connect_etcd(_as(auth, SURVIVOR, etcd_members))
     watcher = asyncio.create_task(watch_workers(watcher_client, on_change))
     lease = LeasedKey.worker(worker_client, registration("survivor"), ttl_s=5)
     await lease.start()
@@ -65,9 +95,9 @@ async def test_etcd_client_moves_to_a_live_member_and_keeps_watch_and_lease(
     victim = etcd_members[watcher_client.at]
     victim.kill()
     try:
-        await worker_client.put(b"/laneway/test/after-failover", b"1")
+        assert await worker_client.get(lease.key) is not None  # served by another member
         await asyncio.sleep(6)  # longer than the lease's TTL: its keep-alives went elsewhere
-        assert await worker_client.get(b"/laneway/test/after-failover") is not None
+        assert await worker_client.get(lease.key) is not None
         await lease.update(registration("survivor").model_dump_json().encode() + b" ")
         # The re-established watch sees the update, and never a view without the worker.
         await eventually(lambda: len(views) > seen)
@@ -81,9 +111,9 @@ async def test_etcd_client_moves_to_a_live_member_and_keeps_watch_and_lease(
 
 
 async def test_a_lease_lost_while_etcd_was_away_is_taken_again_on_update(
-    etcd_members: list[EmbeddedServer],
+    etcd_members: list[EmbeddedServer], auth: ClusterAuth
 ) -> None:
-    client = connect_etcd(",".join(member.url for member in etcd_members))
+    client = connect_etcd(_as(auth, RETURNING, etcd_members))
     lease = LeasedKey.worker(client, registration("returning"), ttl_s=5)
     await lease.start()
     assert lease._lease is not None

@@ -13,15 +13,18 @@ import pytest
 
 from bus.registry import connect_etcd
 from bus.sessions import SessionStore
-from infra.embedded import EmbeddedServer, start_etcd
+from infra.cluster_auth import ClusterAuth
+from infra.embedded import EmbeddedServer
 from tests.helpers import eventually
+from tests.live import admin_etcd
 
 pytestmark = pytest.mark.live  # an etcd of its own, killed
 
 
 @pytest.fixture
 async def etcd(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
-    server = start_etcd(tmp_path, log_file=tmp_path / "etcd.log")
+    # Auth on: a client that found etcd gone logs in again once it is back.
+    server = admin_etcd(ClusterAuth(tmp_path / "auth", []), tmp_path, tmp_path / "etcd.log")
     yield server
     server.stop()
 

@@ -25,7 +25,7 @@ from infra.embedded import free_port
 from tests.chaos.load import HEADER, Row, closed_loop, health_trace
 from tests.e2e.exact import answers
 from tests.helpers import eventually
-from tests.infra.laneway_up import launch, survivors, wait_serving
+from tests.infra.laneway_up import api_headers, launch, survivors, wait_serving
 
 pytestmark = [pytest.mark.chaos, pytest.mark.live, pytest.mark.timeout(600)]
 
@@ -112,7 +112,9 @@ async def up(tmp_path: Path) -> AsyncIterator[Up]:
         root = f"http://127.0.0.1:{port}"
         timeout = httpx.Timeout(5.0, read=30.0)
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-        async with httpx.AsyncClient(base_url=root + "/v1", timeout=timeout, limits=limits) as http:
+        async with httpx.AsyncClient(
+            base_url=root + "/v1", headers=api_headers(tmp_path), timeout=timeout, limits=limits
+        ) as http:
             yield Up(proc, tmp_path, root, http, await answers(http))
     finally:
         proc.send_signal(signal.SIGINT)

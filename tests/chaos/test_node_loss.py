@@ -160,7 +160,10 @@ async def under_load(cluster: LocalCluster, plan: list[Fault], load_s: float = L
     rng = random.Random(7)
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(
-        base_url=cluster.config.base_url, timeout=60.0, limits=limits
+        base_url=cluster.config.base_url,
+        headers=cluster.api_headers,
+        timeout=60.0,
+        limits=limits,
     ) as http:
         whole = await answers(http)
         start = time.monotonic()

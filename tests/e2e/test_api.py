@@ -35,7 +35,9 @@ def cluster(cluster_factory: ClusterFactory, spans_file: Path) -> LocalCluster:
 
 @pytest.fixture
 def client(cluster: LocalCluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="unused", max_retries=0)
+    return openai.AsyncOpenAI(
+        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+    )
 
 
 def chat_prompt_tokens(content: str) -> int:
@@ -238,7 +240,9 @@ async def test_metrics_are_prometheus_text(cluster: LocalCluster) -> None:
 
 async def test_no_worker_is_503(cluster_factory: ClusterFactory) -> None:
     empty = cluster_factory(workers=0)
-    client = openai.AsyncOpenAI(base_url=empty.config.base_url, api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=empty.config.base_url, api_key=empty.api_key, max_retries=0
+    )
     with pytest.raises(openai.APIStatusError) as err:
         await client.completions.create(model=MODEL, prompt="anyone?", max_tokens=2)
     assert err.value.status_code == 503
@@ -248,7 +252,7 @@ async def test_timeout_is_504(cluster_factory: ClusterFactory) -> None:
     slow = cluster_factory(
         workers=1, env={"LANEWAY_REQUEST_TIMEOUT_S": "1", "LANEWAY_SPEEDUP": "0.05"}
     )
-    client = openai.AsyncOpenAI(base_url=slow.config.base_url, api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=slow.config.base_url, api_key=slow.api_key, max_retries=0)
     with pytest.raises(openai.APIStatusError) as err:
         await client.completions.create(model=MODEL, prompt="slowly", max_tokens=500)
     assert err.value.status_code == 504

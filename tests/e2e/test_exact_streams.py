@@ -25,7 +25,10 @@ async def replay_streams(cluster: LocalCluster, count: int, concurrency: int) ->
     plan = [(rng.randrange(SEEDS), rng.randint(1, MAX_TOKENS)) for _ in range(count)]
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(
-        base_url=cluster.config.base_url, timeout=30.0, limits=limits
+        base_url=cluster.config.base_url,
+        headers=cluster.api_headers,
+        timeout=30.0,
+        limits=limits,
     ) as http:
         whole = await answers(http)
         gate = asyncio.Semaphore(concurrency)

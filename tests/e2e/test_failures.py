@@ -20,7 +20,9 @@ async def test_engines_without_kv_events_are_indexed_from_routing(
     from schemas.messages import OverlapQuery, OverlapReply
 
     cluster = cluster_factory(workers=2, env={"LANEWAY_KV_EVENTS": "false"})
-    client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+    )
     prompt = block_tokens(42, 160).decode()
     await client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     hashes = chain_block_hashes(list(prompt.encode()), 16)

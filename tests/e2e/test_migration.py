@@ -44,7 +44,9 @@ async def under_fault(
 ) -> tuple[list[Streamed], dict[int, str]]:
     """Streams ``STREAMS`` seeded completions, runs ``fault`` while they are in flight; what
     each client got, and the unstreamed answers to compare them with."""
-    async with httpx.AsyncClient(base_url=cluster.config.base_url, timeout=60) as http:
+    async with httpx.AsyncClient(
+        base_url=cluster.config.base_url, headers=cluster.api_headers, timeout=60
+    ) as http:
         whole = await answers(http, STREAMS)
         streams = [asyncio.create_task(stream(http, seed, MAX_TOKENS)) for seed in range(STREAMS)]
         await asyncio.sleep(0.5)

@@ -9,16 +9,18 @@ import sys
 import time
 from pathlib import Path
 
+from infra.keys import read_startup_key
+
 
 def launch(
     port: int,
     state_dir: Path,
     *extra: str,
     env: dict[str, str] | None = None,
-    api_auth: bool = False,
+    api_auth: bool = True,
 ) -> subprocess.Popen[str]:
     """``env``: settings for every service, on top of this process's environment; ``api_auth``:
-    the API takes keys, as `laneway up` does by default (tests/security tests that)."""
+    the API takes keys, as `laneway up` does by default (``api_headers`` once it serves)."""
     return subprocess.Popen(
         [
             sys.executable,
@@ -57,6 +59,17 @@ def wait_serving(proc: subprocess.Popen[str], timeout: float = 30) -> dict[str, 
         name: int(pid)
         for name, pid in re.findall(r"^\s+(\S+(?: \(embedded\))?)\s+pid (\d+)", output, re.M)
     }
+
+
+def api_key(state_dir: Path) -> str:
+    """The key of the `laneway up` serving on ``state_dir``, as it wrote it there."""
+    key = read_startup_key(state_dir)
+    assert key is not None, f"no API key in {state_dir}: a laneway up with --no-auth?"
+    return key
+
+
+def api_headers(state_dir: Path) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key(state_dir)}"}
 
 
 def alive(pid: int) -> bool:

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from infra.embedded import free_port
-from tests.infra.laneway_up import alive, launch, survivors, wait_serving
+from tests.infra.laneway_up import alive, api_key, launch, survivors, wait_serving
 
 pytestmark = pytest.mark.live  # starts `laneway up` and its services
 
@@ -26,7 +26,9 @@ def test_up_serves_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
         if "embedded" not in name:
             assert "services." in Path(f"/proc/{pid}/cmdline").read_text()
 
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key(tmp_path), max_retries=0
+    )
     stream = client.chat.completions.create(
         model="laneway-sim", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=8
     )

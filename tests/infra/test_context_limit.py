@@ -21,7 +21,9 @@ async def test_prompts_as_long_as_the_sims_pool_holds_are_served(
     cluster_factory: ClusterFactory,
 ) -> None:
     cluster = cluster_factory(workers=1, env=POOL)
-    client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="unused", max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+    )
     served = await client.completions.create(model=MODEL, prompt="x" * 40_000, max_tokens=4)
     assert served.usage is not None
     assert (served.usage.prompt_tokens, served.usage.completion_tokens) == (40_000, 4)

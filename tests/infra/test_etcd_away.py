@@ -16,7 +16,9 @@ async def test_session_requests_are_served_while_etcd_is_down(
 ) -> None:
     cluster = cluster_factory(workers=2, policy="kv")
     [etcd] = [s for s in cluster.servers if s.name == "etcd"]
-    async with httpx.AsyncClient(base_url=cluster.config.base_url, timeout=10) as http:
+    async with httpx.AsyncClient(
+        base_url=cluster.config.base_url, headers=cluster.api_headers, timeout=10
+    ) as http:
 
         async def turn(user: str) -> float:
             started = time.monotonic()

@@ -28,7 +28,7 @@ def test_each_missing_part_is_named_in_one_openai_error() -> None:
 async def test_health_follows_the_planner(cluster_factory: ClusterFactory) -> None:
     cluster = cluster_factory(workers=2, env={"LANEWAY_LEASE_TTL_S": "2"})
     root = cluster.config.base_url.removesuffix("/v1")
-    async with httpx.AsyncClient(base_url=root, timeout=5) as http:
+    async with httpx.AsyncClient(base_url=root, headers=cluster.api_headers, timeout=5) as http:
         ready = await http.get("/health")
         assert (ready.status_code, ready.json()) == (
             200,

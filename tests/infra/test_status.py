@@ -25,6 +25,7 @@ def cluster(cluster_factory: ClusterFactory) -> LocalCluster:
     reply = httpx.post(
         f"{started.config.base_url}/completions",
         json={"model": "laneway-sim", "prompt": "the status of things " * 8, "max_tokens": 4},
+        headers=started.api_headers,
         timeout=30,
     )
     assert reply.status_code == 200, reply.text

@@ -17,7 +17,14 @@ from infra.cluster import LocalCluster
 from infra.embedded import free_port
 from infra.supervisor import GaveUp, RestartPolicy, RestartTracker
 from tests.helpers import eventually
-from tests.infra.laneway_up import alive, launch, processes_naming, survivors, wait_serving
+from tests.infra.laneway_up import (
+    alive,
+    api_headers,
+    launch,
+    processes_naming,
+    survivors,
+    wait_serving,
+)
 from tests.live import ClusterFactory
 
 
@@ -60,7 +67,9 @@ async def test_up_restarts_a_killed_planner_and_nats_and_they_die_with_it(tmp_pa
     up = launch(port, tmp_path)
     try:
         pids = wait_serving(up)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/v1") as http:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}/v1", headers=api_headers(tmp_path)
+        ) as http:
             for name in ("planner", "nats (embedded)"):
                 os.kill(pids[name], signal.SIGKILL)
                 pids[name] = await _restarted(tmp_path, name, pids[name])

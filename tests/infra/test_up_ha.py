@@ -25,7 +25,9 @@ async def test_ha_cluster_serves_on_three_nats_nodes_and_three_etcd_members(
     assert names == ["etcd-0", "etcd-1", "etcd-2", "nats-0", "nats-1", "nats-2"]
     assert len(cluster.nats_url.split(",")) == len(cluster.etcd_endpoints.split(",")) == 3
     assert len(await registrations(cluster.etcd_endpoints)) == 2
-    async with httpx.AsyncClient(base_url=cluster.config.base_url, timeout=30) as http:
+    async with httpx.AsyncClient(
+        base_url=cluster.config.base_url, headers=cluster.api_headers, timeout=30
+    ) as http:
         body = {"model": "laneway-sim", "prompt": "hello", "max_tokens": 4, "stream": True}
         reply = await http.post("/completions", json=body)
     assert reply.status_code == 200 and reply.text.rstrip().endswith("data: [DONE]")

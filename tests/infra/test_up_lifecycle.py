@@ -21,6 +21,7 @@ from infra.embedded import free_port
 from infra.startup import StartupError
 from tests.infra.laneway_up import (
     alive,
+    api_headers,
     launch,
     processes_naming,
     survivors,
@@ -54,7 +55,10 @@ def test_sigkilled_up_leaves_nothing_and_the_next_up_starts(tmp_path: Path) -> N
     second = launch(port, tmp_path)
     try:
         again = wait_serving(second)
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200
+        models = httpx.get(
+            f"http://127.0.0.1:{port}/v1/models", headers=api_headers(tmp_path), timeout=5
+        )
+        assert models.status_code == 200
     finally:
         second.send_signal(signal.SIGINT)
         assert second.wait(20) == 0

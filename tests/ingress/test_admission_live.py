@@ -22,7 +22,9 @@ async def test_a_burst_past_the_clusters_room_is_shed_and_the_rest_complete(
     cluster_factory: ClusterFactory,
 ) -> None:
     cluster = cluster_factory(workers=WORKERS, env={"LANEWAY_MAX_NUM_SEQS": str(SLOTS)})
-    async with httpx.AsyncClient(base_url=cluster.config.base_url, timeout=30.0) as http:
+    async with httpx.AsyncClient(
+        base_url=cluster.config.base_url, headers=cluster.api_headers, timeout=30.0
+    ) as http:
 
         async def one(seed: int) -> tuple[httpx.Response, float]:
             started = time.perf_counter()

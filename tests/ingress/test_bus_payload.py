@@ -9,15 +9,16 @@ from pathlib import Path
 import pytest
 
 from bus.client import Bus
-from infra.embedded import start_nats
+from infra.cluster_auth import ClusterAuth
 from schemas.events import RequestFailed, RequestSpec, SamplingParams
 from services.ingress.nats_gateway import NatsGateway
+from tests.live import admin_nats
 
 pytestmark = pytest.mark.live  # starts a nats-server of its own
 
 
 async def test_a_request_larger_than_the_bus_carries_fails_as_invalid(tmp_path: Path) -> None:
-    server = start_nats(tmp_path, max_payload=64 * 1024)
+    server = admin_nats(ClusterAuth(tmp_path / "auth", []), tmp_path, max_payload=64 * 1024)
     bus = await Bus.connect(server.url, "test-payload")
     try:
         await bus.ensure_streams()

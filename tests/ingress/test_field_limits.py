@@ -56,7 +56,9 @@ async def test_fields_at_their_limits_are_taken() -> None:
 
 async def test_an_oversized_session_id_never_reaches_etcd(cluster_factory: ClusterFactory) -> None:
     cluster = cluster_factory(workers=1, policy="kv")
-    async with httpx.AsyncClient(base_url=cluster.config.base_url, timeout=30) as client:
+    async with httpx.AsyncClient(
+        base_url=cluster.config.base_url, headers=cluster.api_headers, timeout=30
+    ) as client:
         ok = await client.post("/chat/completions", json=chat_body(user="fits"))
         assert ok.status_code == 200, ok.text
         # 100 KB etcd would have stored; 900 KB it would have refused.

@@ -49,14 +49,17 @@ def cluster(cluster_factory: ClusterFactory) -> LocalCluster:
 class Streams:
     """Seeded streams sent while the fuzz runs, each compared with its unstreamed answer."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, headers: dict[str, str]) -> None:
         self._base_url = base_url
+        self._headers = headers
         self._stop = threading.Event()
         self.sent = 0
         self.wrong: list[str] = []
 
     async def run(self, concurrency: int = 4) -> None:
-        async with httpx.AsyncClient(base_url=self._base_url, timeout=30.0) as http:
+        async with httpx.AsyncClient(
+            base_url=self._base_url, headers=self._headers, timeout=30.0
+        ) as http:
             whole = await answers(http)
             rng = random.Random(8)
 
@@ -75,8 +78,8 @@ class Streams:
 
 
 @contextmanager
-def streams_beside(base_url: str) -> Iterator[Streams]:
-    streams = Streams(base_url)
+def streams_beside(base_url: str, headers: dict[str, str]) -> Iterator[Streams]:
+    streams = Streams(base_url, headers)
     errors: list[BaseException] = []
 
     def target() -> None:
@@ -117,16 +120,18 @@ def test_fuzzed_requests_get_no_5xx_and_leave_concurrent_streams_exact(
     cluster: LocalCluster,
 ) -> None:
     api = cluster.config.base_url.removesuffix("/v1")
-    schema = schemathesis.openapi.from_dict(httpx.get(f"{api}/openapi.json").json())
+    schema = schemathesis.openapi.from_dict(
+        httpx.get(f"{api}/openapi.json", headers=cluster.api_headers).json()
+    )
     sent: dict[str, int] = {}
 
     def call(case: Any) -> None:
-        response = case.call(base_url=api, timeout=30)
+        response = case.call(base_url=api, headers=cluster.api_headers, timeout=30)
         key = f"{case.method} {case.path} {response.status_code}"
         sent[key] = sent.get(key, 0) + 1
         case.validate_response(response, checks=CHECKS)
 
-    with streams_beside(cluster.config.base_url) as streams:
+    with streams_beside(cluster.config.base_url, cluster.api_headers) as streams:
         for path in ("/v1/chat/completions", "/v1/completions"):
             for mode, examples in EXAMPLES.items():
                 fuzz(schema[path]["POST"], mode, examples, call)

@@ -31,7 +31,9 @@ async def test_evicted_blocks_reach_the_indexer_and_the_planner_as_host_tier(
     seen = Observed()
     await asker.subscribe(Subjects.all_routes, seen.on_event)
     await asker.subscribe(Subjects.all_request_terminals, seen.on_event)
-    client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+    )
     first, other = "a" * 150, "b" * 150
     try:
         for prompt in (first, other):

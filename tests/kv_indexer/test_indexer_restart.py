@@ -50,6 +50,7 @@ async def test_restarted_indexer_equals_the_one_that_never_stopped(
             cluster.nats_url,
             "laneway-sim",
             block_size=64,
+            headers=cluster.api_headers,
         )
     )
     await eventually(indexed, timeout=30, interval=0.2)

@@ -88,7 +88,9 @@ async def test_a_request_s_spans_reach_an_otlp_backend(
             **DISAGG,
         },
     )
-    client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+    )
     reply = await client.completions.create(model="laneway-sim", prompt=PROMPT, max_tokens=4)
     request_id = reply.id.removeprefix("cmpl-")
 

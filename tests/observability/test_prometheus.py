@@ -118,6 +118,7 @@ def test_prometheus_scrapes_every_service(cluster: LocalCluster, prometheus: str
         reply = httpx.post(
             cluster.config.base_url + "/completions",
             json={"model": "laneway-sim", "prompt": prompt + str(turn), "max_tokens": 8},
+            headers=cluster.api_headers,
             timeout=10,
         )
         assert reply.status_code == 200, reply.text

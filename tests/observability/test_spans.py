@@ -21,7 +21,9 @@ async def test_every_hop_is_one_trace_with_the_right_parents(
     cluster = cluster_factory(
         workers=1, prefill_workers=1, env={"LANEWAY_TRACE_EXPORTER": f"file:{spans_file}", **DISAGG}
     )
-    client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+    )
     reply = await client.completions.create(model="laneway-sim", prompt=PROMPT, max_tokens=4)
     request_id = reply.id.removeprefix("cmpl-")
 

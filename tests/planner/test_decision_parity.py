@@ -18,7 +18,8 @@ from bus.registry import LeasedKey, connect_etcd, watch_workers
 from bus.topology import Subjects
 from infra.bench.offline import OfflineReplay
 from infra.bench.traces import TraceRequest
-from infra.embedded import EmbeddedServer, start_etcd, start_nats
+from infra.cluster_auth import ClusterAuth
+from infra.embedded import EmbeddedServer
 from schemas.events import (
     RequestAccepted,
     RequestFinished,
@@ -38,6 +39,7 @@ from services.planner.kv_policy import KvAware, KvSettings
 from services.planner.policy import WorkerView
 from services.planner.replay import differences, redecide
 from tests.helpers import eventually
+from tests.live import admin_etcd, admin_nats
 
 CONFIG = SimConfig(block_size=64, num_gpu_blocks=512, max_num_seqs=8)
 DISAGG = DisaggSettings(mode="auto", min_remote_tokens=256)
@@ -92,7 +94,13 @@ def _registration(worker_id: str, role: str) -> WorkerRegistration:
 def servers(tmp_path: Path) -> Iterator[tuple[EmbeddedServer, EmbeddedServer]]:
     """A NATS and an etcd of this test's own: the session's hold other tests' durable consumers,
     requests and leases, which a planner there would see too."""
-    nats, etcd = start_nats(tmp_path), start_etcd(tmp_path)
+    auth = ClusterAuth(tmp_path / "auth", [])
+    nats = admin_nats(auth, tmp_path)
+    try:
+        etcd = admin_etcd(auth, tmp_path)
+    except BaseException:
+        nats.stop()
+        raise
     yield nats, etcd
     nats.stop()
     etcd.stop()

@@ -36,7 +36,9 @@ async def test_a_live_run_replays_to_identical_decisions(cluster_factory: Cluste
     cluster = cluster_factory(workers=3, prefill_workers=1, planners=2, env=ENV)
     workers = await registrations(cluster.etcd_endpoints)
     victim = next(r for r in workers.values() if r.role == "decode")
-    client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+    )
     served = 0
     # The capacity loop looks once a second; on a loaded machine the conversations can be over
     # before its first move, so they go on (up to twice as long) until one is seen.

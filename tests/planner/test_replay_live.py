@@ -23,7 +23,9 @@ async def test_every_decision_of_a_live_cluster_replays_identically(
     cluster_factory: ClusterFactory,
 ) -> None:
     cluster = cluster_factory(workers=3, planners=2)
-    client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+    )
 
     async def conversation(user: int) -> None:
         history = f"user {user} asks about the weather in a city with a long name. " * 6

@@ -10,7 +10,7 @@ from bus.registry import WORKERS_PREFIX, connect_etcd
 from bus.topology import Subjects
 from infra.bench.live import replay_live
 from infra.bench.traces import TraceRequest
-from schemas.events import Event, RolesRebalanced, TokensGenerated
+from schemas.events import Event, RolesRebalanced, TokenBatch
 from schemas.messages import WorkerRegistration
 from tests.helpers import eventually
 from tests.live import ClusterFactory
@@ -39,8 +39,9 @@ async def test_a_role_switch_mid_replay_loses_no_request_and_repeats_no_token(
     moves: list[RolesRebalanced] = []
 
     async def observe(event: Event) -> None:
-        if isinstance(event, TokensGenerated) and event.request_id:
-            tokens[event.request_id] += range(event.index, event.index + len(event.token_ids))
+        if isinstance(event, TokenBatch):
+            for run in event.runs:
+                tokens[run.request_id] += range(run.index, run.index + len(run.token_ids))
         elif isinstance(event, RolesRebalanced):
             moves.append(event)
         elif event.type in ("RequestFinished", "RequestFailed", "RequestCancelled"):
@@ -56,7 +57,13 @@ async def test_a_role_switch_mid_replay_loses_no_request_and_repeats_no_token(
     ]  # fmt: skip
     try:
         result = await replay_live(
-            trace, cluster.config.base_url, cluster.nats_url, "laneway-sim", 16, timeout_s=60
+            trace,
+            cluster.config.base_url,
+            cluster.nats_url,
+            "laneway-sim",
+            16,
+            timeout_s=60,
+            headers=cluster.api_headers,
         )
         await eventually(lambda: sum(terminals.values()) >= len(trace))
     finally:

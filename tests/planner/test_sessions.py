@@ -39,7 +39,9 @@ async def test_ten_turns_stay_on_one_worker_across_two_planners(
             routes.append(event)
 
     await bus.subscribe(Subjects.all_routes, observe)
-    client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+    )
     conversations = {"alice": [], "bob": []}  # type: dict[str, list[dict[str, str]]]
     for turn in range(10):
         for user, history in conversations.items():

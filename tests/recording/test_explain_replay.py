@@ -45,7 +45,9 @@ def cluster(cluster_factory: ClusterFactory) -> LocalCluster:
             history += answer.choices[0].text
 
     async def drive() -> None:
-        client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+        client = openai.AsyncOpenAI(
+            base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+        )
         await asyncio.gather(*(conversation(client, u) for u in range(USERS)))
         # And one the client walks away from after its first token: the worker cancels it.
         stream = await client.completions.create(

@@ -29,7 +29,7 @@ REQUESTS = 6
 @pytest.fixture(scope="module")
 def cluster(cluster_factory: ClusterFactory) -> LocalCluster:
     cluster = cluster_factory(workers=2)
-    client = openai.OpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0)
     # Three conversations of two turns: each turn's prompt extends its conversation's last.
     for i in range(REQUESTS):
         history = f"conversation {i % 3} about a long shared subject. " * 8 + "turn 1" * (i // 3)

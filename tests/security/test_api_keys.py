@@ -56,7 +56,7 @@ def ask(sdk: openai.OpenAI) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(cluster_factory: ClusterFactory) -> LocalCluster:
-    return cluster_factory(workers=1, api_auth=True)
+    return cluster_factory(workers=1)
 
 
 def test_startup_key_serves_and_no_key_is_refused(cluster: LocalCluster) -> None:

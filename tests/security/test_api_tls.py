@@ -16,7 +16,7 @@ from tests.security.certificates import make_certificates
 
 def test_openai_sdk_over_https_with_a_key(cluster_factory: ClusterFactory, tmp_path: Path) -> None:
     ca, cert, key = make_certificates(tmp_path)
-    cluster = cluster_factory(workers=1, api_auth=True, api_tls=(cert, key))
+    cluster = cluster_factory(workers=1, api_tls=(cert, key))
     base_url = cluster.config.base_url
     assert base_url.startswith("https://127.0.0.1:")
     assert cluster.api_key is not None

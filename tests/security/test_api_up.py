@@ -1,5 +1,6 @@
 """`laneway up` takes API keys by default, and `laneway keys` finds its etcd through the state
-dir: a key made there is taken, a request without one refused."""
+dir: a key made there is taken, a request without one refused; the run's own key is kept in the
+state dir (0600) while it runs, for tools and benchmarks of the same user."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import httpx
 import pytest
 
 from infra.embedded import free_port
-from tests.infra.laneway_up import launch, wait_serving
+from infra.keys import STARTUP_KEY_FILE
+from tests.infra.laneway_up import api_headers, launch, wait_serving
 
 pytestmark = pytest.mark.live  # starts `laneway up`, its servers and services
 
@@ -21,11 +23,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_up_takes_keys_made_through_its_state_dir(tmp_path: Path) -> None:
     port = free_port()
-    up = launch(port, tmp_path, "--workers", "1", api_auth=True)
+    up = launch(port, tmp_path, "--workers", "1")
     try:
         wait_serving(up)
         base = f"http://127.0.0.1:{port}/v1"
         assert httpx.get(base + "/models", timeout=5).status_code == 401
+        assert (tmp_path / STARTUP_KEY_FILE).stat().st_mode & 0o777 == 0o600
+        own = httpx.get(base + "/models", headers=api_headers(tmp_path), timeout=5)
+        assert own.status_code == 200, own.text
         made = subprocess.run(
             [sys.executable, "-m", "infra.cli", "keys", "create", "--tenant", "team-a"],
             cwd=tmp_path.parent,
@@ -59,3 +64,4 @@ def test_up_takes_keys_made_through_its_state_dir(tmp_path: Path) -> None:
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(20) == 0
+    assert not (tmp_path / STARTUP_KEY_FILE).exists()

@@ -70,7 +70,7 @@ async def test_a_restarted_worker_gets_a_new_id_it_may_use(cluster: LocalCluster
         [after] = await eventually(new_worker, timeout=30, interval=0.2)
         assert worker.env["LANEWAY_WORKER_ID"] == after
         client = openai.AsyncOpenAI(
-            base_url=cluster.config.base_url, api_key="unused", max_retries=0
+            base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
         )
         reply = await client.chat.completions.create(
             model="laneway-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=4

@@ -32,7 +32,9 @@ async def test_a_remote_prefill_hands_its_kv_to_the_decode_worker(
     workers = await registrations(cluster.etcd_endpoints)
     prefill = next(w for w, r in workers.items() if r.role == "prefill")
     decode = next(w for w, r in workers.items() if r.role == "decode")
-    client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+    )
     prompt = "the prompt of a disaggregated request " * 8
     try:
         for stream in (False, True):
@@ -86,7 +88,9 @@ async def test_a_lost_prefill_worker_costs_a_local_prefill_not_the_request(
     # Stopped, not killed: its lease stays until it expires, so the planner still sends it the
     # prompt, and nobody answers.
     os.kill(prefill.pid, signal.SIGSTOP)
-    client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+    )
     try:
         answer = await client.completions.create(
             model=MODEL, prompt="a prompt nobody prefills " * 8, max_tokens=6, timeout=30

@@ -17,7 +17,9 @@ MODEL = "laneway-sim"
 async def test_a_prefill_during_a_decode_stalls_its_gaps(cluster_factory: ClusterFactory) -> None:
     cluster = cluster_factory(workers=1)
     bus, seen = await observe(cluster.nats_url)
-    client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+    )
     try:
         decoding = await client.completions.create(
             model=MODEL, prompt="a short prompt", max_tokens=300, stream=True

@@ -39,7 +39,9 @@ async def test_torch_engine_serves_chat_through_every_service(
     cluster_factory: ClusterFactory, product_model: Path
 ) -> None:
     cluster = cluster_factory(workers=1, env=_engine_env("torch", product_model))
-    client = openai.AsyncOpenAI(base_url=cluster.config.base_url, api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+    )
     models = await client.models.list()
     assert [m.id for m in models.data] == ["tiny-llama"]
     messages: Any = [{"role": "user", "content": "Tell me about the river."}]
@@ -95,7 +97,7 @@ async def test_a_disaggregated_request_generates_the_aggregated_tokens(
     try:
         for cluster in (aggregated, disaggregated):
             client = openai.AsyncOpenAI(
-                base_url=cluster.config.base_url, api_key="x", max_retries=0
+                base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
             )
             texts = []
             for prompt in prompts:
