@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, cast
 
+import pytest
 from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry
 
@@ -34,13 +36,15 @@ from schemas.events import (
 from schemas.messages import KvPullQuery, KvPullReply
 from services.common.perf_model import FixedPerf
 from services.common.tokenizer import ByteTokenizer
-from services.engine.protocol import StepResult
+from services.engine.protocol import Engine, StepResult
 from services.engine.sim import SimConfig, SimEngine
+from services.engine.torch_engine import TorchEngine, TorchEngineConfig
 from services.worker.driver import EngineDriver
 from services.worker.kv_move import KvMoves
 from services.worker.outputs import Background
 from services.worker.runtime import Worker
 from services.worker.settings import WorkerOptions
+from tests.engine.torch_engine.tiny_checkpoint import write_tiny_checkpoint
 from tests.helpers import eventually
 
 BLOCK = 16
@@ -55,7 +59,7 @@ def route(request_id: str, worker_id: str, move: KvMove | None = None) -> RouteD
         prompt_token_ids=PROMPT,
         block_size=BLOCK,
         block_hashes=HASHES,
-        sampling=SamplingParams(max_tokens=6, seed=18),
+        sampling=SamplingParams(max_tokens=6, seed=18, temperature=0.0, ignore_eos=True),
         reply_to=INGRESS,
         deadline=datetime(2100, 1, 1, tzinfo=UTC),
     )
@@ -94,42 +98,52 @@ class Seen:
         return done[0] if done and isinstance(done[0], RequestFinished) else None
 
 
-class Recording(SimEngine):
-    """A sim engine that keeps the tokens it produced for each request, and the prompt tokens it
-    computed."""
+class Recorded:
+    """An engine whose steps are recorded: the tokens it produced for each request, and the
+    prompt tokens it computed."""
 
-    def __init__(self) -> None:
-        super().__init__(SimConfig(block_size=BLOCK, num_gpu_blocks=64), FixedPerf())
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
         self.tokens: dict[str, list[int]] = {}
         self.prefilled = 0
+        step = engine.step
 
-    def step(self) -> StepResult:
-        result = super().step()
-        self.prefilled += result.prefill_tokens
-        for output in result.outputs:
-            self.tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-        return result
+        def recorded() -> StepResult:
+            result = step()
+            self.prefilled += result.prefill_tokens
+            for output in result.outputs:
+                self.tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            return result
+
+        setattr(engine, "step", recorded)  # noqa: B010 (an instance's method, replaced)
+
+
+def sim_engine() -> Engine:
+    return SimEngine(SimConfig(block_size=BLOCK, num_gpu_blocks=64), FixedPerf())
 
 
 @contextlib.asynccontextmanager
 async def workers(
-    bus: Bus, etcd_server: EmbeddedServer, *names: str
-) -> AsyncIterator[tuple[Seen, dict[str, Recording]]]:
-    """Sim workers of ``names`` (one ms of modelled time is one ms), and what they publish."""
+    bus: Bus,
+    etcd_server: EmbeddedServer,
+    *names: str,
+    engine: Callable[[], Engine] = sim_engine,
+) -> AsyncIterator[tuple[Seen, dict[str, Recorded]]]:
+    """Workers of ``names`` (sim ones by default: one ms of modelled time is one ms), and what
+    they publish."""
     seen = Seen()
     await bus.subscribe(Subjects.request_terminal(INGRESS), seen.on)
     await bus.subscribe(Subjects.all_routes, seen.on)
     await bus.subscribe(Subjects.all_kv, seen.on)
     etcd = connect_etcd(etcd_server.url)
     stop = asyncio.Event()
-    engines: dict[str, Recording] = {}
+    engines: dict[str, Recorded] = {}
     running = []
     for name in names:
-        engine = Recording()
+        engines[name] = recorded = Recorded(engine())
         options = WorkerOptions(name, "both", "sim", "m", 1.0, 5, 1.0, 1.0)
         options.handoff_timeout_s, options.handoff_timeout_factor = 1.0, 2.0
-        worker = Worker(bus, engine, ByteTokenizer(), options)
-        engines[name] = engine
+        worker = Worker(bus, recorded.engine, ByteTokenizer(), options)
         lease = LeasedKey.worker(etcd, worker.registration(), 5)
         running.append(asyncio.create_task(worker.run(lease, stop)))
     await asyncio.sleep(0.5)
@@ -179,7 +193,39 @@ async def test_a_moved_prompt_is_pulled_announced_and_answered_as_without_the_mo
             for h in e.block_hashes
         ]
         assert stored[: len(HASHES)] == list(HASHES)
-        assert set(HASHES) <= engines["mvdst"].cached_block_hashes()
+        assert set(HASHES) <= cast(SimEngine, engines["mvdst"].engine).cached_block_hashes()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+async def test_torch_workers_move_real_kv_and_answer_token_for_token(
+    bus: Bus, etcd_server: EmbeddedServer, tiny_model_dir: Path
+) -> None:
+    def torch_engine() -> Engine:
+        return TorchEngine(tiny_model_dir, TorchEngineConfig(block_size=BLOCK, num_gpu_blocks=64))
+
+    names = ("tmsrc", "tmdst", "tmctl")
+    async with workers(bus, etcd_server, *names, engine=torch_engine) as (seen, engines):
+        await answer(bus, seen, route("t-warm", "tmsrc"))
+        control = await answer(bus, seen, route("t-control", "tmctl"))
+        moved = await answer(bus, seen, route("t-moved", "tmdst", move_from("tmsrc")))
+        answers = engines["tmdst"].tokens["t-moved"], engines["tmctl"].tokens["t-control"]
+        assert answers[0] == answers[1] and len(answers[0]) == 6
+        # The K and V of eight blocks came over the bus: only five prompt tokens were computed.
+        assert (engines["tmdst"].prefilled, engines["tmctl"].prefilled) == (5, len(PROMPT))
+        assert (moved.usage.cached_tokens, control.usage.cached_tokens) == (128, 0)
+        [transferred] = seen.of(KvTransferred, "t-moved")
+        assert isinstance(transferred, KvTransferred) and transferred.block_hashes == HASHES
+        stored = {
+            h
+            for e in seen.of(KvBlocksStored)
+            if isinstance(e, KvBlocksStored) and e.worker_id == "tmdst"
+            for h in e.block_hashes
+        }
+        assert set(HASHES) <= stored
 
 
 async def test_a_holder_that_is_gone_silent_or_empty_costs_a_recompute(
@@ -233,7 +279,7 @@ async def test_with_bus_auth_kv_goes_only_to_the_worker_named() -> None:
         cast(Bus, None),
         cast(Any, None),
         cast(Any, None),
-        EngineDriver(Recording(), 1.0),
+        EngineDriver(sim_engine(), 1.0),
         cast(Any, None),
         Background(),
         CollectorRegistry(),
