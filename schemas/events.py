@@ -35,6 +35,8 @@ from schemas.worker_events import (
     RequestPlaced,
     RoleMove,
     RolesRebalanced,
+    TokenBatch,
+    TokenRun,
     WorkerLoadReported,
 )
 
@@ -246,6 +248,22 @@ class TokensGenerated(Envelope):
     attempt: int = attempt_field()
 
 
+def run_delta(batch: TokenBatch, run: TokenRun) -> TokensGenerated:
+    """One run of a batch as the ``TokensGenerated`` its request takes, not validated again
+    (the batch was)."""
+    return TokensGenerated.model_construct(
+        event_id=batch.event_id,
+        occurred_at=batch.occurred_at,
+        source=batch.source,
+        request_id=run.request_id,
+        worker_id=batch.worker_id,
+        index=run.index,
+        token_ids=run.token_ids,
+        text=run.text,
+        attempt=run.attempt,
+    )
+
+
 class Usage(Frozen):
     """Token counts, as OpenAI reports them."""
 
@@ -317,6 +335,7 @@ Event = Annotated[
     | PrefillCompleted
     | KvTransferred
     | TokensGenerated
+    | TokenBatch
     | RequestFinished
     | RequestFailed
     | CancellationRequested
@@ -366,12 +385,15 @@ __all__ = [
     "RouteDecided",
     "SamplingParams",
     "TerminalEvent",
+    "TokenBatch",
     "TokenIds",
+    "TokenRun",
     "TokensGenerated",
     "TraceContext",
     "TtftAlternative",
     "Usage",
     "WorkerLoadReported",
     "new_id",
+    "run_delta",
     "utc_now",
 ]

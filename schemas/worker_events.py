@@ -7,7 +7,15 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from schemas.envelope import BlockHashes, Envelope, Frozen, KvTier, Role, attempt_field
+from schemas.envelope import (
+    BlockHashes,
+    Envelope,
+    Frozen,
+    KvTier,
+    Role,
+    TokenIds,
+    attempt_field,
+)
 
 
 class KvBlocksStored(Envelope):
@@ -94,3 +102,23 @@ class RequestPlaced(Envelope):
     type: Literal["RequestPlaced"] = "RequestPlaced"
     worker_id: str = Field(description="worker that generates the answer (decodes)")
     attempt: int = attempt_field()
+
+
+class TokenRun(Frozen):
+    """One request's tokens of one engine step, in a :class:`TokenBatch`."""
+
+    request_id: str = Field(max_length=64)
+    attempt: int = attempt_field()
+    index: int = Field(ge=0, description="position of the first token in the completion")
+    token_ids: TokenIds
+    text: str = Field(description="detokenized text of `token_ids`, stop strings removed")
+
+
+class TokenBatch(Envelope):
+    """One engine step's new tokens for every request of one ingress on one worker: one message
+    per step per ingress instead of one per request (the ingress hands each run to its
+    request as a ``TokensGenerated``)."""
+
+    type: Literal["TokenBatch"] = "TokenBatch"
+    worker_id: str
+    runs: tuple[TokenRun, ...]

@@ -26,6 +26,8 @@ from schemas.events import (
     RouteCandidate,
     RouteDecided,
     SamplingParams,
+    TokenBatch,
+    TokenRun,
     TokensGenerated,
     Usage,
     WorkerLoadReported,
@@ -87,6 +89,11 @@ EXAMPLES = [
         source="p/1",
         moves=(RoleMove(worker_id="w", from_role="decode", to_role="prefill"),),
         reason="ttft",
+    ),
+    TokenBatch(
+        source="worker/w",
+        worker_id="w",
+        runs=(TokenRun(request_id="r1", index=0, token_ids=(5,), text="a"),),
     ),
 ]
 
