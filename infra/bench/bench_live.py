@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import statistics
 import sys
@@ -56,10 +57,12 @@ async def run_all(
                     spec, base_url=t.base_url, api_key=t.api_key, model=models[t.name], label=load
                 )
                 result = await run_load(one)
-                result.update(system=t.name, load=load, round=n)
+                # How busy the shared machine was: a run is only compared with its neighbours.
+                load_1m = round(os.getloadavg()[0], 2)
+                result.update(system=t.name, load=load, round=n, loadavg_1m=load_1m)
                 print(
                     f"  round {n} {load:<5} {t.name:<10} {result['rps']:>8.1f} req/s "
-                    f"errors {result['errors']}",
+                    f"errors {result['errors']}  (load average {load_1m})",
                     file=sys.stderr,
                     flush=True,
                 )
