@@ -43,6 +43,7 @@ from schemas.events import (
     RolesRebalanced,
     RouteDecided,
     TerminalEvent,
+    TokenBatch,
     TokensGenerated,
     WorkerLoadReported,
 )
@@ -128,15 +129,17 @@ KV_EVENTS: Channel[KvEvent] = Channel(
     "one subject per worker keeps its order; the indexer replays after its snapshot",
     key_field="worker_id",
 )
-TOKEN_DELTAS: Channel[TokensGenerated] = Channel(
+# One `TokenBatch` per engine step per ingress (every request's new tokens of that step); a
+# `TokensGenerated` (one request's) is still taken, as workers before batching sent them.
+TOKEN_DELTAS: Channel[TokenBatch | TokensGenerated] = Channel(
     "lw.tok.{ingress}.{worker}",
-    (TokensGenerated,),
+    (TokenBatch, TokensGenerated),
     ("worker",),
     ("ingress (its own instance)",),
     "core",
     None,
-    "a subject per ingress instance and worker; only the live client needs them, so no stream "
-    "stores them",
+    "a subject per ingress instance and worker, a batch per engine step; only the live client "
+    "needs them, so no stream stores them",
     key_field="worker_id",
 )
 LOAD_REPORTS: Channel[WorkerLoadReported] = Channel(
