@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+
+import uvloop
 
 ServiceMain = Callable[[asyncio.Event], Awaitable[None]]
 
@@ -21,6 +24,20 @@ SHUTDOWN_GRACE_S = 10.0
 FATAL_PREFIX = "laneway fatal: "
 
 logger = logging.getLogger(__name__)
+
+# uvloop's loop (libuv) or the standard library's: with uvloop a live request costs the services
+# about a sixth less CPU (c=32 streams, 4 sim workers). "asyncio" is for debugging (asyncio's
+# debug mode, tools that hook its loop).
+EVENT_LOOP_ENV = "LANEWAY_EVENT_LOOP"
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    chosen = os.environ.get(EVENT_LOOP_ENV, "uvloop")
+    if chosen == "uvloop":
+        return uvloop.new_event_loop
+    if chosen == "asyncio":
+        return asyncio.new_event_loop
+    raise ValueError(f"{EVENT_LOOP_ENV} is uvloop or asyncio, not {chosen!r}")
 
 
 def run_service(main: ServiceMain, log_level: str = "INFO") -> None:
@@ -59,7 +76,8 @@ def run_service(main: ServiceMain, log_level: str = "INFO") -> None:
             await task
 
     try:
-        asyncio.run(runner())
+        with asyncio.Runner(loop_factory=loop_factory()) as run:
+            run.run(runner())
     except SystemExit as exc:
         # A library that gives up exits (uvicorn does), having logged why just before.
         if exc.code not in (None, 0):
