@@ -53,3 +53,44 @@ class TlsFiles:
 def nats_tls_from_env() -> ssl.SSLContext | None:
     files = TlsFiles.from_env("NATS")
     return files.client_context() if files is not None else None
+
+
+@dataclass(frozen=True)
+class BusTlsDir:
+    """The files of ``laneway up --bus-tls-dir``: ``ca.pem`` (the CA every certificate here is
+    signed by), ``server.pem`` and ``server-key.pem`` (the embedded NATS's and etcd's), and,
+    where present, ``client.pem`` and ``client-key.pem``: the services' client certificate,
+    which the embedded servers then require of every client."""
+
+    folder: Path
+
+    def __post_init__(self) -> None:
+        needed = [self.ca, *self.server]
+        if (self.folder / "client.pem").exists() or (self.folder / "client-key.pem").exists():
+            needed += [self.folder / "client.pem", self.folder / "client-key.pem"]
+        missing = [path.name for path in needed if not path.is_file()]
+        if missing:
+            raise ValueError(f"{self.folder} lacks {', '.join(missing)}")
+
+    @property
+    def ca(self) -> Path:
+        return self.folder / "ca.pem"
+
+    @property
+    def server(self) -> tuple[Path, Path]:
+        return self.folder / "server.pem", self.folder / "server-key.pem"
+
+    @property
+    def client_certs(self) -> bool:
+        """Whether clients must show a certificate (one is here for the services)."""
+        return (self.folder / "client.pem").is_file()
+
+    @property
+    def client(self) -> TlsFiles:
+        if not self.client_certs:
+            return TlsFiles(self.ca)
+        return TlsFiles(self.ca, self.folder / "client.pem", self.folder / "client-key.pem")
+
+    def env(self) -> dict[str, str]:
+        """The settings that connect a service to both servers over TLS."""
+        return {**self.client.env("NATS"), **self.client.env("ETCD")}

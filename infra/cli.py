@@ -100,6 +100,13 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--tls-cert", type=Path, help="serve the API over HTTPS: PEM certificate")
     up.add_argument("--tls-key", type=Path, help="with --tls-cert: its PEM private key")
     up.add_argument(
+        "--bus-tls-dir",
+        type=Path,
+        help="NATS and etcd over TLS: a folder with ca.pem, server.pem and server-key.pem (the "
+        "embedded servers' certificate), and optionally client.pem and client-key.pem (then the "
+        "embedded servers take only clients with a certificate from that CA); see README, Security",
+    )
+    up.add_argument(
         "--trace-exporter",
         default="none",
         help="where spans go: none, console (each service's log in STATE_DIR/logs, batched for "
@@ -168,6 +175,7 @@ def _up(args: argparse.Namespace) -> int:
             api_auth=not args.no_auth,
             auth=not args.no_bus_auth,
             api_tls=tls,
+            bus_tls=args.bus_tls_dir.resolve() if args.bus_tls_dir else None,
             env={
                 "LANEWAY_PERF_MODEL": args.perf_model,
                 "LANEWAY_SPEEDUP": str(args.speedup),

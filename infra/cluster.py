@@ -24,16 +24,10 @@ from pathlib import Path
 import httpx
 
 from bus.registry import PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
+from bus.tls import BusTlsDir
+from infra.bus_servers import bus_tls, embedded_etcd, embedded_nats
 from infra.cluster_auth import ClusterAuth, identity_of, secure
-from infra.embedded import (
-    EmbeddedServer,
-    die_with_parent,
-    is_nats,
-    start_etcd,
-    start_etcd_cluster,
-    start_nats,
-    start_nats_cluster,
-)
+from infra.embedded import EmbeddedServer, die_with_parent, is_nats
 from infra.keys import STARTUP_KEY_FILE, startup_key
 from infra.metrics_targets import assign_metrics_ports
 from infra.startup import StartupError, check_port_free, check_reachable, log_cause
@@ -68,6 +62,10 @@ class ClusterConfig:
     api_auth: bool = True
     # The API over HTTPS, with this PEM certificate (chain) and its private key.
     api_tls: tuple[Path, Path] | None = None
+    # NATS and etcd over TLS (``bus.tls.BusTlsDir``): the embedded servers serve its server
+    # certificate, and require its client certificate where it has one; services connect with
+    # its CA (and client certificate), to servers given by URL too.
+    bus_tls: Path | None = None
     # A NATS user per service with only its subjects, and etcd auth, on the embedded servers
     # (servers given by URL are their operator's to secure); False for experiments.
     auth: bool = True
@@ -123,6 +121,7 @@ class LocalCluster:
                     ", ".join(map(str, leftovers)),
                 )
             self._check_ports()
+            tls = bus_tls(cfg.bus_tls)
             self.logs.mkdir(parents=True, exist_ok=True)
             # Planned first: the embedded servers' users are the services' identities.
             self._plan_services()
@@ -133,19 +132,14 @@ class LocalCluster:
             )
             users = auth.nats_authorization() if auth and not cfg.nats_url else ""
             if not cfg.nats_url:
-                log = self.logs / "nats.log"
                 self.nats_url = self._embed(
-                    start_nats_cluster(cfg.state_dir, self.logs, authorization=users)
-                    if cfg.ha
-                    else [start_nats(cfg.state_dir, cfg.nats_port, log, authorization=users)]
+                    embedded_nats(cfg.state_dir, self.logs, cfg.ha, cfg.nats_port, users, tls)
                 )
             if not cfg.etcd_endpoints:
                 self.etcd_endpoints = self._embed(
-                    start_etcd_cluster(cfg.state_dir, self.logs)
-                    if cfg.ha
-                    else [start_etcd(cfg.state_dir, cfg.etcd_port, self.logs / "etcd.log")]
+                    embedded_etcd(cfg.state_dir, self.logs, cfg.ha, cfg.etcd_port, tls)
                 )
-            self._connect_services(auth)
+            self._connect_services(auth, tls)
             self._guard_api()
             assign_metrics_ports(self.services, self.prometheus_targets)
             for service in self.services:
@@ -180,11 +174,13 @@ class LocalCluster:
         elif cfg.etcd_port:
             check_port_free("127.0.0.1", cfg.etcd_port, "etcd", "--etcd-port")
 
-    def _connect_services(self, auth: ClusterAuth | None) -> None:
+    def _connect_services(self, auth: ClusterAuth | None, tls: BusTlsDir | None) -> None:
         """Each service's servers and, where auth is on, the files of its own credentials; from
         here on ``nats_url`` and ``etcd_endpoints`` carry the admin's, for tools and tests."""
         cfg = self.config
         common = {"LANEWAY_NATS_URL": self.nats_url, "LANEWAY_ETCD_ENDPOINTS": self.etcd_endpoints}
+        if tls is not None:
+            common.update(tls.env())
         if auth is not None:
             nats, etcd = not cfg.nats_url, not cfg.etcd_endpoints
             self.nats_url, self.etcd_endpoints = secure(

@@ -18,6 +18,7 @@ from bus.client import Bus
 from bus.credentials import ETCD_CREDS_ENV, NATS_CREDS_ENV, Credentials
 from bus.etcd_auth import ROOT, enable_auth
 from bus.permissions import Identity, nats_permissions
+from bus.tls import nats_tls_from_env
 from infra.embedded import EmbeddedServer, reload_nats
 
 ADMIN = Identity("admin")
@@ -56,7 +57,9 @@ async def _wait_login(url: str, timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         try:
-            nc = await nats.connect(url, allow_reconnect=False, error_cb=quiet)
+            nc = await nats.connect(
+                url, allow_reconnect=False, error_cb=quiet, tls=nats_tls_from_env()
+            )
             await nc.close()
             return
         except nats.errors.Error:

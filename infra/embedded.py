@@ -152,10 +152,12 @@ def start_nats(
     max_payload: int = NATS_MAX_PAYLOAD,
     authorization: str = "",
     tls: tuple[Path, Path] | None = None,
+    client_ca: Path | None = None,
 ) -> EmbeddedServer:
     """``authorization``: the users block of its configuration (``ClusterAuth``); none lets
-    anyone connect. ``tls``: its certificate and key (PEM), and then it takes TLS clients only."""
-    config = _tls_block(*tls) if tls is not None else ""
+    anyone connect. ``tls``: its certificate and key (PEM), and then it takes TLS clients only;
+    ``client_ca``: with ``tls``, only clients showing a certificate this CA signed."""
+    config = _tls_block(tls, client_ca)
     server = _spawn_nats(
         data_dir, "nats", port or free_port(), log_file, max_payload, config + authorization
     )
@@ -164,10 +166,16 @@ def start_nats(
 
 
 def start_nats_cluster(
-    data_dir: Path, log_dir: Path, size: int = 3, authorization: str = ""
+    data_dir: Path,
+    log_dir: Path,
+    size: int = 3,
+    authorization: str = "",
+    tls: tuple[Path, Path] | None = None,
+    client_ca: Path | None = None,
 ) -> list[EmbeddedServer]:
     """``size`` JetStream servers routed to each other as one cluster, returned once JetStream
-    answers on every one (its meta leader elected)."""
+    answers on every one (its meta leader elected). ``tls`` and ``client_ca`` as for
+    ``start_nats``: for clients; the routes between the servers, on loopback, are plain."""
     ports = free_ports(3 * size)
     clients, routes, monitors = ports[:size], ports[size : 2 * size], ports[2 * size :]
     servers = []
@@ -181,7 +189,11 @@ def start_nats_cluster(
         name = f"nats-{i}"
         servers.append(
             _spawn_nats(
-                data_dir, name, clients[i], log_dir / f"{name}.log", config=cluster + authorization
+                data_dir,
+                name,
+                clients[i],
+                log_dir / f"{name}.log",
+                config=cluster + _tls_block(tls, client_ca) + authorization,
             )
         )
     try:
@@ -221,8 +233,12 @@ def _spawn_nats(
     return EmbeddedServer(name, proc, f"nats://127.0.0.1:{port}", args, log_file, port)
 
 
-def _tls_block(cert: Path, key: Path) -> str:
-    return f"tls {{\n  cert_file: {json.dumps(str(cert))}\n  key_file: {json.dumps(str(key))}\n}}\n"
+def _tls_block(tls: tuple[Path, Path] | None, client_ca: Path | None) -> str:
+    if tls is None:
+        return ""
+    cert, key = (json.dumps(str(path)) for path in tls)
+    verify = f"  ca_file: {json.dumps(str(client_ca))}\n  verify: true\n" if client_ca else ""
+    return f"tls {{\n  cert_file: {cert}\n  key_file: {key}\n{verify}}}\n"
 
 
 def is_nats(server: EmbeddedServer) -> bool:
@@ -281,16 +297,26 @@ def start_etcd(
     port: int | None = None,
     log_file: Path | None = None,
     tls: tuple[Path, Path] | None = None,
+    client_ca: Path | None = None,
 ) -> EmbeddedServer:
-    """``tls``: its certificate and key (PEM), and then it serves TLS clients only."""
+    """``tls``: its certificate and key (PEM), and then it serves TLS clients only;
+    ``client_ca``: with ``tls``, only clients showing a certificate this CA signed."""
     [member] = _start_etcd_members(
-        data_dir, {"laneway": (port or free_port(), log_file, "etcd")}, tls
+        data_dir, {"laneway": (port or free_port(), log_file, "etcd")}, tls, client_ca
     )
     return replace(member, name="etcd")
 
 
-def start_etcd_cluster(data_dir: Path, log_dir: Path, size: int = 3) -> list[EmbeddedServer]:
-    """``size`` etcd members of one cluster, returned once each answers on its client port."""
+def start_etcd_cluster(
+    data_dir: Path,
+    log_dir: Path,
+    size: int = 3,
+    tls: tuple[Path, Path] | None = None,
+    client_ca: Path | None = None,
+) -> list[EmbeddedServer]:
+    """``size`` etcd members of one cluster, returned once each answers on its client port.
+    ``tls`` and ``client_ca`` as for ``start_etcd``: for clients; the peers, on loopback, talk
+    plain."""
     names = [f"etcd-{i}" for i in range(size)]
     ports = free_ports(size)
     return _start_etcd_members(
@@ -299,6 +325,8 @@ def start_etcd_cluster(data_dir: Path, log_dir: Path, size: int = 3) -> list[Emb
             name: (port, log_dir / f"{name}.log", name)
             for name, port in zip(names, ports, strict=True)
         },
+        tls,
+        client_ca,
     )
 
 
@@ -306,6 +334,7 @@ def _start_etcd_members(
     data_dir: Path,
     members: dict[str, tuple[int, Path | None, str]],
     tls: tuple[Path, Path] | None = None,
+    client_ca: Path | None = None,
 ) -> list[EmbeddedServer]:
     """``members``: name → (client port, log file, data folder under ``data_dir``)."""
     peer_ports = free_ports(len(members) + 8)  # clear of the client ports, taken just before
@@ -322,6 +351,11 @@ def _start_etcd_members(
             *(find_binary("etcd"), "--name", name, "--data-dir", str(store)),
             *("--listen-client-urls", client_url, "--advertise-client-urls", client_url),
             *(("--cert-file", str(tls[0]), "--key-file", str(tls[1])) if tls else ()),
+            *(
+                ("--client-cert-auth", "--trusted-ca-file", str(client_ca))
+                if tls and client_ca
+                else ()
+            ),
             *("--listen-peer-urls", peers[name], "--initial-advertise-peer-urls", peers[name]),
             *("--initial-cluster", initial, "--initial-cluster-token", "laneway"),
             *ETCD_LIMITS,
