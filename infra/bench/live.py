@@ -106,7 +106,8 @@ async def _one(
     record: RequestRecord,
     t0: float,
     time_scale: float,
-) -> str | None:
+) -> tuple[str | None, int]:
+    """The request's id as the ingress named it, and how many chunks carried its text."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -116,23 +117,25 @@ async def _one(
         "stream_options": {"include_usage": True},
     }
     request_id = None
+    chunks = 0
     try:
         async with http.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 await response.aread()
                 record.failed = True
-                return None
+                return None, chunks
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = orjson.loads(line[6:])
                 if "error" in chunk:
                     record.failed = True
-                    return request_id
+                    return request_id, chunks
                 request_id = chunk["id"].removeprefix("cmpl-")
                 now = (time.monotonic() - t0) * time_scale
                 if chunk["choices"] and chunk["choices"][0].get("text"):
                     record.tokens_at(now, 1)
+                    chunks += 1
                 usage = chunk.get("usage")
                 if usage:
                     record.output_tokens = usage["completion_tokens"]
@@ -140,7 +143,7 @@ async def _one(
                     record.cached_tokens = details.get("cached_tokens") or 0
     except httpx.HTTPError:
         record.failed = True
-    return request_id
+    return request_id, chunks
 
 
 async def replay_live(
@@ -169,7 +172,7 @@ async def replay_live(
     observer.start()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     started = time.perf_counter()
-    request_ids: list[str | None] = []
+    answers: list[tuple[str | None, int]] = []
     async with httpx.AsyncClient(
         headers=headers, timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits
     ) as http:
@@ -178,12 +181,12 @@ async def replay_live(
         if progress is not None:
             progress(finished)  # after the cluster's start-up: the ETA counts the replay alone
 
-        async def fire(i: int) -> str | None:
+        async def fire(i: int) -> tuple[str | None, int]:
             nonlocal finished
             delay = trace[i].arrival_s / time_scale - (time.monotonic() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            request_id = await _one(
+            answer = await _one(
                 http,
                 f"{base_url}/completions",
                 model,
@@ -196,9 +199,9 @@ async def replay_live(
             finished += 1
             if progress is not None:
                 progress(finished)
-            return request_id
+            return answer
 
-        request_ids = list(await asyncio.gather(*(fire(i) for i in range(len(trace)))))
+        answers = list(await asyncio.gather(*(fire(i) for i in range(len(trace)))))
     await asyncio.sleep(1.5)  # the workers' last load reports
     await bus.close()
     workers: dict[str, WorkerRecord] = {}
@@ -208,7 +211,7 @@ async def replay_live(
         spent = (busy - observer.busy_start.get(worker_id, 0.0)) * time_scale
         record.busy.append((0.0, spent))
         workers[worker_id] = record
-    for request_id, rec in zip(request_ids, records, strict=True):
+    for (request_id, _), rec in zip(answers, records, strict=True):
         served_by = observer.routes.get(request_id or "")
         if served_by is not None:
             rec.worker_id = served_by
@@ -218,6 +221,10 @@ async def replay_live(
     # workers' own count tells the engine's share apart.
     worker_itl = {f"p{q}": observer.worker_gaps.percentile(q) for q in (50, 95, 99)}
     extra["worker_itl_ms"] = {k: v * time_scale for k, v in worker_itl.items() if v is not None}
+    # The client's gaps are between chunks: a chunk carrying several tokens is one gap.
+    chunks = sum(n for r, (_, n) in zip(records, answers, strict=True) if r.done)
+    tokens = sum(r.output_tokens for r in records if r.done)
+    extra["tokens_per_chunk"] = tokens / chunks if chunks else None
     report = build_report(records, workers, time.perf_counter() - started, extra)
     pools = observer.pools.fractions()
     if "prefill" in pools:

@@ -50,6 +50,8 @@ async def test_live_replay_completes_every_request(
     # fixed-perf-model workers decode a step in 1 ms (paced on a busy machine, so give it room).
     assert 0 < report["worker_itl_ms"]["p50"] <= report["itl_ms"]["p95"]
     assert report["worker_itl_ms"]["p50"] < 50
+    # Every token came in some chunk, and no chunk came empty.
+    assert report["tokens_per_chunk"] >= 1
 
 
 def test_bench_command_writes_table_json_and_plot(small_trace: Path, tmp_path: Path) -> None:

@@ -1,0 +1,254 @@
+"""Many long streams at once, read by their clients, against a `laneway up` of its own: whether
+the bus drops the ingress as a slow consumer, how long a new request waits for its first token
+meanwhile, and how much memory nats-server takes (issue 14's acceptance: 2,000 streams of 2,000
+tokens, no slow-consumer disconnect, a new request's TTFT under 1 s, NATS under 500 MB).
+
+    python -m infra.bench.probe_streams --streams 2000 --max-tokens 2000 --duration 60
+
+Bounded: the streams open over ``--ramp`` seconds, are read for ``--duration`` seconds in all,
+then closed (a stream not finished by then is no error), and the cluster is stopped. Meanwhile
+a short request every ``--probe-every`` seconds measures TTFT. Afterwards every service log is
+searched for slow-consumer and reconnect lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import re
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from infra.bench.live_cluster import RunningUp, laneway_up
+from infra.bench.live_load import (
+    LoadSpec,
+    chat_url,
+    headers,
+    percentile,
+    prompt,
+    request_body,
+    stream_one,
+)
+
+_LOG_SIGNS = re.compile(r"slow consumer|reconnect", re.IGNORECASE)
+
+
+@dataclass
+class StreamStats:
+    opened: int = 0
+    first_event: int = 0
+    events: int = 0
+    finished: int = 0
+    # Ended by the server or the connection before [DONE], and before the probe closed it.
+    cut: int = 0
+    refused: Counter[str] = field(default_factory=Counter)
+    broken: Counter[str] = field(default_factory=Counter)
+    error_events: Counter[str] = field(default_factory=Counter)
+
+
+async def hold(
+    session: aiohttp.ClientSession, url: str, hdrs: dict[str, str], body: dict[str, Any],
+    stats: StreamStats,
+) -> None:  # fmt: skip
+    """Reads one stream to its end; counts its events without parsing them (2,000 at once)."""
+    try:
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=60)
+        async with session.post(url, json=body, headers=hdrs, timeout=timeout) as r:
+            if r.status != 200:
+                stats.refused[f"HTTP {r.status}"] += 1
+                return
+            stats.opened += 1
+            first = True
+            async for line in r.content:
+                if not line.startswith(b"data:"):
+                    continue
+                if first:
+                    stats.first_event += 1
+                    first = False
+                stats.events += 1
+                if line.startswith(b"data: [DONE]"):
+                    stats.finished += 1
+                    return
+                if line.startswith(b'data: {"error"'):
+                    stats.error_events[line[6:120].decode(errors="replace")] += 1
+                    return
+            stats.cut += 1
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        stats.broken[type(exc).__name__] += 1
+
+
+class RssSampler:
+    """Peak and timeline of processes' resident memory, read from /proc twice a second."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.peak_mb: dict[str, float] = dict.fromkeys(pids, 0.0)
+        self.timeline: list[dict[str, float]] = []
+
+    @staticmethod
+    def rss_mb(pid: int) -> float | None:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            return None
+        return None
+
+    async def run(self, t0: float) -> None:
+        tick = 0
+        while True:
+            now = {n: self.rss_mb(p) for n, p in self.pids.items()}
+            for name, mb in now.items():
+                if mb is not None:
+                    self.peak_mb[name] = max(self.peak_mb[name], mb)
+            if tick % 10 == 0:
+                point = {n: round(mb, 1) for n, mb in now.items() if mb is not None}
+                self.timeline.append({"t": round(time.monotonic() - t0, 1), **point})
+            tick += 1
+            await asyncio.sleep(0.5)
+
+
+async def probe_ttft(base: LoadSpec, every_s: float, out: list[dict[str, Any]]) -> None:
+    url = chat_url(base.base_url)
+    async with aiohttp.ClientSession() as session:
+        n = 0
+        while True:
+            body = request_body(base, f"probe {n} " + prompt(random.Random(n), 70))
+            sent = time.perf_counter()
+            try:
+                sample = await stream_one(session, url, body, headers(base.api_key), 60.0)
+            except asyncio.CancelledError:  # the probe's end: how long this one had waited
+                waited = round((time.perf_counter() - sent) * 1000, 1)
+                out.append({"ttft_ms": None, "error": f"no answer by the end ({waited} ms)"})
+                raise
+            first = sample.first or sample.first_event
+            out.append(
+                {
+                    "ttft_ms": None if first is None else round((first - sample.sent) * 1000, 1),
+                    "error": sample.error,
+                }
+            )
+            n += 1
+            await asyncio.sleep(every_s)
+
+
+def log_signs(logs: Path) -> dict[str, dict[str, Any]]:
+    """Per log file: how many lines speak of slow consumers or reconnects, and the first few."""
+    found: dict[str, dict[str, Any]] = {}
+    # etcd's own log speaks of its gRPC reconnects at every stop: not the bus's.
+    for log in sorted(p for p in logs.glob("*.log") if p.name != "etcd.log"):
+        lines = log.read_text(errors="replace").splitlines()
+        hits = [line for line in lines if _LOG_SIGNS.search(line)]
+        if hits:
+            found[log.name] = {"lines": len(hits), "first": [h[:200] for h in hits[:3]]}
+    return found
+
+
+async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
+    model = "laneway-sim"
+    spec = LoadSpec(up.base_url, model, up.api_key, max_tokens=args.max_tokens, prompt_chars=78)
+    probe_spec = LoadSpec(up.base_url, model, up.api_key, max_tokens=8)
+    stats = StreamStats()
+    probes: list[dict[str, Any]] = []
+    sampler = RssSampler({n: up.pids[n] for n in ("nats", "ingress") if n in up.pids})
+    url, hdrs = chat_url(up.base_url), headers(up.api_key)
+    t0 = time.monotonic()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        background = [asyncio.create_task(sampler.run(t0))]
+        streams = []
+        rng = random.Random(0)
+        for i in range(args.streams):
+            body = request_body(spec, prompt(rng, spec.prompt_chars))
+            body["ignore_eos"] = True
+            streams.append(asyncio.create_task(hold(session, url, hdrs, body, stats)))
+            # Spread over the ramp, a batch every 10 ms.
+            if i % max(1, args.streams // max(1, int(args.ramp * 100))) == 0:
+                await asyncio.sleep(0.01)
+        ramp_s = time.monotonic() - t0
+        background.append(asyncio.create_task(probe_ttft(probe_spec, args.probe_every, probes)))
+        await asyncio.sleep(max(0.0, args.duration - (time.monotonic() - t0)))
+        in_flight = sum(1 for s in streams if not s.done())
+        events_at_end = stats.events
+        for task in (*background, *streams):
+            task.cancel()
+        for task in (*background, *streams):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    elapsed = time.monotonic() - t0
+    ttfts = [p["ttft_ms"] for p in probes if p["ttft_ms"] is not None and p["error"] is None]
+    return {
+        "streams": args.streams,
+        "max_tokens": args.max_tokens,
+        "workers": args.workers,
+        "speedup": args.speedup,
+        "ramp_s": round(ramp_s, 1),
+        "elapsed_s": round(elapsed, 1),
+        "in_flight_at_end": in_flight,
+        # Sent, and not even a status line back by the end.
+        "without_headers_at_end": args.streams - stats.opened - sum(stats.refused.values())
+        - sum(stats.broken.values()),
+        "stream_events_per_s": round(events_at_end / elapsed, 1),
+        **asdict(stats),
+        "probe_ttft_ms": {
+            "n": len(probes),
+            "errors": sum(1 for p in probes if p["error"]),
+            "p50": percentile(ttfts, 50),
+            "max": max(ttfts) if ttfts else None,
+            "all": [p["ttft_ms"] for p in probes],
+        },
+        "rss_peak_mb": {n: round(mb, 1) for n, mb in sampler.peak_mb.items()},
+        "rss_timeline_mb": sampler.timeline,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m infra.bench.probe_streams",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--streams", type=int, default=2000)
+    parser.add_argument("--max-tokens", type=int, default=2000, help="of each stream")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--speedup", type=float, default=1.0, help="of the sim workers")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=512, help="per worker: all streams run at once"
+    )
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds in all")
+    parser.add_argument("--ramp", type=float, default=10.0, help="seconds to open the streams")
+    parser.add_argument("--probe-every", type=float, default=2.0, help="seconds between probes")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--up-arg", action="append", default=[], help="passed to laneway up")
+    args = parser.parse_args(argv)
+    env = {"LANEWAY_MAX_NUM_SEQS": str(args.max_num_seqs)}
+    # Kept afterwards: its logs are what shows a slow consumer.
+    state = Path(tempfile.mkdtemp(prefix="lw-probe-"))
+    with laneway_up(args.workers, args.speedup, tuple(args.up_arg), env, state) as up:
+        result = asyncio.run(run_probe(up, args))
+    # Read once the cluster has stopped, its last lines in.
+    result["log_signs"] = log_signs(state / "logs")
+    result["state_dir"] = str(state)
+    text = orjson.dumps(result, option=orjson.OPT_INDENT_2)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_bytes(text)
+    brief = {k: v for k, v in result.items() if k != "rss_timeline_mb"}
+    brief["probe_ttft_ms"] = {k: v for k, v in result["probe_ttft_ms"].items() if k != "all"}
+    print(orjson.dumps(brief, option=orjson.OPT_INDENT_2).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
