@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help run test test-pure chaos lint typecheck check gpu-check clean bench-live bench-dynamo profile
+.PHONY: help run test test-pure chaos lint typecheck check gpu-check clean bench-live bench-dynamo profile probe-streams probe-itl
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -69,6 +69,12 @@ bench-dynamo: $(STAMP) ## the same loads on Dynamo 1.6.1 (DYNLAB) and Laneway in
 
 profile: $(STAMP) ## laneway up under c=32: CPU per request of each process, py-spy stacks of each service (PROFILE_OUT)
 	$(BIN)/python -m infra.bench.profile_live --out $(or $(PROFILE_OUT),/tmp/laneway-profile)
+
+probe-streams: $(STAMP) ## 2,000 streams of 2,000 tokens for 60 s: slow consumers, a new request's TTFT, NATS RSS
+	$(BIN)/python -m infra.bench.probe_streams
+
+probe-itl: $(STAMP) ## live replay of 300 Mooncake requests at time scale 1: client ITL vs the workers' own
+	$(BIN)/python -m infra.bench.probe_itl
 
 clean: ## remove the virtualenv and local state
 	rm -rf $(VENV) .state
