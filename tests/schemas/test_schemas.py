@@ -147,6 +147,28 @@ def test_a_version_1_route_decision_reads_score_as_cost() -> None:
     assert codec.decode_event(orjson.dumps(raw)) == current
 
 
+def test_an_older_version_in_the_current_shape_is_upcast(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Parses as the current KvCleared, but names version 0: its upcaster must still run.
+    raw = orjson.loads(codec.encode(EXAMPLES[11]))
+    raw["schema_version"] = 0
+    monkeypatch.setitem(codec.UPCASTERS, ("KvCleared", 0), lambda old: {**old, "seq": 77})
+    decoded = codec.decode_event(orjson.dumps(raw))
+    assert decoded == EXAMPLES[11].model_copy(update={"seq": 77})
+
+
+def test_a_route_decision_naming_no_version_is_version_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = orjson.loads(codec.encode(EXAMPLES[1]))
+    del raw["schema_version"]
+    for candidate in raw["candidates"]:
+        candidate["score"] = candidate.pop("cost")
+    assert codec.decode_event(orjson.dumps(raw)) == EXAMPLES[1]
+    # Even in a shape the current version reads, its version-1 upcaster runs.
+    raw["candidates"] = []
+    monkeypatch.setitem(codec.UPCASTERS, ("RouteDecided", 1), lambda old: {**old, "reason": "up"})
+    decoded = codec.decode_event(orjson.dumps(raw))
+    assert isinstance(decoded, RouteDecided) and decoded.reason == "up"
+
+
 def test_block_hashes_chain_the_prefix() -> None:
     a = chain_block_hashes([1, 2, 3, 4, 5], 2)
     b = chain_block_hashes([1, 2, 3, 4, 9, 9], 2)
