@@ -157,6 +157,9 @@ def main() -> None:
                 host=settings.host,
                 port=settings.port,
                 log_level="warning",
+                # Named, not "auto": a missing httptools fails at start instead of falling back
+                # to h11, which costs the ingress a tenth more CPU per request.
+                http="httptools",
                 access_log=False,
                 timeout_graceful_shutdown=5,
                 ssl_certfile=settings.api_tls_certfile,
