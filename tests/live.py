@@ -14,7 +14,7 @@ from bus.topology import Subjects
 from infra.cluster import LocalCluster
 from infra.cluster_auth import ClusterAuth, secure
 from infra.embedded import NATS_MAX_PAYLOAD, EmbeddedServer, start_etcd, start_nats
-from schemas.events import Event
+from schemas.events import Event, TokenBatch, run_delta
 from schemas.messages import WorkerRegistration
 
 ClusterFactory = Callable[..., LocalCluster]
@@ -63,6 +63,9 @@ class Observed:
         self.events: dict[str, list[Event]] = defaultdict(list)
 
     async def on_event(self, event: Event) -> None:
+        if isinstance(event, TokenBatch):  # a step's tokens: each request's, as its own event
+            self.events["TokensGenerated"] += (run_delta(event, run) for run in event.runs)
+            return
         self.events[type(event).__name__].append(event)
 
     def of(self, kind: type[Event], request_id: str) -> list[Event]:

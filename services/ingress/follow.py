@@ -27,7 +27,7 @@ from schemas.events import RequestAccepted, RequestFailed, RequestPlaced, Termin
 from schemas.messages import ResendReply
 from services.ingress.gateway import GatewayEvent
 from services.ingress.migration import MIGRATION_LIMIT, continued, limit_reached, without_worker
-from services.ingress.stream_order import StreamOrder
+from services.ingress.stream_order import StreamOrder, coalesced
 
 # How soon a missing batch is asked for: the stream may go on past it meanwhile.
 GAP_WAIT_S = 0.1
@@ -90,16 +90,25 @@ class Follow:
         self.ended: TerminalEvent | None = None
 
     async def events(self) -> AsyncIterator[GatewayEvent]:
-        """The request's batches in order, then its terminal event."""
+        """The request's batches in order, then its terminal event. Batches that came while
+        the client was being written to go out together, as one: an ingress that falls behind
+        writes fewer, larger chunks instead of working through a backlog of small ones."""
+        queue = self._queue
         while self.ended is None:
-            wait = max(0.0, self._next_ask - self._loop.time())
-            try:
-                event = await asyncio.wait_for(self._queue.get(), wait)
-            except TimeoutError:
-                ready = await self._ask()
+            if queue.empty():
+                try:
+                    async with asyncio.timeout_at(self._next_ask):
+                        event = await queue.get()
+                except TimeoutError:
+                    for out in await self._ask():
+                        yield out
+                    continue
             else:
-                ready = await self._take(event)
-            for out in ready:
+                event = queue.get_nowait()
+            ready = await self._take(event)
+            while self.ended is None and not queue.empty():
+                ready.extend(await self._take(queue.get_nowait()))
+            for out in coalesced(ready):
                 yield out
 
     async def _take(self, event: Heard) -> list[GatewayEvent]:

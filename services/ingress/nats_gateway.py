@@ -21,6 +21,9 @@ from schemas.events import (
     RequestAccepted,
     RequestFailed,
     RequestSpec,
+    TokenBatch,
+    TokensGenerated,
+    run_delta,
 )
 from schemas.messages import ResendQuery, ResendReply
 from services.ingress.follow import Follow, Heard, Recovery
@@ -39,13 +42,25 @@ class NatsGateway:
     async def start(self) -> None:
         # Core subscriptions on this instance's own subjects: set up once, lowest latency.
         await self._bus.subscribe(Subjects.placements(self._instance_id), self._deliver)
-        await self._bus.subscribe(Subjects.tokens(self._instance_id), self._deliver)
+        await self._bus.subscribe(Subjects.tokens(self._instance_id), self._deliver_tokens)
         await self._bus.subscribe(Subjects.request_terminal(self._instance_id), self._deliver)
 
     async def _deliver(self, event: Heard) -> None:
         queue = self._streams.get(event.request_id or "")
         if queue is not None:
             queue.put_nowait(event)
+
+    async def _deliver_tokens(self, event: TokenBatch | TokensGenerated) -> None:
+        """A step's batch goes to each of its requests still followed here (a request that
+        ended meanwhile takes nothing)."""
+        if isinstance(event, TokensGenerated):
+            await self._deliver(event)
+            return
+        streams = self._streams
+        for run in event.runs:
+            queue = streams.get(run.request_id)
+            if queue is not None:
+                queue.put_nowait(run_delta(event, run))
 
     async def submit(
         self, request_id: str, session_id: str | None, spec: RequestSpec

@@ -22,6 +22,36 @@ def tokens_before(terminal: TerminalEvent) -> int:
     return terminal.completion_tokens
 
 
+def coalesced(events: list[GatewayEvent]) -> list[GatewayEvent]:
+    """``events`` (in order, as :class:`StreamOrder` gives them) with each run of consecutive
+    batches joined into one."""
+    if len(events) < 2:
+        return events
+    out: list[GatewayEvent] = []
+    run: list[TokensGenerated] = []
+    for event in [*events, None]:
+        if isinstance(event, TokensGenerated):
+            run.append(event)
+            continue
+        if len(run) > 1:
+            out.append(_joined(run))
+        else:
+            out.extend(run)
+        run = []
+        if event is not None:
+            out.append(event)
+    return out
+
+
+def _joined(batches: list[TokensGenerated]) -> TokensGenerated:
+    return batches[0].model_copy(
+        update={
+            "token_ids": tuple(i for batch in batches for i in batch.token_ids),
+            "text": "".join(batch.text for batch in batches),
+        }
+    )
+
+
 class StreamOrder:
     __slots__ = ("_early", "delivered", "held", "token_ids")
 

@@ -29,7 +29,6 @@ class Handlers:
         prefill: PrefillSide,
         decode: DecodeSide,
         tokenizer: Tokenizer,
-        stream_interval_s: float,
         moves: KvMoves | None = None,
     ) -> None:
         """``moves``: pulls a request's KV from another worker when the planner says so (None:
@@ -40,7 +39,6 @@ class Handlers:
         self._prefill = prefill
         self._decode = decode
         self._tokenizer = tokenizer
-        self._stream_interval_s = stream_interval_s
         self._early_cancels: dict[str, float] = {}
         # Stopping: a route that still comes moves on to another worker at once.
         self.draining = False
@@ -76,7 +74,6 @@ class Handlers:
         stream = RequestStream(
             len(spec.prompt_token_ids) - offset,
             time.monotonic(),
-            self._stream_interval_s,
             request_detokenizer(self._tokenizer, spec),
             offset=offset,
         )

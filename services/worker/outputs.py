@@ -18,7 +18,8 @@ from schemas.events import (
     RequestSpec,
     Role,
     TerminalEvent,
-    TokensGenerated,
+    TokenBatch,
+    TokenRun,
     WorkerLoadReported,
 )
 from schemas.messages import ResendQuery
@@ -53,23 +54,54 @@ class Outputs:
         self.source = f"worker/{worker_id}"
         self._background = background
         self._kv_seq = 0
-        self.kept = TokenLog()
+        self.kept = TokenLog(self.source, worker_id)
+        # Queued since the last flush: token runs by ingress, then terminals (with their
+        # ingress), in the order they came.
+        self._runs: dict[str, list[TokenRun]] = {}
+        self._terminals: list[tuple[str, TerminalEvent]] = []
+        self._flush_queued = False
 
-    async def tokens(
-        self, spec: RequestSpec, request_id: str, session_id: str | None, chunk: Chunk
-    ) -> None:
-        batch = TokensGenerated(
-            source=self.source,
+    def tokens(self, spec: RequestSpec, request_id: str, chunk: Chunk) -> None:
+        """Queue a request's new tokens for the step's batch to its ingress (:meth:`flush`)."""
+        run = TokenRun(
             request_id=request_id,
-            session_id=session_id,
-            worker_id=self.worker_id,
+            attempt=spec.attempt,
             index=chunk.position,
             token_ids=chunk.token_ids,
             text=chunk.text,
-            attempt=spec.attempt,
         )
-        self.kept.published(batch)
-        await self._bus.publish(Subjects.tokens(spec.reply_to, self.worker_id), batch)
+        self.kept.published(run)
+        runs = self._runs.get(spec.reply_to)
+        if runs is None:
+            runs = self._runs[spec.reply_to] = []
+        runs.append(run)
+        self._flush_soon()
+
+    async def flush(self) -> None:
+        """Publish what was queued: one batch per ingress, then the terminals, queued on the
+        connection behind them (so a terminal comes after its request's last tokens)."""
+        runs, self._runs = self._runs, {}
+        terminals, self._terminals = self._terminals, []
+        for reply_to, queued in runs.items():
+            batch = TokenBatch(source=self.source, worker_id=self.worker_id, runs=tuple(queued))
+            await self._bus.publish(Subjects.tokens(reply_to, self.worker_id), batch)
+        for reply_to, event in terminals:
+            # Awaiting the stream's confirmation here would stall every other request's next
+            # step.
+            subject = Subjects.request_terminal(reply_to, self.worker_id)
+            self._background.spawn(self._bus.publish(subject, event))
+
+    def _flush_soon(self) -> None:
+        """Outputs of no engine step (a hand-off's first token, a cancellation) go out once the
+        event loop is free; a step's go with :meth:`flush` at its end, before that."""
+        if not self._flush_queued:
+            self._flush_queued = True
+            asyncio.get_running_loop().call_soon(self._flush_queued_outputs)
+
+    def _flush_queued_outputs(self) -> None:
+        self._flush_queued = False
+        if self._runs or self._terminals:
+            self._background.spawn(self.flush())
 
     async def on_resend(self, msg: Msg) -> None:
         """Answer a resend query for a request held here (asked of the worker the planner placed
@@ -86,11 +118,8 @@ class Outputs:
 
     def terminal(self, reply_to: str, event: TerminalEvent) -> None:
         self.kept.ended(event, time.monotonic())
-        # Awaiting the stream's confirmation here would stall every other request's next step;
-        # the publish is queued on the connection behind this request's token deltas, so order
-        # holds.
-        subject = Subjects.request_terminal(reply_to, self.worker_id)
-        self._background.spawn(self._bus.publish(subject, event))
+        self._terminals.append((reply_to, event))
+        self._flush_soon()
 
     def kv_transferred(self, event: KvTransferred) -> None:
         self._background.spawn(self._bus.publish(Subjects.kv_transferred(self.worker_id), event))

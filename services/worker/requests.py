@@ -179,7 +179,7 @@ class Requests:
             return
         chunk = state.stream.push(output, time.monotonic(), stalled)
         if chunk is not None:
-            await self._outputs.tokens(state.spec, request_id, state.session_id, chunk)
+            self._outputs.tokens(state.spec, request_id, chunk)
         if not state.stream.finished:
             return
         if not output.finished:  # a stop string ended it before the engine did
@@ -241,6 +241,7 @@ class Requests:
             await self.fail(request_id, "the worker stopped before the answer ended", "worker_lost")
         for request_id in list(self.prefills):
             self.prefill_failed(request_id, "prefill worker shut down")
+        await self._outputs.flush()
 
     def _end(self, request_id: str, attribute: str, why: str) -> Active:
         """Let go of a request that ends before its answer does, saying why on its span."""

@@ -83,7 +83,6 @@ class Worker:
             prefill,
             decode,
             tokenizer,
-            options.stream_interval_s,
             moves=self._moves,
         )
         self._reported_at = 0.0
@@ -205,6 +204,7 @@ class Worker:
             await self._requests.output(
                 output, stalled=result.prefill_tokens > 0, step=self._driver.steps
             )
+        await self._outputs.flush()
         if result.kv_changes and self._opt.kv_events:
             await self._outputs.kv(result.kv_changes)
         loop = asyncio.get_running_loop()

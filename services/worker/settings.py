@@ -33,8 +33,6 @@ class WorkerOptions:
     # Most tokens, prompt and completion together, of a request it takes; None: all its engine
     # holds. Registered: the ingress answers longer requests with context_length_exceeded.
     max_model_len: int | None = None
-    # Seconds a request's tokens may be held back to go out together (0: every step).
-    stream_interval_s: float = 0.02
     # While busy, a report at most this often (seconds): the planner's queue estimates are only
     # as fresh as the last report.
     busy_report_interval_s: float = 0.05
@@ -84,8 +82,6 @@ class WorkerSettings(ServiceSettings):
     lease_ttl_s: int = Field(default=5, ge=1, le=10)
     load_report_interval_s: float = 0.5
     busy_report_interval_s: float = 0.05
-    # Tokens of a request may be coalesced for this long before they are published (seconds).
-    stream_interval_s: float = 0.02
     drain_timeout_s: float = 5.0
     # The link a sim decode worker models for a hand-off's KV (see KvTransferModel).
     kv_bytes_per_token: int = _LINK.kv_bytes_per_token
@@ -169,7 +165,6 @@ def worker_options(settings: WorkerSettings, engine: Engine) -> WorkerOptions:
         drain_timeout_s=settings.drain_timeout_s,
         kv_events=settings.kv_events and engine.capabilities.kv_events,
         max_model_len=_max_model_len(settings, engine),
-        stream_interval_s=settings.stream_interval_s,
         kv_transfer=KvTransferModel(
             settings.kv_bytes_per_token, settings.link_gb_s, settings.link_latency_ms
         ),

@@ -44,25 +44,20 @@ class RequestStream:
         self,
         prompt_tokens: int,
         received: float,
-        stream_interval_s: float = 0.0,
         detokenizer: IncrementalDetokenizer | None = None,
         histogram: bool = True,
         offset: int = 0,
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.received = received
-        self._interval_s = stream_interval_s
         self._detok = detokenizer
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.finished_at: float | None = None
         self.finish_reason: FinishReason | None = None
         self.cached_tokens = 0
-        # Tokens published so far, and those generated but not yet published.
-        self.emitted = self._offset = offset
-        self._pending_ids: tuple[int, ...] = ()
-        self._pending_text = ""
-        self._flushed_at = 0.0
+        # Tokens published so far.
+        self.emitted = offset
         self.token_gaps = LatencyHistogram()
         self._histogram = histogram
         # Gaps whose step also computed prompt tokens (another request's prefill, mostly).
@@ -95,25 +90,21 @@ class RequestStream:
         self.last_gap_ms = gap
         if ids:
             self.last_token = now
-        pending = self._pending_ids = self._pending_ids + ids
         detok = self._detok
         stopped = False
+        text = ""
         if detok is not None:
-            self._pending_text += detok.push(ids)
+            text = detok.push(ids)
             stopped = detok.stopped
             if output.finished and not stopped:
-                self._pending_text += detok.flush()
+                text += detok.flush()
         finished = output.finished or stopped
+        # Every step's tokens go out at once: the worker batches a step's tokens of all its
+        # requests into one message per ingress, so holding them back would save no message.
         chunk = None
-        # The first token goes out at once (it is the TTFT), the last with the end; between,
-        # tokens are coalesced for `stream_interval_s` so that a long answer is not one message
-        # per step per request.
-        if pending and (
-            finished or self.emitted == self._offset or now - self._flushed_at >= self._interval_s
-        ):
-            chunk = Chunk(self.emitted, pending, self._pending_text)
-            self.emitted += len(pending)
-            self._pending_ids, self._pending_text, self._flushed_at = (), "", now
+        if ids or text:
+            chunk = Chunk(self.emitted, ids, text)
+            self.emitted += len(ids)
         if finished:
             self.finished_at = now
             self.finish_reason = "stop" if stopped else (output.finish_reason or "length")

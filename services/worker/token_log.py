@@ -12,21 +12,21 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from schemas.events import TerminalEvent, TokensGenerated
+from schemas.events import TerminalEvent, TokenRun, TokensGenerated
 from schemas.messages import ResendReply
 
 # A reply stays well under the bus's smallest usual max_payload (1 MiB); the asker asks again.
 REPLY_BYTES = 512 * 1024
 
 
-def _size(batch: TokensGenerated) -> int:
+def _size(run: TokenRun) -> int:
     # JSON of an id list and a text: about this many bytes; the bound need not be exact.
-    return 8 * len(batch.token_ids) + len(batch.text.encode()) + 256
+    return 8 * len(run.token_ids) + len(run.text.encode()) + 256
 
 
 @dataclass(slots=True)
 class _Kept:
-    batches: list[TokensGenerated] = field(default_factory=list)
+    batches: list[TokenRun] = field(default_factory=list)
     size: int = 0
     terminal: TerminalEvent | None = None
     ended_at: float = 0.0
@@ -34,7 +34,13 @@ class _Kept:
 
 
 class TokenLog:
-    def __init__(self, keep_s: float = 30.0, max_bytes: int = 64 << 20) -> None:
+    """``source`` and ``worker_id``: the publisher's, as the resent batches name it."""
+
+    def __init__(
+        self, source: str, worker_id: str, keep_s: float = 30.0, max_bytes: int = 64 << 20
+    ) -> None:
+        self._source = source
+        self._worker_id = worker_id
         self._keep_s = keep_s
         self._max_bytes = max_bytes
         self._bytes = 0
@@ -52,12 +58,12 @@ class TokenLog:
             self._drop(request_id)
             self._running[request_id] = _Kept(attempt=attempt)
 
-    def published(self, batch: TokensGenerated) -> None:
-        kept = self._running.get(batch.request_id or "")
+    def published(self, run: TokenRun) -> None:
+        kept = self._running.get(run.request_id)
         if kept is None:
             return
-        size = _size(batch)
-        kept.batches.append(batch)
+        size = _size(run)
+        kept.batches.append(run)
         kept.size += size
         self._bytes += size
 
@@ -99,8 +105,19 @@ class TokenLog:
             budget -= _size(batch)
             if budget < 0 and batches:
                 return ResendReply(batches=tuple(batches), complete=False)
-            batches.append(batch)
+            batches.append(self._delta(batch))
         return ResendReply(batches=tuple(batches), terminal=kept.terminal)
+
+    def _delta(self, run: TokenRun) -> TokensGenerated:
+        return TokensGenerated(
+            source=self._source,
+            request_id=run.request_id,
+            worker_id=self._worker_id,
+            index=run.index,
+            token_ids=run.token_ids,
+            text=run.text,
+            attempt=run.attempt,
+        )
 
     def _drop(self, request_id: str) -> None:
         kept = self._running.pop(request_id, None) or self._ended.pop(request_id, None)

@@ -20,13 +20,15 @@ from schemas.events import (
     RequestPlaced,
     RequestSpec,
     TerminalEvent,
+    TokenBatch,
+    TokenRun,
     TokensGenerated,
 )
 from schemas.messages import ResendQuery, ResendReply
 from services.ingress.follow import Recovery
 from services.ingress.gateway import GatewayEvent
 from services.ingress.nats_gateway import NatsGateway
-from services.ingress.stream_order import StreamOrder
+from services.ingress.stream_order import StreamOrder, coalesced
 from tests.ingress.helpers import WORKER_SOURCE, batch, collect, finished, request_spec, text_of
 
 
@@ -37,6 +39,16 @@ def replay(order: StreamOrder, arrivals: list[GatewayEvent]) -> list[GatewayEven
 def test_in_order_events_pass_straight_through() -> None:
     arrivals: list[GatewayEvent] = [batch(0, "a"), batch(1, "bcd"), batch(4, "ef"), finished(6)]
     assert replay(StreamOrder(), arrivals) == arrivals
+
+
+def test_consecutive_batches_go_out_as_one_and_the_terminal_after_them() -> None:
+    end = finished(6)
+    out = coalesced([batch(0, "a"), batch(1, "bcd"), batch(4, "ef"), end])
+    assert len(out) == 2 and isinstance(out[0], TokensGenerated)
+    assert (out[0].index, out[0].token_ids, out[0].text) == (0, tuple(b"abcdef"), "abcdef")
+    assert out[1] is end
+    alone: list[GatewayEvent] = [batch(0, "a")]
+    assert coalesced(alone) == alone
 
 
 def test_a_terminal_before_the_last_batch_waits_for_it() -> None:
@@ -313,3 +325,45 @@ async def test_without_a_placement_no_workers_events_reach_the_client(bus: Bus) 
     ]
     received = await answer(bus, "unplaced", script, place=False)
     assert [type(e).__name__ for e in received] == ["RequestFailed"]
+
+
+async def test_one_batch_of_a_step_reaches_each_of_its_requests(bus: Bus) -> None:
+    """A worker's batch carries a step's tokens for every request of this ingress: each
+    request's stream gets its own run, in order, and a run of a request not followed here is
+    dropped."""
+    gateway = NatsGateway(bus, INGRESS, Recovery(completion_wait_s=0.3))
+    await gateway.start()
+    texts = {"s1": ("ab", "cd"), "s2": ("xy", "zw")}
+    accepted: set[str] = set()
+    all_accepted = asyncio.Event()
+
+    async def on_accepted(event: RequestAccepted) -> None:
+        accepted.add(event.request_id or "")
+        if accepted >= set(texts):
+            all_accepted.set()
+
+    await bus.subscribe(Subjects.request_accepted, on_accepted)
+
+    def step(index: int) -> TokenBatch:
+        runs = [
+            TokenRun(request_id=rid, index=index, token_ids=tuple(t.encode()), text=t)
+            for rid, t in [(rid, pair[index // 2]) for rid, pair in texts.items()]
+        ]
+        gone = TokenRun(request_id="gone", index=index, token_ids=(1,), text="?")
+        return TokenBatch(source=WORKER_SOURCE, worker_id="w0", runs=(*runs, gone))
+
+    async def worker() -> None:
+        await all_accepted.wait()
+        for rid in texts:
+            await send(bus, placed(rid))
+        for index in (0, 2):
+            await bus.publish(Subjects.tokens(INGRESS, "w0"), step(index))
+        for rid in texts:
+            await send(bus, finished(4, rid))
+
+    publishing = asyncio.create_task(worker())
+    streams = [collect(gateway.submit(rid, None, request_spec(INGRESS))) for rid in texts]
+    received = await asyncio.wait_for(asyncio.gather(*streams), 5)
+    await publishing
+    assert [text_of(events) for events in received] == ["abcd", "xyzw"]
+    assert all(isinstance(events[-1], RequestFinished) for events in received)

@@ -19,7 +19,8 @@ from schemas.events import (
     RequestSpec,
     RouteDecided,
     SamplingParams,
-    TokensGenerated,
+    TokenBatch,
+    TokenRun,
 )
 from services.common.tokenizer import ByteTokenizer
 from services.engine.protocol import EngineCapabilities, EngineRequest, StepResult
@@ -29,16 +30,9 @@ from services.worker.handoff import PrefillSide
 from services.worker.outputs import Background, Outputs
 from services.worker.requests import Requests
 from tests.engine._sim_support import make_engine, run_to_end, tokens_by_request
+from tests.worker.fakes import RecordingBus
 
 PROMPT = tuple(b"tell me story number 44")
-
-
-class FakeBus:
-    def __init__(self) -> None:
-        self.published: list[object] = []
-
-    async def publish(self, subject: str, event: object) -> None:
-        self.published.append(event)
 
 
 def spec(attempt: int) -> RequestSpec:
@@ -72,11 +66,11 @@ class Worker:
                 kv_handoff=True, kv_events=True, modelled_time=False
             )
         self.driver = EngineDriver(engine, speedup=1000.0)
-        self.bus, background = FakeBus(), Background()
+        self.bus, background = RecordingBus(), Background()
         outputs = Outputs(cast(Bus, self.bus), "w1", background)
         prefill = PrefillSide(cast(Any, None), self.driver, background)
         self.requests = Requests(self.driver, outputs, prefill, BlobAssembler())
-        self._handlers = Handlers("w1", self.requests, prefill, cast(Any, None), ByteTokenizer(), 0)
+        self._handlers = Handlers("w1", self.requests, prefill, cast(Any, None), ByteTokenizer())
         self._background = background
         # Called with each step's number before its outputs are handed over.
         self.before_outputs: Callable[[int], Awaitable[None]] | None = None
@@ -119,8 +113,8 @@ class Worker:
             await asyncio.gather(stepping, return_exceptions=True)
         await self._background.finish()
 
-    def batches(self) -> list[TokensGenerated]:
-        return [e for e in self.bus.published if isinstance(e, TokensGenerated)]
+    def batches(self) -> list[TokenRun]:
+        return [r for e in self.bus.published if isinstance(e, TokenBatch) for r in e.runs]
 
 
 @pytest.mark.parametrize("threaded", [False, True])

@@ -1,5 +1,5 @@
-"""A request's output stream: the first token at once, the rest coalesced, the last with the end;
-the gaps, TTFT and end-to-end time on the caller's clock."""
+"""A request's output stream: every step's tokens at once, the last with the end; the gaps, TTFT
+and end-to-end time on the caller's clock."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ def out(*ids: int, finished: bool = False, cached: int | None = None) -> Request
     return RequestOutput("r", ids, finished=finished, cached_tokens=cached)
 
 
-def test_tokens_are_coalesced_between_the_first_and_the_last() -> None:
-    stream = RequestStream(10, received=1.0, stream_interval_s=0.05)
+def test_every_step_s_tokens_go_out_with_it() -> None:
+    stream = RequestStream(10, received=1.0)
     assert stream.push(out(1, cached=4), 1.2) == Chunk(0, (1,), "")
-    assert stream.push(out(2), 1.22) is None
-    assert stream.push(out(3), 1.26) == Chunk(1, (2, 3), "")
+    assert stream.push(out(), 1.21) is None
+    assert stream.push(out(2), 1.22) == Chunk(1, (2,), "")
+    assert stream.push(out(3), 1.26) == Chunk(2, (3,), "")
     assert stream.last_gap_ms == pytest.approx(40)
     assert stream.push(out(4, finished=True), 1.27) == Chunk(3, (4,), "")
     assert stream.finished and stream.finish_reason == "length"

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from schemas.events import RequestCancelled, TokensGenerated
+from schemas.events import RequestCancelled, TokenRun
 from services.worker.token_log import TokenLog
 
 
-def batch(request_id: str, index: int, text: str) -> TokensGenerated:
-    return TokensGenerated(
-        source="worker/w",
-        request_id=request_id,
-        worker_id="w",
-        index=index,
-        token_ids=tuple(text.encode()),
-        text=text,
-    )
+def batch(request_id: str, index: int, text: str) -> TokenRun:
+    return TokenRun(request_id=request_id, index=index, token_ids=tuple(text.encode()), text=text)
+
+
+def new_log(keep_s: float = 30.0, max_bytes: int = 64 << 20) -> TokenLog:
+    return TokenLog("worker/w", "w", keep_s, max_bytes)
 
 
 def ended(request_id: str) -> RequestCancelled:
@@ -22,7 +19,7 @@ def ended(request_id: str) -> RequestCancelled:
 
 
 def test_a_held_request_is_answered_from_the_asked_token_on() -> None:
-    log = TokenLog()
+    log = new_log()
     assert log.reply("r", 0) is None
     log.started("r")
     empty = log.reply("r", 0)
@@ -33,6 +30,9 @@ def test_a_held_request_is_answered_from_the_asked_token_on() -> None:
     assert reply is not None
     # The batch that holds token 3 starts before it; the asker keeps what it lacks.
     assert [b.index for b in reply.batches] == [2, 4]
+    # Resent as the publisher's own batches: they pass the ingress's check of who sent them.
+    named = {(b.source, b.worker_id, b.request_id) for b in reply.batches}
+    assert named == {("worker/w", "w", "r")}
     terminal = ended("r")
     log.ended(terminal, now=10.0)
     after = log.reply("r", 6)
@@ -41,7 +41,7 @@ def test_a_held_request_is_answered_from_the_asked_token_on() -> None:
 
 
 def test_ended_requests_go_after_their_time_or_past_the_byte_bound() -> None:
-    log = TokenLog(keep_s=5.0, max_bytes=20_000)  # a 500-token batch: about 4.8 kB
+    log = new_log(keep_s=5.0, max_bytes=20_000)  # a 500-token batch: about 4.8 kB
     for request_id in ("a", "b", "c"):
         log.started(request_id)
         log.published(batch(request_id, 0, "x" * 500))
@@ -59,7 +59,7 @@ def test_ended_requests_go_after_their_time_or_past_the_byte_bound() -> None:
 
 
 def test_a_long_answer_comes_back_in_bounded_replies() -> None:
-    log = TokenLog()
+    log = new_log()
     log.started("r")
     for i in range(200):
         log.published(batch("r", i * 4_000, "z" * 4_000))
@@ -71,7 +71,7 @@ def test_a_long_answer_comes_back_in_bounded_replies() -> None:
 
 
 def test_the_kept_attempt_is_known_while_running_and_after_the_end() -> None:
-    log = TokenLog()
+    log = new_log()
     assert log.attempt("r") is None
     log.started("r", attempt=2)
     assert log.attempt("r") == 2

@@ -18,7 +18,7 @@ from schemas.events import (
     RequestSpec,
     RouteDecided,
     SamplingParams,
-    TokensGenerated,
+    TokenBatch,
 )
 from services.common.perf_model import FixedPerf
 from services.common.tokenizer import ByteTokenizer
@@ -70,7 +70,7 @@ async def flaky_worker(
     batch and terminal to the ingress ``testingress``: the list they are collected in."""
     engine = FlakyEngine(SimConfig(block_size=16, num_gpu_blocks=64), FixedPerf(0.0, 0.0))
     engine.fail_at = fail_at
-    options = WorkerOptions("flaky", "both", "sim", "m", 1.0, 5, 1.0, 1.0, stream_interval_s=0)
+    options = WorkerOptions("flaky", "both", "sim", "m", 1.0, 5, 1.0, 1.0)
     worker = Worker(bus, engine, ByteTokenizer(), options)
     etcd = connect_etcd(etcd_server.url)
     stop = asyncio.Event()
@@ -99,7 +99,7 @@ async def test_a_failed_step_fails_its_requests_and_the_worker_serves_on(
     async with flaky_worker(bus, etcd_server, fail_at=1) as published:
 
         def ends() -> list[Event]:
-            return [e for e in published if not isinstance(e, TokensGenerated)]
+            return [e for e in published if not isinstance(e, TokenBatch)]
 
         await bus.publish(Subjects.route("flaky"), route("first", "flaky"))
         await eventually(ends)
@@ -120,6 +120,6 @@ async def test_a_failure_after_tokens_went_out_counts_them(
         failed = await eventually(
             lambda: next((e for e in published if isinstance(e, RequestFailed)), None)
         )
-    sent = sum(len(e.token_ids) for e in published if isinstance(e, TokensGenerated))
+    sent = sum(len(r.token_ids) for e in published if isinstance(e, TokenBatch) for r in e.runs)
     assert failed.code == "engine_error"
     assert failed.completion_tokens == sent > 0

@@ -1,0 +1,19 @@
+"""A bus that records what a worker publishes instead of sending it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bus.channels import Topic
+
+
+class RecordingBus:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, object]] = []
+
+    @property
+    def published(self) -> list[object]:
+        return [event for _, event in self.sent]
+
+    async def publish(self, topic: Topic[Any], event: object) -> None:
+        self.sent.append((topic.subject, event))

@@ -1,0 +1,78 @@
+"""What a worker publishes of one engine step: one batch per ingress with every request's new
+tokens, then the terminals, never before their requests' last tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import cast
+
+from bus.client import Bus
+from bus.topology import Subjects
+from schemas.events import (
+    RequestCancelled,
+    RequestSpec,
+    SamplingParams,
+    TokenBatch,
+)
+from services.worker.outputs import Background, Outputs
+from services.worker.stream import Chunk
+from tests.worker.fakes import RecordingBus
+
+
+def spec(reply_to: str) -> RequestSpec:
+    return RequestSpec(
+        model="m",
+        prompt_token_ids=(1, 2, 3),
+        block_size=4,
+        block_hashes=(),
+        sampling=SamplingParams(max_tokens=8),
+        reply_to=reply_to,
+        deadline=datetime(2100, 1, 1, tzinfo=UTC),
+    )
+
+
+def ended(request_id: str) -> RequestCancelled:
+    return RequestCancelled(source="worker/w1", request_id=request_id, reason="timeout")
+
+
+async def test_a_step_is_one_batch_per_ingress_and_the_terminals_come_after_it() -> None:
+    bus, background = RecordingBus(), Background()
+    outputs = Outputs(cast(Bus, bus), "w1", background)
+    for request_id in ("a", "b", "c"):
+        outputs.kept.started(request_id)
+    outputs.tokens(spec("i1"), "a", Chunk(0, (7,), "x"))
+    outputs.tokens(spec("i2"), "b", Chunk(4, (8, 9), "yz"))
+    outputs.tokens(spec("i1"), "c", Chunk(2, (5,), "w"))
+    outputs.terminal("i1", ended("a"))
+    await outputs.flush()
+    await background.finish()
+    subjects = [subject for subject, _ in bus.sent]
+    assert subjects == [
+        Subjects.tokens("i1", "w1").subject,
+        Subjects.tokens("i2", "w1").subject,
+        Subjects.request_terminal("i1", "w1").subject,
+    ]
+    first, second, _ = bus.published
+    assert isinstance(first, TokenBatch) and isinstance(second, TokenBatch)
+    assert first.worker_id == "w1"
+    assert [(r.request_id, r.index, r.token_ids) for r in first.runs] == [
+        ("a", 0, (7,)),
+        ("c", 2, (5,)),
+    ]
+    assert [(r.request_id, r.text) for r in second.runs] == [("b", "yz")]
+    # What went out is kept for resend queries, as the publisher's own batches.
+    reply = outputs.kept.reply("b", 4)
+    assert reply is not None and [b.text for b in reply.batches] == ["yz"]
+
+
+async def test_outputs_of_no_engine_step_go_out_by_themselves() -> None:
+    """A hand-off's first token, or a cancellation, comes between steps: nobody flushes it."""
+    bus = RecordingBus()
+    outputs = Outputs(cast(Bus, bus), "w1", Background())
+    outputs.kept.started("a")
+    outputs.tokens(spec("i1"), "a", Chunk(0, (7,), "x"))
+    outputs.terminal("i1", ended("a"))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert [type(e).__name__ for e in bus.published] == ["TokenBatch", "RequestCancelled"]
