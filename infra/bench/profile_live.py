@@ -54,8 +54,11 @@ def cpu_window(pids: dict[str, int], seconds: float) -> tuple[dict[str, float], 
     return spent, time.monotonic() - start
 
 
-def spy(pids: dict[str, int], out: Path, seconds: float, rate: int) -> dict[str, Path]:
-    """Records each process with py-spy at once; its collapsed stacks, by name."""
+def spy(
+    pids: dict[str, int], out: Path, seconds: float, rate: int, native: bool
+) -> dict[str, Path]:
+    """Records each process with py-spy at once; its collapsed stacks, by name. ``native``
+    adds C frames, which py-spy reads only by pausing the process at each sample."""
     binary = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
     if binary is None:
         raise SystemExit("profile: py-spy not found (pip install -e '.[dev]')")
@@ -64,7 +67,8 @@ def spy(pids: dict[str, int], out: Path, seconds: float, rate: int) -> dict[str,
         path = out / f"{name}.txt"
         command = [
             binary, "record", "--pid", str(pid), "--duration", f"{seconds:g}",
-            "--rate", str(rate), "--nonblocking", "--format", "raw", "--output", str(path),
+            "--rate", str(rate), "--native" if native else "--nonblocking",
+            "--format", "raw", "--output", str(path),
         ]  # fmt: skip
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         runs[name] = (proc, path)
@@ -115,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-window", type=float, default=10.0, help="seconds, /proc only")
     parser.add_argument("--spy-window", type=float, default=15.0, help="seconds under py-spy")
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples a second")
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="C frames too (uvloop, the codecs); py-spy then pauses each service per sample",
+    )
+    parser.add_argument("--only", action="append", help="py-spy only this service, repeatable")
     parser.add_argument("--up-arg", action="append", default=[], help="passed to laneway up")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -131,8 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         time.sleep(args.warmup)
         spent, window_s = cpu_window({**up.pids, "load-client": load.pid}, args.cpu_window)
-        services = {n: p for n, p in up.pids.items() if n not in _SERVERS}
-        stacks = spy(services, args.out, args.spy_window, args.rate)
+        services = {
+            n: p
+            for n, p in up.pids.items()
+            if n not in _SERVERS and (args.only is None or n in args.only)
+        }
+        stacks = spy(services, args.out, args.spy_window, args.rate, args.native)
         out, _ = load.communicate(timeout=load_s + 120)
     result = orjson.loads(out.splitlines()[-1])
     requests = result["rps"] * window_s
