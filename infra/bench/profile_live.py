@@ -4,7 +4,10 @@ Starts `laneway up --workers 4 --speedup 1000` and a closed loop of 32 streams a
 load client in a process of its own), then, after a warm-up:
 
 1. a quiet window: every process's CPU seconds from /proc (the services, nats-server, etcd and
-   the client), as a share of a core and as CPU milliseconds per request;
+   the client), as a share of a core and as CPU milliseconds per request, and its read and write
+   system calls per request (/proc/PID/io counts read(2)/write(2): uvloop's and nats-server's
+   socket I/O; the standard loop's recv/send, as the client's, show as none). Requests per
+   window: the client's req/s over the whole load times the window;
 2. a sampled window: py-spy records each Python service (``--nonblocking``: the service is never
    paused), written as collapsed stacks (``<service>.txt``: flamegraph.pl or speedscope.app draw
    them) and summed by package and function (``<service>.top.txt``).
@@ -32,26 +35,33 @@ _TICK = os.sysconf("SC_CLK_TCK")
 _SERVERS = ("nats", "etcd")
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User and system CPU of a live process (its threads included), or None once it is gone."""
+def counters(pid: int) -> dict[str, float] | None:
+    """A live process's CPU seconds (user and system, its threads included) and its read and
+    write system calls (sockets count), or None once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
     except OSError:
         return None
     # After the command's closing parenthesis: state is field 3, utime 14 and stime 15.
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    cpu = (int(fields[11]) + int(fields[12])) / _TICK
+    return {"cpu_s": cpu, "syscr": float(io["syscr"]), "syscw": float(io["syscw"])}
 
 
-def cpu_window(pids: dict[str, int], seconds: float) -> tuple[dict[str, float], float]:
-    """Each process's CPU seconds over a window of about ``seconds``, and its real length."""
-    before = {n: cpu_seconds(p) for n, p in pids.items()}
+def measure_window(
+    pids: dict[str, int], seconds: float
+) -> tuple[dict[str, dict[str, float]], float]:
+    """Each process's counters' growth over a window of about ``seconds``, and its length."""
+    before = {n: counters(p) for n, p in pids.items()}
     start = time.monotonic()
     time.sleep(seconds)
-    after = {n: cpu_seconds(p) for n, p in pids.items()}
-    spent = {
-        n: a - b for n, a in after.items() if a is not None and (b := before[n]) is not None
+    after = {n: counters(p) for n, p in pids.items()}
+    grown = {
+        n: {k: a[k] - b[k] for k in a}
+        for n, a in after.items()
+        if a is not None and (b := before[n]) is not None
     }
-    return spent, time.monotonic() - start
+    return grown, time.monotonic() - start
 
 
 def spy(
@@ -82,26 +92,32 @@ def spy(
     return written
 
 
-def cpu_table(spent: dict[str, float], window_s: float, requests: float) -> list[dict[str, Any]]:
-    rows = [
-        {
+def cpu_table(
+    grown: dict[str, dict[str, float]], window_s: float, requests: float
+) -> list[dict[str, Any]]:
+    def row(name: str, c: dict[str, float]) -> dict[str, Any]:
+        per = (lambda v: round(v / requests, 3)) if requests else (lambda v: None)
+        return {
             "process": name,
-            "cpu_s": round(cpu, 3),
-            "core_share": round(cpu / window_s, 3),
-            "cpu_ms_per_request": round(1000 * cpu / requests, 3) if requests else None,
+            "cpu_s": round(c["cpu_s"], 3),
+            "core_share": round(c["cpu_s"] / window_s, 3),
+            "cpu_ms_per_request": per(1000 * c["cpu_s"]),
+            "reads_per_request": per(c["syscr"]),
+            "writes_per_request": per(c["syscw"]),
         }
-        for name, cpu in sorted(spent.items(), key=lambda kv: -kv[1])
-    ]
-    total = sum(spent.values())
-    rows.append(
-        {
-            "process": "all",
-            "cpu_s": round(total, 3),
-            "core_share": round(total / window_s, 3),
-            "cpu_ms_per_request": round(1000 * total / requests, 3) if requests else None,
-        }
-    )
-    return rows
+
+    rows = [row(n, c) for n, c in sorted(grown.items(), key=lambda kv: -kv[1]["cpu_s"])]
+    total = {k: sum(c[k] for c in grown.values()) for k in ("cpu_s", "syscr", "syscw")}
+    return [*rows, row("all", total)]
+
+
+def print_table(table: list[dict[str, Any]]) -> None:
+    head = ("ms/req", "reads/req", "writes/req")
+    print(f"{'process':<18}{'cpu s':>8}{'cores':>7}" + "".join(f"{h:>11}" for h in head))
+    for r in table:
+        per = [r[k] for k in ("cpu_ms_per_request", "reads_per_request", "writes_per_request")]
+        cells = "".join(f"{v:>11.3f}" if v is not None else f"{'-':>11}" for v in per)
+        print(f"{r['process']:<18}{r['cpu_s']:>8.2f}{r['core_share']:>7.2f}{cells}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             env={**os.environ, "LANEWAY_API_KEY": up.api_key or ""},
         )  # fmt: skip
         time.sleep(args.warmup)
-        spent, window_s = cpu_window({**up.pids, "load-client": load.pid}, args.cpu_window)
+        grown, window_s = measure_window({**up.pids, "load-client": load.pid}, args.cpu_window)
         services = {
             n: p
             for n, p in up.pids.items()
@@ -150,21 +166,17 @@ def main(argv: list[str] | None = None) -> int:
         out, _ = load.communicate(timeout=load_s + 120)
     result = orjson.loads(out.splitlines()[-1])
     requests = result["rps"] * window_s
-    table = cpu_table(spent, window_s, requests)
+    table = cpu_table(grown, window_s, requests)
     summary = {"load": result, "cpu_window_s": round(window_s, 3), "cpu": table}
     (args.out / "cpu.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    print(f"c={args.concurrency}: {result['rps']} req/s, errors {result['errors']}")
-    print(f"{'process':<18}{'cpu s':>8}{'cores':>8}{'ms/req':>9}")
-    for row in table:
-        per_request = row["cpu_ms_per_request"]
-        print(
-            f"{row['process']:<18}{row['cpu_s']:>8.2f}{row['core_share']:>8.2f}"
-            f"{per_request if per_request is not None else float('nan'):>9.3f}"
-        )
+    tops = {}
     for name, path in stacks.items():
         with path.open() as lines:
-            text = report(name, parse(lines))
-        (args.out / f"{name}.top.txt").write_text(text)
+            tops[name] = report(name, parse(lines))
+        (args.out / f"{name}.top.txt").write_text(tops[name])
+    print(f"c={args.concurrency}: {result['rps']} req/s, errors {result['errors']}")
+    print_table(table)
+    for text in tops.values():
         print("\n" + "\n".join(text.splitlines()[:12]))
     print(f"\nstacks and summaries in {args.out}")
     return 0
