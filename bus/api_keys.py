@@ -11,7 +11,7 @@ import hashlib
 import re
 import secrets
 from collections.abc import Awaitable, Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Literal
 
 import aetcd
@@ -47,6 +47,12 @@ class ApiKeyRecord(BaseModel):
     )
     startup: bool = Field(default=False, description="made by `laneway up` for its own run")
     created_at: datetime = Field(default_factory=utc_now)
+    expires_at: datetime | None = Field(
+        default=None, description="refused from then on, as if revoked; None: until revoked"
+    )
+
+    def expired(self, now: datetime) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
 
 
 def key_hash(key: str) -> str:
@@ -68,9 +74,11 @@ async def create_key(
     scopes: tuple[Scope, ...] = ("inference",),
     max_priority: KeyPriority = "normal",
     startup: bool = False,
+    expires_in_s: float | None = None,
 ) -> tuple[ApiKeyRecord, str]:
     """Store a new key's record; returns it with the key, which is not kept anywhere."""
     key = KEY_PREFIX + secrets.token_urlsafe(32)
+    now = utc_now()
     record = ApiKeyRecord(
         key_id=secrets.token_hex(8),
         tenant=tenant,
@@ -80,6 +88,8 @@ async def create_key(
         scopes=scopes,
         max_priority=max_priority,
         startup=startup,
+        created_at=now,
+        expires_at=None if expires_in_s is None else now + timedelta(seconds=expires_in_s),
     )
     await client.put(record_key(record.key_id), record.model_dump_json().encode())
     return record, key

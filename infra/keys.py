@@ -35,6 +35,7 @@ from bus.api_keys import (
 )
 from bus.registry import connect_etcd
 from infra import status_local
+from schemas.events import utc_now
 
 T = TypeVar("T")
 # The tenant of the key `laneway up` makes for its own run.
@@ -58,6 +59,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         choices=get_args(KeyPriority),
         default="normal",
         help="the highest admission priority (x-laneway-priority) the tenant's requests get",
+    )
+    create.add_argument(
+        "--expires-in",
+        type=_duration,
+        metavar="DURATION",
+        help="refused after this long: seconds, or a number with s, m, h or d (90d); default: "
+        "until revoked",
     )
     create.add_argument(
         "--scope",
@@ -105,9 +113,11 @@ def _create(args: argparse.Namespace) -> int:
             max_concurrency=args.max_concurrency,
             scopes=tuple(dict.fromkeys(args.scope or ["inference"])),
             max_priority=args.max_priority,
+            expires_in_s=args.expires_in,
         ),
     )
-    print(f"created key {record.key_id} for tenant {record.tenant} ({_limits(record)})")
+    expires = "" if record.expires_at is None else f", expires {record.expires_at:{_TIME}}"
+    print(f"created key {record.key_id} for tenant {record.tenant} ({_limits(record)}{expires})")
     print(key)
     return 0
 
@@ -117,7 +127,8 @@ def _list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.model_dump(mode="json", exclude={"sha256"}) for r in records]))
         return 0
-    rows = [("KEY ID", "TENANT", "LIMITS", "SCOPES", "MAX PRIORITY", "CREATED")]
+    rows = [("KEY ID", "TENANT", "LIMITS", "SCOPES", "MAX PRIORITY", "CREATED", "EXPIRES")]
+    now = utc_now()
     rows += [
         (
             r.key_id,
@@ -125,7 +136,10 @@ def _list(args: argparse.Namespace) -> int:
             _limits(r),
             ",".join(r.scopes),
             r.max_priority,
-            r.created_at.strftime("%Y-%m-%d %H:%M:%S UTC"),
+            r.created_at.strftime(_TIME),
+            "never"
+            if r.expires_at is None
+            else r.expires_at.strftime(_TIME) + (" (expired)" if r.expired(now) else ""),
         )
         for r in records
     ]
@@ -174,6 +188,20 @@ def read_startup_key(state_dir: Path) -> str | None:
     if len(raw) > _MAX_KEY_FILE_BYTES or not key.startswith(KEY_PREFIX):
         raise ValueError(f"{state_dir / STARTUP_KEY_FILE} holds no API key")
     return key
+
+
+_TIME = "%Y-%m-%d %H:%M:%S UTC"
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> float:
+    """``--expires-in``: seconds, or a positive number with a unit."""
+    found = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
+    if found is None or float(found[1]) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"not a duration: {text[:40]!r} (e.g. 3600, 45m, 12h, 90d)"
+        )
+    return float(found[1]) * _UNITS[found[2] or "s"]
 
 
 def _limits(record: ApiKeyRecord) -> str:

@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bus.api_keys import ApiKeyRecord, key_hash
 from bus.api_keys import Scope as KeyScope
+from schemas.events import utc_now
 from services.ingress.access_log import log_request
 from services.ingress.admission import PRIORITIES, Priority
 from services.ingress.errors import ApiError
@@ -45,7 +46,11 @@ class KeyBook:
         self.loaded = True
 
     def find(self, key: str) -> ApiKeyRecord | None:
-        return self._by_hash.get(key_hash(key))
+        """The live key's record; None for one unknown, revoked or expired."""
+        record = self._by_hash.get(key_hash(key))
+        if record is None or record.expires_at is None:
+            return record
+        return None if record.expired(utc_now()) else record
 
 
 class AuthGate:
@@ -141,7 +146,7 @@ class AuthGate:
         if record is None:
             return ApiError(
                 401,
-                "Incorrect API key provided, or the key was revoked.",
+                "Incorrect API key provided, or the key was revoked or expired.",
                 code="invalid_api_key",
                 type="invalid_request_error",
             )

@@ -3,14 +3,17 @@ need a key, the OpenAI-shaped refusals, the tenant on the request, a revocation 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from typing import Any, get_args
 
 import httpx
 import pytest
 
 from bus.api_keys import ApiKeyRecord, KeyPriority, Scope, key_hash
+from schemas.events import utc_now
 from services.common.tokenizer import ByteTokenizer
 from services.ingress.admission import PRIORITIES
 from services.ingress.api import create_app
@@ -104,6 +107,18 @@ async def test_revoked_key_is_refused_at_the_next_request() -> None:
     async with api(record(KEY, "acme")) as (client, _, book):
         assert (await client.get("/v1/models", headers=bearer(KEY))).status_code == 200
         await book.on_keys([])
+        reply = await client.get("/v1/models", headers=bearer(KEY))
+        assert reply.status_code == 401
+        assert reply.json()["error"]["code"] == "invalid_api_key"
+
+
+async def test_a_key_is_taken_until_it_expires() -> None:
+    soon = record(KEY, "acme", expires_at=utc_now() + timedelta(seconds=0.3))
+    gone = record(METRICS_KEY, "ops", expires_at=utc_now() - timedelta(seconds=1))
+    async with api(soon, gone) as (client, _, _):
+        assert (await client.get("/v1/models", headers=bearer(METRICS_KEY))).status_code == 401
+        assert (await client.get("/v1/models", headers=bearer(KEY))).status_code == 200
+        await asyncio.sleep(0.35)
         reply = await client.get("/v1/models", headers=bearer(KEY))
         assert reply.status_code == 401
         assert reply.json()["error"]["code"] == "invalid_api_key"

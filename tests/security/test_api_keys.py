@@ -1,6 +1,7 @@
 """API keys on a real cluster (etcd, NATS and every service as its own process): keys made,
 listed and revoked with `laneway keys`, used by the unmodified OpenAI SDK; no key or a revoked
-one is refused, a revocation within a second; a tenant past its concurrency limit gets 429."""
+one is refused, a revocation within a second, an expired one too; a tenant past its concurrency
+limit gets 429."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aetcd
@@ -103,6 +105,22 @@ def test_created_key_works_then_is_refused_within_a_second_of_revocation(
         ask(sdk)
     again = keys(cluster, "revoke", acme["key_id"], "--etcd-endpoints", cluster.etcd_endpoints)
     assert again.returncode == 2 and "no key" in again.stderr
+
+
+def test_a_key_made_to_expire_is_refused_once_it_has(cluster: LocalCluster) -> None:
+    key = create(cluster, "--tenant", "brief", "--expires-in", "6")
+    sdk = client(cluster, key)
+    assert ask(sdk)  # a `laneway keys` run takes a second or two here, the key six
+    listed = keys(cluster, "list", "--json", "--etcd-endpoints", cluster.etcd_endpoints)
+    (brief,) = [r for r in json.loads(listed.stdout) if r["tenant"] == "brief"]
+    created, expires = (datetime.fromisoformat(brief[f]) for f in ("created_at", "expires_at"))
+    assert expires - created == timedelta(seconds=6)
+    time.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds()) + 0.05)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        ask(sdk)
+    assert refused.value.response.json()["error"]["code"] == "invalid_api_key"
+    table = keys(cluster, "list", "--etcd-endpoints", cluster.etcd_endpoints).stdout
+    assert next(line for line in table.splitlines() if " brief " in line).endswith("(expired)")
 
 
 def test_tenant_over_its_concurrency_limit_gets_429(cluster: LocalCluster) -> None:
