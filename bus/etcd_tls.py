@@ -1,8 +1,12 @@
-"""An aetcd client that can talk to etcd over TLS.
+"""An aetcd client that can talk to etcd over TLS, and that logs in again.
 
 aetcd opens plaintext gRPC channels only. This client opens a TLS one instead when it is given
 the CA that signed etcd's certificate (and, for an etcd that asks for one, a client certificate),
 then authenticates and sets up its stubs on that channel the way aetcd does on its own.
+
+aetcd logs in once, when it connects; etcd forgets its tokens when it restarts and after
+``--auth-token-ttl`` unused, and then refuses every call with the old one. ``reconnect`` opens
+a new channel (a new login where there are credentials), as a move to another member does.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class TlsClient(aetcd.Client):  # type: ignore[misc] # aetcd has no types
         super().__init__(*args, **kwargs)
         self.tls = tls
         self._opening = asyncio.Lock()
+        self._relogin = asyncio.Lock()
 
     async def connect(self) -> None:
         if self.tls is None:
@@ -38,6 +43,33 @@ class TlsClient(aetcd.Client):  # type: ignore[misc] # aetcd has no types
                 self._init_channel_attrs()
                 # Into aetcd's errors, as its own connect raises them (failover tells by these).
                 aetcd.exceptions._handle_exception(exc)
+
+    async def reconnect(self) -> None:
+        """A new channel to ``_host:_port`` (and a new token); the old one's watches end. A
+        member that cannot log in now (one without a leader) leaves the client unconnected,
+        for the next call to connect again, and raises."""
+        channel, watcher = self.channel, self._watcher
+        self._init_channel_attrs()
+        self._connected.clear()
+        try:
+            await self.connect()
+        except aetcd.exceptions.ClientError:
+            if self.channel is not None:  # aetcd's own connect leaves it open
+                await self.channel.close()
+            self._init_channel_attrs()
+            raise
+        finally:
+            if watcher is not None:
+                await watcher.shutdown()
+            if channel is not None:
+                await channel.close()
+
+    async def log_in_again(self, refused: Any) -> None:
+        """After a call refused its token (``refused``, the metadata it went with): one new
+        login, however many calls were refused with that token."""
+        async with self._relogin:
+            if self.metadata is refused:
+                await self.reconnect()
 
     async def _open(self, tls: TlsFiles) -> None:
         credentials = grpc.ssl_channel_credentials(

@@ -109,14 +109,8 @@ class EtcdCluster(TlsClient):
                 self._host,
                 self._port,
             )
-            channel, watcher = self.channel, self._watcher
-            self._init_channel_attrs()
-            self._connected.clear()
-            await self.connect()
-            if watcher is not None:
-                await watcher.shutdown()
-            if channel is not None:
-                await channel.close()
+            with contextlib.suppress(*UNREACHABLE):  # no leader there yet to log in with
+                await self.reconnect()
 
 
 def _failing_over(call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -126,9 +120,16 @@ def _failing_over(call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitabl
         deadline = loop.time() + self._failover_s
         tried = 0
         while True:
-            at = self.at
+            at, token = self.at, self.metadata
             try:
                 return await call(self, *args, **kwargs)
+            except aetcd.exceptions.UnauthenticatedError as exc:
+                # A token etcd forgot (restarted) or let lapse: log in again, once per token.
+                if "invalid auth token" not in str(exc) or loop.time() > deadline:
+                    raise
+                log.warning("etcd refused this client's token; logging in again")
+                with contextlib.suppress(*UNREACHABLE):  # the next try moves on, then
+                    await self.log_in_again(token)
             except aetcd.exceptions.ClientError as exc:
                 # A call cut off by another call's move is retried on the new member too.
                 if not isinstance(exc, UNREACHABLE) and self.at == at:
