@@ -29,8 +29,13 @@ def chain_block_hashes(
     """Hashes of every full block of ``token_ids``; a trailing partial block gets none."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
+    # The payload hash_block builds per block, built once for all of them.
+    ids = memoryview(token_ids).tolist() if isinstance(token_ids, bytes | bytearray) else token_ids
+    words = array("I", ids).tobytes()
+    width = 4 * block_size
     hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
+    for start in range(0, len(words) - width + 1, width):
+        payload = (parent & _MASK).to_bytes(8, "little") + words[start : start + width]
+        parent = int(xxhash.xxh3_64_intdigest(payload))
         hashes.append(parent)
     return tuple(hashes)
