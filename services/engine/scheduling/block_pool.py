@@ -210,6 +210,11 @@ class BlockPool:
             if held == 0:
                 idle[ref] = None
 
+    @property
+    def num_changes(self) -> int:
+        """Changes made since the last drain."""
+        return len(self._changes)
+
     def drain_changes(self) -> list[KvChange]:
         changes, self._changes = self._changes, []
         return changes

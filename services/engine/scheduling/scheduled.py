@@ -9,6 +9,7 @@ from collections.abc import Callable
 from services.engine.protocol import EngineLoad, EngineRequest, RequestOutput
 from services.engine.scheduling.block_pool import BlockPool
 from services.engine.scheduling.config import SimConfig
+from services.engine.scheduling.decode_run import DecodeRun, StepSeconds, decode_run
 from services.engine.scheduling.kv_manager import KvCacheManager
 from services.engine.scheduling.request import SimRequest
 from services.engine.scheduling.scheduler import Batch, Scheduler
@@ -80,11 +81,22 @@ class ScheduledEngine:
             if out.finished:
                 finished.append(req)
         if finished:
-            self._scheduler.finish(finished)
-            for req in finished:
-                del self._requests[req.request_id]
-                self._forget(req.request_id)
+            self._retire(finished)
         return outputs
+
+    def _retire(self, finished: list[SimRequest]) -> None:
+        self._scheduler.finish(finished)
+        for req in finished:
+            del self._requests[req.request_id]
+            self._forget(req.request_id)
+
+    def _decode_run(self, step_s: StepSeconds, start: float, until: float) -> DecodeRun | None:
+        """The decode steps from ``start`` that begin before ``until``, at once (see
+        :func:`decode_run`); the requests the last one ended leave the engine."""
+        run = decode_run(self._scheduler, self._kv, step_s, self._stop_token_ids, start, until)
+        if run is not None and run.finished:
+            self._retire(run.finished)
+        return run
 
     def _emit(self, req: SimRequest, token: int) -> RequestOutput:
         req.append_token(token)

@@ -25,7 +25,7 @@ class Batch:
 class Scheduler:
     def __init__(self, config: SimConfig, kv: KvCacheManager) -> None:
         self._max_num_seqs = config.max_num_seqs
-        self._max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self._kv = kv
         # In admission order, so the back is the most recently admitted: the preemption victim.
         self.running: list[SimRequest] = []
@@ -40,7 +40,7 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         batch = Batch()
-        budget = self._max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         running = self.running
         preemptions_before = self.num_preemptions
 

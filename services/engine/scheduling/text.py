@@ -14,6 +14,7 @@ _VOCABULARY = (
     "right look think also around another came come work three word must because does part"
 )
 _WORDS = tuple(w.encode() for w in _VOCABULARY.split())
+_SPACE = ord(" ")
 
 
 class WordStream:
@@ -30,6 +31,24 @@ class WordStream:
             # Reversed so that pop() hands the bytes out in order.
             self._pending = list(reversed(self._rng.choice(_WORDS) + b" "))
         return self._pending.pop()
+
+    def take(self, tokens: int) -> list[int]:
+        """The next ``tokens`` tokens at once: what as many ``next_token`` calls give."""
+        pending = self._pending
+        if tokens <= len(pending):
+            cut = len(pending) - tokens
+            out = pending[cut:][::-1]
+            del pending[cut:]
+            return out
+        out = pending[::-1]
+        choice = self._rng.choice
+        while len(out) < tokens:
+            out += choice(_WORDS)
+            out.append(_SPACE)
+        # What the last word left unsent, reversed so that pop() hands it out in order.
+        self._pending = out[tokens:][::-1]
+        del out[tokens:]
+        return out
 
     def skip(self, tokens: int) -> None:
         """Move past ``tokens`` tokens: a continued answer goes on where its first part ended."""
