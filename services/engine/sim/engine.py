@@ -9,6 +9,7 @@ from services.common.perf_model import PerfModel, perf_model
 from services.engine.protocol import EngineCapabilities, EngineRequest, StepResult
 from services.engine.scheduling.block_pool import BlockPool
 from services.engine.scheduling.config import SimConfig
+from services.engine.scheduling.decode_run import DecodeRun
 from services.engine.scheduling.kv_manager import KvCacheManager
 from services.engine.scheduling.scheduled import ScheduledEngine
 
@@ -77,6 +78,17 @@ class SimEngine(ScheduledEngine):
 
     def import_prefix(self, block_hashes: Sequence[int], payload: bytes) -> int:
         return self.import_blocks(block_hashes)
+
+    def decode_run(self, start: float, until: float) -> DecodeRun | None:
+        """Every decode step from ``start`` (seconds) that begins before ``until``, at once, when
+        they are plain decode steps (see :func:`~services.engine.scheduling.decode_run.decode_run`):
+        for a simulation, which needs no per-step outputs. None when the next step is not one."""
+        if self._transfers_ms:
+            return None
+        perf, total = self._perf, self.kv_blocks_total
+        return self._decode_run(
+            lambda n, used: perf.step_ms(0, n, used / total) / 1000.0, start, until
+        )
 
     def step(self) -> StepResult:
         batch = self._scheduler.schedule()
