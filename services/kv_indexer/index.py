@@ -71,12 +71,15 @@ class PrefixIndex:
     def apply(self, event: KvEvent) -> None:
         """Fold one event, exactly once and in its worker's ``seq`` order, whatever the order
         and number of times it is delivered in."""
-        worker_id, seq = event.worker_id, event.seq
+        self.apply_change(event.worker_id, event.seq, _change(event))
+
+    def apply_change(self, worker_id: str, seq: int, change: snap.Change) -> None:
+        """``apply`` for an event given as its worker, seq and change (see :func:`change_of`):
+        for an in-process caller that has no event to build."""
         expected = self._next_seq.get(worker_id, 1)
         if seq < expected:
             self.duplicates += 1
             return
-        change = _change(event)
         if seq > expected:
             pending = self._pending.setdefault(worker_id, {})
             if seq in pending:
@@ -381,6 +384,11 @@ class PrefixIndex:
 
 def _change(event: KvEvent) -> snap.Change:
     if isinstance(event, KvBlocksStored | KvBlocksRemoved):
-        kind = snap.STORED if isinstance(event, KvBlocksStored) else snap.REMOVED
-        return kind + (_HOST if event.tier == "host" else 0), event.block_hashes
+        return change_of(isinstance(event, KvBlocksStored), event.tier, event.block_hashes)
     return snap.CLEARED, ()
+
+
+def change_of(stored: bool, tier: str, block_hashes: tuple[int, ...]) -> snap.Change:
+    """The change of a stored (else removed) event of ``block_hashes`` in ``tier``."""
+    kind = snap.STORED if stored else snap.REMOVED
+    return kind + (_HOST if tier == "host" else 0), block_hashes
