@@ -3,12 +3,14 @@
 It drives the planner's policy, the kv-indexer's index and the sim engine, unchanged, the way
 the live services do: a request arrives, the policy picks a worker from the workers' load and
 (if it asks) the index's overlaps, the worker's engine steps, and its KV events fold into the
-index when the step ends. Deterministic for a given trace, policy and seed.
+index when the step ends (how workers step: :mod:`infra.bench.stepping`). Deterministic for a
+given trace, policy and seed.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -17,21 +19,19 @@ from typing import Any
 from infra.bench.metrics import (
     PoolUsage,
     ReplayResult,
-    RequestRecord,
     WorkerRecord,
     build_report,
     busy_timeline,
 )
 from infra.bench.sim_worker import SimWorker
+from infra.bench.stepping import PREFILL, STEP_END, ReplaySteps
 from infra.bench.tiers import OutputLengths, TierSettings, placement
 from infra.bench.traces import PromptFactory, TraceRequest
 from schemas.events import Role, SamplingParams
 from schemas.latency import LatencyHistogram
 from services.engine.continuation import Continuation, continuation, handoff_tokens
-from services.engine.kv_events import kv_event
-from services.engine.protocol import EngineRequest, KvChange, RequestOutput, StepResult
+from services.engine.protocol import EngineRequest, RequestOutput
 from services.engine.sim import SimConfig, SimEngine, perf_model
-from services.kv_indexer.index import PrefixIndex
 from services.planner.capacity import (
     CapacityPlanner,
     CapacitySettings,
@@ -43,16 +43,13 @@ from services.planner.disagg import DisaggSettings, handoff_link
 from services.planner.kv_policy import KvAware
 from services.planner.policy import Policy, RouteRequest
 from services.planner.room import with_room
-from services.worker.stream import RequestStream
 
-_ARRIVAL, _STEP_END, _KV_ARRIVED, _PLAN = 0, 1, 2, 3
+_ARRIVAL, _KV_ARRIVED, _PLAN = 0, 2, 3
 # Arrivals between two calls of the progress callback: off the per-event path.
 _PROGRESS_EVERY = 64
-# Suffix of the id a request has on the prefill worker that computes its prompt.
-_PREFILL = "/prefill"
 
 
-class OfflineReplay:
+class OfflineReplay(ReplaySteps):
     def __init__(
         self,
         trace: Sequence[TraceRequest],
@@ -67,7 +64,6 @@ class OfflineReplay:
         """``workers`` serve requests end to end (role ``both``), or decode only when
         ``prefill_workers`` (role ``prefill``) are added beside them. ``tiers``: the workers'
         topology and the output lengths the planner is told (a host tier is in ``config``)."""
-        self._trace = trace
         self._policy = policy
         self._config = config
         self._prompts = PromptFactory(config.block_size)
@@ -75,11 +71,11 @@ class OfflineReplay:
         # By default the planner is told the true output length, as a live client's max_tokens.
         self._tiers = tiers or TierSettings(output_length="oracle")
         place = partial(placement, topology=self._tiers.topology)  # prefill workers first
-        self._workers = [
+        pool = [
             SimWorker(f"p{i:03d}", SimEngine(config, perf), WorkerRecord(), "prefill", place(i))
             for i in range(prefill_workers)
         ]
-        self._workers += [
+        pool += [
             SimWorker(
                 f"w{i:03d}",
                 SimEngine(config, perf),
@@ -90,7 +86,8 @@ class OfflineReplay:
             for i in range(workers)
         ]
         self._host_tier = config.num_host_blocks > 0
-        self._lengths = OutputLengths(self._tiers, config.num_gpu_blocks * config.block_size)
+        lengths = OutputLengths(self._tiers, config.num_gpu_blocks * config.block_size)
+        super().__init__(trace, pool, lengths, watch_gaps=autoscale is not None)
         self._kv_moves = 0
         self._disagg = disagg or DisaggSettings(mode="never")
         self._capacity = CapacityPlanner(autoscale) if autoscale else None
@@ -98,16 +95,6 @@ class OfflineReplay:
         self._pools = PoolUsage()
         if (prefill_workers or autoscale) and not isinstance(policy, KvAware):
             raise ValueError("disaggregation needs the kv policy's cost model")
-        self._index = PrefixIndex()
-        self._records = [RequestRecord(r.arrival_s, r.input_length) for r in trace]
-        # Each request's output as its live worker streams it (times, gaps), while it runs.
-        self._streams: dict[int, RequestStream] = {}
-        # Token gaps since the capacity loop last looked, bucketed as the live loop gets them,
-        # and how many of them waited on a prefill in the same step.
-        self._interval_gaps = LatencyHistogram()
-        self._interval_stalled = 0
-        self._owner: dict[str, int] = {}
-        self._events: list[tuple[float, int, int, int, Any]] = []
         # Every routing decision with its inputs, when asked for (`laneway bench --decisions`).
         self.decisions: list[tuple[DecisionInputs, Decision]] | None = None
         # Called with the arrivals so far, now and then (`laneway bench`'s progress).
@@ -115,14 +102,9 @@ class OfflineReplay:
         # Every sim engine can hand a prompt's KV over.
         self._handoff = frozenset(w.worker_id for w in self._workers)
         self._max_num_seqs = {w.worker_id: config.max_num_seqs for w in self._workers}
-        self._seq = 0
         self._remote_prefills = 0
         # Decode-side state of requests whose prompt a prefill worker is computing.
         self._handoffs: dict[int, tuple[int, EngineRequest, int]] = {}
-
-    def _push(self, at: float, kind: int, who: int, payload: Any = None) -> None:
-        self._seq += 1
-        heapq.heappush(self._events, (at, self._seq, kind, who, payload))
 
     def run(self) -> ReplayResult:
         started = time.perf_counter()
@@ -131,19 +113,27 @@ class OfflineReplay:
         if self._capacity is not None:
             self._record_roles(0.0, "start")
             self._push(self._capacity.settings.interval_s, _PLAN, 0)
+        prefill = any(w.role == "prefill" for w in self._workers)
+        self._catching_up = self.catch_up and not prefill and self._capacity is None
         now = 0.0
-        while self._events:
-            now, _, kind, who, payload = heapq.heappop(self._events)
+        events = self._events
+        while events:
+            now, _, kind, who, payload = heapq.heappop(events)
+            if self._catching_up:
+                self._catch_up(now)
+                self._until = events[0][0] if events else math.inf
             if kind == _ARRIVAL:
                 self._arrive(now, who)
                 if self.progress is not None and who % _PROGRESS_EVERY == 0:
                     self.progress(who)
-            elif kind == _STEP_END:
+            elif kind == STEP_END:
                 self._step_end(now, self._workers[who], who, payload)
             elif kind == _KV_ARRIVED:
                 self._kv_arrived(now, who, payload)
             elif len(self._events) > 0:  # plan while there is traffic left
                 self._plan(now)
+        if self._catching_up:
+            now = max(now, self._catch_up(math.inf))
         records = {w.worker_id: w.record for w in self._workers}
         report = build_report(self._records, records, time.perf_counter() - started)
         report["busy_timeline"] = busy_timeline(records, report["duration_s"])
@@ -163,7 +153,6 @@ class OfflineReplay:
         request = self._trace[i]
         hashes = self._prompts.block_hashes(request)
         request_id = f"r{i}"
-        self._streams[i] = RequestStream(request.input_length, request.arrival_s, histogram=False)
         max_tokens, expected = self._lengths.route(i, request.input_length, request.output_length)
         route = RouteRequest(request_id, request.input_length, hashes, None, max_tokens, expected)
         overlaps = {}
@@ -203,7 +192,7 @@ class OfflineReplay:
         cached = next(v.cached_blocks for v in inputs.decoders if v.worker_id == decision.worker_id)
         self._handoffs[i] = (w, whole, cached)
         one = SamplingParams(max_tokens=1, ignore_eos=True)
-        prefill = EngineRequest(request_id + _PREFILL, whole.prompt_token_ids, one, hashes)
+        prefill = EngineRequest(request_id + PREFILL, whole.prompt_token_ids, one, hashes)
         self._submit(now, self._index_of(remote), i, prefill)
 
     def _pool(self, role: Role) -> list[SimWorker]:
@@ -222,7 +211,7 @@ class OfflineReplay:
         return w
 
     def _index_of(self, worker_id: str) -> int:
-        return next(k for k, v in enumerate(self._workers) if v.worker_id == worker_id)
+        return self._position[worker_id]
 
     def _submit(
         self,
@@ -245,7 +234,6 @@ class OfflineReplay:
                 worker.engine.add_request(request)
         except ValueError:  # larger than the worker's whole KV cache
             self._records[i].failed = True
-            self._streams.pop(i, None)
             self._handoffs.pop(i, None)
             self._workers[self._index_of(self._records[i].worker_id or "")].routed -= 1
             return
@@ -261,48 +249,9 @@ class OfflineReplay:
         self._stream(now, i, resumed.first, stalled=False)
         self._workers[w].engine.import_blocks(whole.block_hashes)
         if resumed.rest is None:  # the first token was the last: nothing left to decode
-            self._finished(i, self._workers[w])
+            self._finished(now, i, self._workers[w])
         else:
             self._submit(now, w, i, resumed.rest, resumed.handed_off_tokens)
-
-    def _start_step(self, now: float, worker: SimWorker, w: int) -> None:
-        result = worker.engine.step()
-        if result.duration_s <= 0 and not result.outputs:
-            self._fold(worker, result.kv_changes)
-            worker.stepping = False  # nothing could be scheduled: wait for the next arrival
-            return
-        worker.stepping = True
-        worker.record.busy.append((now, now + result.duration_s))
-        worker.busy_in_role += result.duration_s
-        self._push(now + result.duration_s, _STEP_END, w, result)
-
-    def _step_end(self, now: float, worker: SimWorker, w: int, result: StepResult) -> None:
-        # A live worker publishes a step's KV events when the step is done; so does this.
-        self._fold(worker, result.kv_changes)
-        stalled = result.prefill_tokens > 0
-        for output in result.outputs:
-            i = self._owner[output.request_id]
-            prefilled = output.request_id.endswith(_PREFILL)
-            if not prefilled:
-                self._stream(now, i, output, stalled)
-            if output.finished:
-                del self._owner[output.request_id]
-                worker.in_flight -= 1
-                if prefilled:
-                    self._hand_off(now, worker, i, output)
-                else:
-                    self._finished(i, worker)
-        worker.stepping = False
-        if worker.engine.has_work():
-            self._start_step(now, worker, w)
-        elif worker.next_role is not None and worker.in_flight == 0:
-            self._switch(now, worker)
-
-    def _finished(self, i: int, worker: SimWorker) -> None:
-        """Request ``i``'s last token was streamed from ``worker``."""
-        worker.routed -= 1
-        emitted = self._streams.pop(i).emitted
-        self._lengths.finished(i, self._trace[i].input_length, emitted)
 
     def _plan(self, now: float) -> None:
         assert self._capacity is not None
@@ -358,21 +307,6 @@ class OfflineReplay:
             }
         )
 
-    def _stream(self, now: float, i: int, output: RequestOutput, stalled: bool) -> None:
-        """Request ``i``'s output, into its stream and its record."""
-        stream = self._streams[i]
-        stream.push(output, now, stalled)
-        record = self._records[i]
-        record.last_token_s, record.output_tokens = stream.last_token, stream.emitted
-        gap = stream.last_gap_ms
-        if gap is None:
-            record.first_token_s, record.cached_tokens = stream.first_token, stream.cached_tokens
-        else:
-            record.token_gaps_ms.append(gap)
-            if self._capacity is not None:
-                self._interval_gaps.add(gap)
-                self._interval_stalled += stalled
-
     def _hand_off(self, now: float, prefill: SimWorker, i: int, output: RequestOutput) -> None:
         """The prefill worker sampled request ``i``'s first token (``output``): its KV crosses
         the link to the decode worker, which then streams the first token and goes on."""
@@ -391,8 +325,3 @@ class OfflineReplay:
         )
         tokens = handoff_tokens(request.input_length, cached, prefill.engine.block_size)
         self._push(now + link.transfer_ms(tokens) / 1000.0, _KV_ARRIVED, i, resumed)
-
-    def _fold(self, worker: SimWorker, changes: list[KvChange]) -> None:
-        for change in changes:
-            worker.kv_seq += 1
-            self._index.apply(kv_event(change, worker.worker_id, worker.kv_seq))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from infra.bench.metrics import WorkerRecord
 from schemas.events import Role
@@ -29,6 +30,10 @@ class SimWorker:
     # planner counts in flight there.
     routed: int = 0
     stepping: bool = False
+    # While stepping and catching up on its own: when its step (or decode run's last step) ends,
+    # and the step's result or the run with its batch's records.
+    end: float = 0.0
+    pending: Any = None
     kv_seq: int = 0
     # Since when it has served in `role`, and its busy seconds since.
     role_since: float = 0.0

@@ -128,6 +128,11 @@ class OutputLengths:
         self._pct_error = 0.0
         self._count = 0
 
+    @property
+    def learns(self) -> bool:
+        """Whether finished requests teach the predictor (in what order matters)."""
+        return self._mode == "predicted"
+
     def route(self, key: int, prompt_tokens: int, true_tokens: int) -> tuple[int, int | None]:
         """``(max_tokens, expected_tokens)`` of request ``key`` as the planner sees it."""
         if self._mode == "oracle":

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal, overload
 
 from infra.recording import HEADER_KEY, Recorded, RecordingError, read_recording
-from schemas.block_hash import ROOT_HASH, hash_block
+from schemas.block_hash import ROOT_HASH, chain_block_hashes
 from schemas.events import RequestAccepted, RequestFinished
 
 TraceFormat = Literal["mooncake", "azure", "recording"]
@@ -46,13 +46,12 @@ class TraceRequest:
 
 def block_tokens(hash_id: int, length: int = TRACE_BLOCK_SIZE) -> bytes:
     """The first ``length`` tokens of the trace block ``hash_id`` (as bytes, one per token)."""
-    out = bytearray()
-    counter = 0
-    while len(out) < length:
-        seed = hash_id.to_bytes(8, "little", signed=True) + counter.to_bytes(4, "little")
-        out += hashlib.blake2b(seed, digest_size=64).digest()
-        counter += 1
-    return bytes(out[:length]).translate(_TO_ALPHABET)
+    seed = hash_id.to_bytes(8, "little", signed=True)
+    digests = b"".join(
+        hashlib.blake2b(seed + counter.to_bytes(4, "little"), digest_size=64).digest()
+        for counter in range(-(-length // 64))
+    )
+    return digests[:length].translate(_TO_ALPHABET)
 
 
 class SyntheticPrompt(Sequence[int]):
@@ -163,12 +162,7 @@ class PromptFactory:
 
     def _sub_hashes(self, parent: int, unit: int, chunk: tuple[int, ...]) -> tuple[int, ...]:
         tokens = b"".join(block_tokens(hash_id, unit) for hash_id in chunk)
-        size = self.block_size
-        out = []
-        for start in range(0, len(tokens) - size + 1, size):
-            parent = hash_block(parent, tokens[start : start + size])
-            out.append(parent)
-        return tuple(out)
+        return chain_block_hashes(tokens, self.block_size, parent)
 
 
 def detect_format(path: Path) -> TraceFormat:
