@@ -6,6 +6,8 @@ taking turns, and a table of req/s and latency with each system's ratio to the f
 
 Loads (the issue's table): ``seq`` 300 sequential requests on a new connection each, ``c32`` and
 ``c128`` closed loops of 32 and 128 streams for 20 s; 8 tokens, 78-character unique prompts.
+A target whose processes are known (``--pids``; the laneway up started here) also shows the CPU
+milliseconds a request cost it in all, its servers included: steadier than req/s on a busy box.
 Targets take turns load by load (seq on each, then c32 on each, …) and ``--rounds`` repeats the
 whole, so a shared machine's drift falls on every system alike; the table shows medians.
 """
@@ -27,6 +29,7 @@ import orjson
 
 from infra.bench.live_cluster import laneway_up
 from infra.bench.live_load import LoadSpec, first_model, run_load
+from infra.bench.proc_stats import growth, snapshot
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class Target:
     name: str
     base_url: str
     api_key: str | None = None
+    # Its processes, for the CPU a request costs it in all (none given: not measured).
+    pids: tuple[int, ...] = ()
 
 
 def loads(seq_requests: int, duration_s: float) -> dict[str, LoadSpec]:
@@ -56,7 +61,9 @@ async def run_all(
                 one = replace(
                     spec, base_url=t.base_url, api_key=t.api_key, model=models[t.name], label=load
                 )
+                before = snapshot({str(p): p for p in t.pids})
                 result = await run_load(one)
+                result["cpu_ms_per_request"] = _cpu_per_request(before, t.pids, result, spec)
                 # How busy the shared machine was: a run is only compared with its neighbours.
                 load_1m = round(os.getloadavg()[0], 2)
                 result.update(system=t.name, load=load, round=n, loadavg_1m=load_1m)
@@ -70,6 +77,20 @@ async def run_all(
     return results
 
 
+def _cpu_per_request(
+    before: dict[str, dict[str, float] | None],
+    pids: tuple[int, ...],
+    result: dict[str, Any],
+    spec: LoadSpec,
+) -> float | None:
+    """The target's CPU milliseconds per request over the whole load, warm-up included."""
+    grown = growth(before, snapshot({str(p): p for p in pids}))
+    served = int(result["ok"]) + spec.warmup
+    if not grown or not served:
+        return None
+    return round(1000 * sum(c["cpu_s"] for c in grown.values()) / served, 3)
+
+
 _COLUMNS = (
     ("rps", "req/s"),
     ("ttft_ms_p50", "TTFT p50"),
@@ -77,6 +98,7 @@ _COLUMNS = (
     ("lat_ms_p50", "lat p50"),
     ("lat_ms_p99", "lat p99"),
     ("itl_ms_p95", "gap p95"),
+    ("cpu_ms_per_request", "CPU/req"),
     ("errors", "errors"),
 )
 
@@ -90,7 +112,7 @@ def medians(results: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, fl
     for key, runs in grouped.items():
         row = {}
         for column, _ in _COLUMNS:
-            values = [r[column] for r in runs if r[column] is not None]
+            values = [r[column] for r in runs if r.get(column) is not None]
             row[column] = statistics.median(values) if values else float("nan")
         row["rps_rounds"] = [r["rps"] for r in runs]
         out[key] = row
@@ -108,7 +130,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
             row = table.get((load, system))
             if row is None:
                 continue
-            cells = "".join(f"{row[c]:>10.1f}" for c, _ in _COLUMNS)
+            cells = "".join(f"{row[c]:>10.2f}" for c, _ in _COLUMNS)
             lines.append(f"{load:<6}{system:<10}{cells}")
             if system != systems[0] and base is not None:
                 ratio = "".join(
@@ -117,6 +139,14 @@ def format_table(results: list[dict[str, Any]]) -> str:
                 )
                 lines.append(f"{'':<6}{'ratio':<10}{ratio}")
     return "\n".join(lines)
+
+
+def _pids(text: str) -> tuple[str, tuple[int, ...]]:
+    name, _, pids = text.partition("=")
+    try:
+        return name, tuple(int(p) for p in pids.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError("pids are NAME=PID,PID,…") from None
 
 
 def _target(text: str) -> Target:
@@ -137,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--api-key", help="sent to every --target")
     parser.add_argument(
+        "--pids",
+        type=_pids,
+        action="append",
+        default=[],
+        help="NAME=PID,PID,…: a --target's processes, for its CPU per request (repeatable)",
+    )
+    parser.add_argument(
         "--laneway",
         action="store_true",
         help="also start `laneway up` and add it as target 'laneway' (the default with no "
@@ -155,13 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(names) - set(shapes):
         parser.error(f"unknown loads: {', '.join(sorted(unknown))}")
     specs = {n: shapes[n] for n in names}
-    targets = [replace(t, api_key=args.api_key) for t in args.target]
+    pids = dict(args.pids)
+    targets = [replace(t, api_key=args.api_key, pids=pids.get(t.name, ())) for t in args.target]
     # Stopped by a signal, the laneway up it started is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with contextlib.ExitStack() as stack:
         if args.laneway or not targets:
             up = stack.enter_context(laneway_up(args.workers, args.speedup))
-            targets.append(Target("laneway", up.base_url, up.api_key))
+            targets.append(Target("laneway", up.base_url, up.api_key, tuple(up.pids.values())))
         results = asyncio.run(run_all(targets, specs, args.rounds))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,9 @@ done
 [ -n "$ready" ] || { echo "Dynamo did not come up; logs in $LOGS" >&2; exit 1; }
 echo "Dynamo up on http://127.0.0.1:$HTTP_PORT ($WORKERS mockers); logs in $LOGS" >&2
 
+# Dynamo's processes, nats-server and etcd included, for its CPU per request beside Laneway's.
 $PY -m infra.bench.bench_live --target "dynamo=http://127.0.0.1:$HTTP_PORT" --laneway \
+  --pids "dynamo=$(IFS=,; echo "${PIDS[*]}")" \
   --workers "$WORKERS" --speedup "$SPEEDUP" --rounds "$ROUNDS" --loads "${LOADS:-seq,c32,c128}" \
   --duration "${DURATION:-20}" --seq-requests "${SEQ:-300}" --json "$OUT/results.json"
 echo "figures of every run: $OUT/results.json" >&2

@@ -39,6 +39,7 @@ from infra.bench.live_load import (
     request_body,
     stream_one,
 )
+from infra.bench.proc_stats import rss_mb
 
 _LOG_SIGNS = re.compile(r"slow consumer|reconnect", re.IGNORECASE)
 
@@ -95,20 +96,10 @@ class RssSampler:
         self.peak_mb: dict[str, float] = dict.fromkeys(pids, 0.0)
         self.timeline: list[dict[str, float]] = []
 
-    @staticmethod
-    def rss_mb(pid: int) -> float | None:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            return None
-        return None
-
     async def run(self, t0: float) -> None:
         tick = 0
         while True:
-            now = {n: self.rss_mb(p) for n, p in self.pids.items()}
+            now = {n: rss_mb(p) for n, p in self.pids.items()}
             for name, mb in now.items():
                 if mb is not None:
                     self.peak_mb[name] = max(self.peak_mb[name], mb)

@@ -29,39 +29,20 @@ from typing import Any
 import orjson
 
 from infra.bench.live_cluster import laneway_up
+from infra.bench.proc_stats import COUNTERS, growth, snapshot
 from infra.bench.profile_summary import parse, report
 
-_TICK = os.sysconf("SC_CLK_TCK")
 _SERVERS = ("nats", "etcd")
-
-
-def counters(pid: int) -> dict[str, float] | None:
-    """A live process's CPU seconds (user and system, its threads included) and its read and
-    write system calls (sockets count), or None once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
-    except OSError:
-        return None
-    # After the command's closing parenthesis: state is field 3, utime 14 and stime 15.
-    cpu = (int(fields[11]) + int(fields[12])) / _TICK
-    return {"cpu_s": cpu, "syscr": float(io["syscr"]), "syscw": float(io["syscw"])}
 
 
 def measure_window(
     pids: dict[str, int], seconds: float
 ) -> tuple[dict[str, dict[str, float]], float]:
     """Each process's counters' growth over a window of about ``seconds``, and its length."""
-    before = {n: counters(p) for n, p in pids.items()}
+    before = snapshot(pids)
     start = time.monotonic()
     time.sleep(seconds)
-    after = {n: counters(p) for n, p in pids.items()}
-    grown = {
-        n: {k: a[k] - b[k] for k in a}
-        for n, a in after.items()
-        if a is not None and (b := before[n]) is not None
-    }
-    return grown, time.monotonic() - start
+    return growth(before, snapshot(pids)), time.monotonic() - start
 
 
 def spy(
@@ -107,7 +88,7 @@ def cpu_table(
         }
 
     rows = [row(n, c) for n, c in sorted(grown.items(), key=lambda kv: -kv[1]["cpu_s"])]
-    total = {k: sum(c[k] for c in grown.values()) for k in ("cpu_s", "syscr", "syscw")}
+    total = {k: sum(c[k] for c in grown.values()) for k in COUNTERS}
     return [*rows, row("all", total)]
 
 

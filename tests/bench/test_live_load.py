@@ -4,13 +4,14 @@ error, and the bench's table of ratios."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 
 import orjson
 import pytest
 from aiohttp import web
 
-from infra.bench.bench_live import format_table
+from infra.bench.bench_live import Target, format_table, loads, run_all
 from infra.bench.live_load import LoadSpec, first_model, percentile, run_load
 
 KEY = "lw-test-key"
@@ -104,6 +105,20 @@ async def test_ttft_of_a_stream_without_text_is_its_first_event(server: str) -> 
     assert out["itl_ms_p50"] is None
 
 
+async def test_bench_takes_turns_and_counts_cpu_of_known_processes(server: str) -> None:
+    # This process serves the test server: its CPU is what a request cost "it".
+    served_here = Target("here", server, KEY, (os.getpid(),))
+    unknown = Target("there", server, KEY)
+    shape = loads(seq_requests=3, duration_s=0.3)
+    results = await run_all([served_here, unknown], {"seq": shape["seq"]}, rounds=2)
+    assert [(r["system"], r["round"]) for r in results] == [
+        ("here", 0), ("there", 0), ("here", 1), ("there", 1)
+    ]
+    assert all(r["ok"] == 3 and r["model"] == "tiny" for r in results)
+    assert all(r["cpu_ms_per_request"] > 0 for r in results if r["system"] == "here")
+    assert all(r["cpu_ms_per_request"] is None for r in results if r["system"] == "there")
+
+
 def test_percentile_interpolates() -> None:
     assert percentile([], 50) is None
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
@@ -119,6 +134,6 @@ def test_table_medians_and_ratios() -> None:
 
     results = [run("dyn", 100, 10), run("lw", 40, 30), run("dyn", 300, 10), run("lw", 60, 20)]
     lines = format_table(results).splitlines()
-    assert lines[1].split()[:3] == ["c32", "dyn", "200.0"]
-    assert lines[2].split()[:3] == ["c32", "lw", "50.0"]
+    assert lines[1].split()[:3] == ["c32", "dyn", "200.00"]
+    assert lines[2].split()[:3] == ["c32", "lw", "50.00"]
     assert lines[3].split()[:3] == ["ratio", "0.25", "2.50"]
