@@ -248,22 +248,6 @@ class TokensGenerated(Envelope):
     attempt: int = attempt_field()
 
 
-def run_delta(batch: TokenBatch, run: TokenRun) -> TokensGenerated:
-    """One run of a batch as the ``TokensGenerated`` its request takes, not validated again
-    (the batch was)."""
-    return TokensGenerated.model_construct(
-        event_id=batch.event_id,
-        occurred_at=batch.occurred_at,
-        source=batch.source,
-        request_id=run.request_id,
-        worker_id=batch.worker_id,
-        index=run.index,
-        token_ids=run.token_ids,
-        text=run.text,
-        attempt=run.attempt,
-    )
-
-
 class Usage(Frozen):
     """Token counts, as OpenAI reports them."""
 
@@ -394,6 +378,5 @@ __all__ = [
     "Usage",
     "WorkerLoadReported",
     "new_id",
-    "run_delta",
     "utc_now",
 ]

@@ -14,7 +14,8 @@ from bus.topology import Subjects
 from infra.cluster import LocalCluster
 from infra.cluster_auth import ClusterAuth, secure
 from infra.embedded import NATS_MAX_PAYLOAD, EmbeddedServer, start_etcd, start_nats
-from schemas.events import Event, TokenBatch, run_delta
+from schemas.deltas import run_delta
+from schemas.events import Event, TokenBatch
 from schemas.messages import WorkerRegistration
 
 ClusterFactory = Callable[..., LocalCluster]

@@ -16,6 +16,7 @@ from bus.client import Bus
 from bus.topology import Subjects
 from observability.tracing import trace_context
 from schemas.codec import encode
+from schemas.deltas import run_delta
 from schemas.events import (
     CancellationRequested,
     RequestAccepted,
@@ -23,7 +24,6 @@ from schemas.events import (
     RequestSpec,
     TokenBatch,
     TokensGenerated,
-    run_delta,
 )
 from schemas.messages import ResendQuery, ResendReply
 from services.ingress.follow import Follow, Heard, Recovery

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from schemas import codec
 from schemas.block_hash import chain_block_hashes, hash_block
+from schemas.deltas import run_delta
 from schemas.events import (
     CancellationRequested,
     KvBlocksRemoved,
@@ -182,3 +183,23 @@ def test_block_hashes_chain_the_prefix() -> None:
 
 def test_block_hash_reads_bytes_as_token_ids() -> None:
     assert hash_block(5, b"\x01\x02") == hash_block(5, [1, 2]) == hash_block(5, bytearray([1, 2]))
+
+
+def test_a_batch_s_run_is_the_tokens_generated_event_it_stands_for() -> None:
+    batch = EXAMPLES[-1]
+    assert isinstance(batch, TokenBatch)
+    (run,) = batch.runs
+    delta = run_delta(batch, run)
+    validated = TokensGenerated(
+        event_id=batch.event_id,
+        occurred_at=batch.occurred_at,
+        source=batch.source,
+        request_id=run.request_id,
+        worker_id=batch.worker_id,
+        index=run.index,
+        token_ids=run.token_ids,
+        text=run.text,
+    )
+    assert delta == validated and codec.encode(delta) == codec.encode(validated)
+    joined = delta.model_copy(update={"text": "ab"})
+    assert joined.text == "ab" and delta.text == "a"
