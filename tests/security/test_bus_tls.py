@@ -13,6 +13,7 @@ import pytest
 from bus.client import Bus
 from bus.tls import TlsFiles
 from bus.topology import Subjects
+from infra.cluster_auth import ClusterAuth
 from infra.embedded import EmbeddedServer, start_nats
 from schemas.events import TokensGenerated
 from tests.helpers import eventually
@@ -25,7 +26,9 @@ pytestmark = pytest.mark.live
 def tls_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedServer, Path]]:
     folder = tmp_path_factory.mktemp("nats-tls")
     ca, cert, key = make_certificates(folder)
-    server = start_nats(folder / "data", tls=(cert, key))
+    auth = ClusterAuth(folder / "auth", [])  # TLS beside the users, as laneway up runs it
+    server = start_nats(folder / "data", authorization=auth.nats_authorization(), tls=(cert, key))
+    server.url = auth.admin("nats").within(server.url)
     yield server, ca
     server.stop()
 
