@@ -17,6 +17,11 @@ each report came. So its own requests are never counted twice, and a burst by se
 at once overshoots by at most what they admit within one report interval (a busy worker reports
 every 50 ms), which the workers' own queues absorb.
 
+An ingress that falls behind its own work (``pressure``: its event loop runs late, see
+:mod:`services.ingress.loop_lag`) has no room either until it catches up: a new request waits
+here, or is shed, rather than slowing every stream it already serves until the bus drops it as
+a slow consumer.
+
 No bound is known until a worker registers (or ``max_in_flight`` is set): until then every
 request goes on, as the context limit does, and the planner answers if no worker can serve it.
 """
@@ -107,8 +112,10 @@ class Admission:
         settings: AdmissionSettings,
         metrics: IngressMetrics,
         clock: Callable[[], float] = time.monotonic,
+        pressure: Callable[[], bool] | None = None,
     ) -> None:
         self._settings = settings
+        self._pressure = pressure
         self._metrics = metrics
         self._clock = clock
         self._own = 0
@@ -188,6 +195,8 @@ class Admission:
         return self._ticket(priority)
 
     def _has_room(self) -> bool:
+        if self._pressure is not None and self._pressure():
+            return False
         capacity = self.capacity
         return capacity is None or self.in_cluster < capacity
 

@@ -28,6 +28,7 @@ from schemas.events import (
 from schemas.messages import ResendQuery, ResendReply
 from services.ingress.follow import Follow, Heard, Recovery
 from services.ingress.gateway import CancelReason, GatewayEvent
+from services.ingress.loop_lag import LoopLag
 
 
 class NatsGateway:
@@ -38,8 +39,17 @@ class NatsGateway:
         self._source = f"ingress/{instance_id}"
         self._streams: dict[str, asyncio.Queue[Heard]] = {}
         self._tracer = trace.get_tracer("laneway.ingress")
+        self._lag: LoopLag | None = None
+        self._lag_task: asyncio.Task[None] | None = None
+
+    def behind(self) -> bool:
+        """This ingress's event loop runs late: it takes in and writes out its streams' tokens
+        late (admission takes no new request meanwhile)."""
+        return self._lag is not None and self._lag.behind()
 
     async def start(self) -> None:
+        self._lag = LoopLag()
+        self._lag_task = asyncio.create_task(self._lag.run(), name="loop-lag")
         # Core subscriptions on this instance's own subjects: set up once, lowest latency.
         await self._bus.subscribe(Subjects.placements(self._instance_id), self._deliver)
         await self._bus.subscribe(Subjects.tokens(self._instance_id), self._deliver_tokens)

@@ -225,3 +225,21 @@ def test_settings_are_checked() -> None:
     for bad in ({"max_queue": -1}, {"retry_after_s": 0}, {"max_in_flight": 0}, {"max_wait_s": -1}):
         with pytest.raises(ValueError):
             AdmissionSettings(**bad)
+
+
+async def test_an_ingress_that_is_behind_takes_no_new_request_until_it_catches_up() -> None:
+    behind = True
+    metrics = IngressMetrics()
+    admission = Admission(
+        AdmissionSettings(max_wait_s=0.01), metrics, Clock(), pressure=lambda: behind
+    )
+    with pytest.raises(Overloaded):
+        await admission.admit("high")
+    assert sample(metrics, "laneway_ingress_shed_total", reason="wait_timeout", priority="high")
+    waiting = asyncio.create_task(admission.admit("normal"))
+    await asyncio.sleep(0)
+    behind = False
+    await admission.on_load(load("w1", 0))  # the next report, or a release, lets it in
+    ticket = await waiting
+    assert admission.in_cluster == 1
+    ticket.release()
