@@ -122,7 +122,7 @@ def main() -> None:
         limit = WorkerContextLimit()
         readiness = Readiness(lambda: bus.nc.is_connected)
         metrics = IngressMetrics()
-        admission = Admission(settings.admission(), metrics)
+        admission = Admission(settings.admission(), metrics, pressure=gateway.behind)
 
         async def on_workers(workers: dict[str, WorkerRegistration]) -> None:
             await limit.on_workers(workers)
