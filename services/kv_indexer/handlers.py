@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import xxhash
 from opentelemetry import trace
@@ -24,7 +25,18 @@ log = logging.getLogger(__name__)
 
 
 class Indexer:
-    def __init__(self, index: PrefixIndex, predicted_ttl_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        predicted_ttl_s: float = 300.0,
+        follow_routes: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
+        """``follow_routes(worker_id)``: from now on, hand :meth:`on_route` the decisions routed
+        to that worker (or prefilled there); called once per worker whose cache is predicted.
+        Workers with KV events are not followed: a decision is the largest event of a
+        request, and for them nothing in it is needed."""
+        self._follow_routes = follow_routes
+        self._followed: set[str] = set()
         self.index = index
         self.restored_from = index.position
         self.snapshotted_at = index.position
@@ -115,6 +127,10 @@ class Indexer:
         for worker_id, reg in workers.items():
             if not reg.kv_events and not self.predicted.tracks(worker_id):
                 self.predicted.track(worker_id, reg.kv_blocks_total)
+            if not reg.kv_events and worker_id not in self._followed:
+                self._followed.add(worker_id)  # one subscription, should it leave and come back
+                if self._follow_routes is not None:
+                    await self._follow_routes(worker_id)
 
     def purge_unknown(self) -> None:
         """Drop workers that hold blocks but have no live lease (replayed history)."""

@@ -15,7 +15,7 @@ from bus.settings import ServiceSettings
 from bus.topology import INDEX_SNAPSHOT_NAME, INDEX_SNAPSHOTS, Subjects
 from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
-from schemas.events import new_id
+from schemas.events import RouteDecided, new_id
 from schemas.messages import IndexStateQuery, OverlapQuery
 from services.kv_indexer.handlers import Indexer
 from services.kv_indexer.index import PrefixIndex
@@ -67,11 +67,14 @@ def main() -> None:
         bus = await Bus.connect(settings.nats_url, f"kv-indexer-{settings.instance_id}")
         await bus.ensure_streams(settings.stream_replicas)
         etcd = connect_etcd(settings.etcd_endpoints)
-        indexer = Indexer(await _restore(bus), settings.predicted_ttl_s)
+
+        async def follow_routes(worker_id: str) -> None:
+            # Live routing decisions only: predictions are approximate and short-lived anyway.
+            await bus.subscribe(Subjects.route(worker_id).only(RouteDecided), indexer.on_route)
+
+        indexer = Indexer(await _restore(bus), settings.predicted_ttl_s, follow_routes)
         watcher = asyncio.create_task(watch_workers(etcd, indexer.on_workers))
         await bus.replay(Subjects.all_kv, indexer.index.position, indexer.on_kv)
-        # Live routing decisions only: predictions are approximate and short-lived anyway.
-        await bus.subscribe(Subjects.route_decisions, indexer.on_route)
         await bus.serve(Subjects.overlap_query, OverlapQuery, indexer.on_query, queue="kv-indexer")
         await bus.serve(
             Subjects.index_state(settings.instance_id),

@@ -73,3 +73,19 @@ async def test_a_remote_prefill_is_predicted_on_both_workers() -> None:
     )  # fmt: skip
     reply = await indexer.on_query(OverlapQuery(block_hashes=(11, 12, 13)))
     assert reply.overlaps == {"decode": 2, "prefill": 2}
+
+
+async def test_only_predicted_workers_routes_are_followed_and_each_once() -> None:
+    followed: list[str] = []
+
+    async def follow(worker_id: str) -> None:
+        followed.append(worker_id)
+
+    indexer = Indexer(PrefixIndex(), follow_routes=follow)
+    with_events = small_worker("with-events")
+    assert with_events.kv_events
+    workers = {"with-events": with_events, "decode": registration("decode")}
+    await indexer.on_workers(workers)
+    await indexer.on_workers({"with-events": with_events})  # decode leaves
+    await indexer.on_workers(workers)  # and comes back: its subscription still stands
+    assert followed == ["decode"]
