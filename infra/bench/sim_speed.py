@@ -1,0 +1,114 @@
+"""`make bench-sim`: how fast the offline replay runs, beside Dynamo's compiled one if it is here.
+
+Replays the Mooncake conversation trace with the kv policy on 8 workers at speed-ups 1 and 4,
+each as a `laneway bench` process, and prints each run's wall and CPU seconds and its figures.
+With a Python that has Dynamo (``--dynamo-python``; `make bench-sim` gives the reference lab's
+when it is there), Dynamo's replay of the same trace runs right after each of ours: on a shared
+machine only the ratio of two runs made minutes apart means anything.
+
+    .venv/bin/python -m infra.bench.sim_speed [--rounds N] [--speedup 1 4] [--dynamo-python PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from infra.bench.run import DEFAULT_TRACE
+
+_ROOT = Path(__file__).resolve().parents[2]
+_DYNAMO_REPLAY = _ROOT.parent / "shared/reference/dynamo/replay.py"
+
+
+def _timed(command: list[str]) -> tuple[float, float, str]:
+    """Wall and CPU seconds of ``command`` (a child process), and its stdout."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return wall, cpu, done.stdout
+
+
+def laneway(trace: Path, speedup: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        command = [sys.executable, "-m", "infra.cli", "bench", "--trace", str(trace)]
+        command += ["--policy", "kv", "--workers", "8", "--speedup", f"{speedup:g}"]
+        command += ["--output-length", "oracle", "--json", str(out)]
+        wall, cpu, _ = _timed(command)
+        report = json.loads(out.read_text())["kv"]
+    return {
+        "system": "laneway",
+        "speedup": speedup,
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
+        "replay_s": round(report["wall_s"], 2),
+        "hit": round(report["prefix_hit_rate"], 3),
+        "ttft_p95_ms": round(report["ttft_ms"]["p95"], 2),
+        "itl_p95_ms": round(report["itl_ms"]["p95"], 2),
+        "e2e_p95_ms": round(report["e2e_ms"]["p95"], 2),
+    }
+
+
+def dynamo(python: Path, trace: Path, speedup: float) -> dict[str, Any]:
+    command = [str(python), str(_DYNAMO_REPLAY), str(trace), "kv_router", "8", f"{speedup:g}"]
+    wall, cpu, stdout = _timed(command)
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    return {
+        "system": "dynamo",
+        "speedup": speedup,
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
+        "replay_s": summary["wall_s"],
+        "hit": round(summary["prefix_cache_reused_ratio"], 3),
+        "ttft_p95_ms": round(summary["p95_ttft_ms"], 2),
+        "itl_p95_ms": round(summary["p95_itl_ms"], 2),
+        "e2e_p95_ms": round(summary["p95_e2e_latency_ms"], 2),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--speedup", type=float, nargs="+", default=[1.0, 4.0])
+    parser.add_argument("--rounds", type=int, default=1, help="alternating runs of each")
+    parser.add_argument(
+        "--dynamo-python",
+        type=Path,
+        help="a Python with Dynamo 1.6.1 (none: Laneway alone)",
+    )
+    args = parser.parse_args()
+    if not args.trace.exists():
+        print(f"no trace at {args.trace} (give one with --trace)", file=sys.stderr)
+        return 2
+    rows = []
+    for _ in range(args.rounds):
+        for speedup in args.speedup:
+            rows.append(laneway(args.trace, speedup))
+            print(json.dumps(rows[-1]), flush=True)
+            if args.dynamo_python is not None:
+                rows.append(dynamo(args.dynamo_python, args.trace, speedup))
+                print(json.dumps(rows[-1]), flush=True)
+    if args.dynamo_python is not None:
+        for speedup in args.speedup:
+            walls = {
+                system: sum(r["wall_s"] for r in rows if (r["system"], r["speedup"]) == key)
+                for system in ("laneway", "dynamo")
+                for key in [(system, speedup)]
+            }
+            ratio = walls["laneway"] / walls["dynamo"]
+            print(f"speed-up {speedup:g}: Laneway's wall / Dynamo's = {ratio:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
