@@ -182,7 +182,8 @@ class Admission:
             async with asyncio.timeout(self._settings.max_wait_s):
                 await waiter.future
         except TimeoutError:
-            if self._remove(waiter):
+            # Still queued, or taken off it (displaced) only once the timeout had cancelled it.
+            if self._remove(waiter) or waiter.future.cancelled():
                 raise self._shed("wait_timeout", priority) from None
             # Given room (or displaced) just as the wait ran out: the 429 of a displacement
             # is raised here, room is taken.
@@ -219,7 +220,8 @@ class Admission:
                 raise self._shed("queue_full", priority)
             # The oldest of that priority: the one closest to being shed anyway.
             displaced = self._waiting[lower].popleft()
-            displaced.future.set_exception(self._shed("displaced", lower))
+            if not displaced.future.done():  # else its wait ran out just now: it leaves as shed
+                displaced.future.set_exception(self._shed("displaced", lower))
         waiter = _Waiter(priority)
         self._waiting[priority].append(waiter)
         self._metrics.admission_queue.set(self.queued)
@@ -241,6 +243,8 @@ class Admission:
             queue = self._waiting[priority]
             while queue and self._has_room():
                 waiter = queue.pop()
+                if waiter.future.done():
+                    continue  # its wait ran out just now (not yet resumed): it leaves as shed
                 self._add_own(1)
                 waiter.future.set_result(None)
         self._metrics.admission_queue.set(self.queued)

@@ -4,6 +4,7 @@ shedding, and other replicas' requests as the workers' load reports show them.""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -243,3 +244,18 @@ async def test_an_ingress_that_is_behind_takes_no_new_request_until_it_catches_u
     ticket = await waiting
     assert admission.in_cluster == 1
     ticket.release()
+
+
+async def test_room_given_back_as_a_wait_runs_out_is_not_handed_to_the_waiter_leaving() -> None:
+    """The wait's timeout and a release come due in the same turn of the loop (the timeout
+    first): the waiter leaves as shed, and the room given back stays free."""
+    admission, _ = make(max_in_flight=1, max_wait_s=0.01)
+    held = await admission.admit("normal")
+    waiting = asyncio.create_task(admission.admit("normal"))
+    await asyncio.sleep(0)  # it waits, its timeout set
+    asyncio.get_running_loop().call_later(0.01, held.release)
+    time.sleep(0.03)  # both are due when the loop next looks
+    with pytest.raises(Overloaded):
+        await waiting
+    assert admission.in_cluster == 0 and admission.queued == 0
+    (await admission.admit("normal")).release()
