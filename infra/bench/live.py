@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import httpx
-import orjson
+import aiohttp
 
 from bus.client import Bus
 from bus.topology import Subjects
+from infra.bench.live_load import stream_one
 from infra.bench.metrics import (
     PoolUsage,
     ReplayResult,
@@ -98,52 +98,27 @@ class _ClusterObserver:
 
 
 async def _one(
-    http: httpx.AsyncClient,
+    session: aiohttp.ClientSession,
     url: str,
-    model: str,
-    prompt: str,
-    request: TraceRequest,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    timeout_s: float,
     record: RequestRecord,
-    t0: float,
-    time_scale: float,
+    at: Callable[[float], float],
 ) -> tuple[str | None, int]:
-    """The request's id as the ingress named it, and how many chunks carried its text."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": request.output_length,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    request_id = None
-    chunks = 0
-    try:
-        async with http.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                record.failed = True
-                return None, chunks
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = orjson.loads(line[6:])
-                if "error" in chunk:
-                    record.failed = True
-                    return request_id, chunks
-                request_id = chunk["id"].removeprefix("cmpl-")
-                now = (time.monotonic() - t0) * time_scale
-                if chunk["choices"] and chunk["choices"][0].get("text"):
-                    record.tokens_at(now, 1)
-                    chunks += 1
-                usage = chunk.get("usage")
-                if usage:
-                    record.output_tokens = usage["completion_tokens"]
-                    details = usage.get("prompt_tokens_details") or {}
-                    record.cached_tokens = details.get("cached_tokens") or 0
-    except httpx.HTTPError:
-        record.failed = True
-    return request_id, chunks
+    """The request's id as the ingress named it, and how many chunks carried its text; its
+    tokens' times go into ``record`` as ``at`` turns the client's clock into the replay's."""
+    sample = await stream_one(session, url, body, headers, timeout_s)
+    for when in sample.chunk_times:
+        record.tokens_at(at(when), 1)
+    usage = sample.usage or {}
+    if "completion_tokens" in usage:
+        record.output_tokens = usage["completion_tokens"]
+        details = usage.get("prompt_tokens_details") or {}
+        record.cached_tokens = details.get("cached_tokens") or 0
+    record.failed = sample.error is not None
+    request_id = None if sample.response_id is None else sample.response_id.removeprefix("cmpl-")
+    return request_id, len(sample.chunk_times)
 
 
 async def replay_live(
@@ -170,32 +145,33 @@ async def replay_live(
     await bus.subscribe(Subjects.all_request_terminals, observer.on_event)
     await asyncio.sleep(1.0)  # a first load report from every worker, for the busy baseline
     observer.start()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     started = time.perf_counter()
     answers: list[tuple[str | None, int]] = []
-    async with httpx.AsyncClient(
-        headers=headers, timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits
-    ) as http:
-        t0 = time.monotonic()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        t0 = time.perf_counter()
         finished = 0
         if progress is not None:
             progress(finished)  # after the cluster's start-up: the ETA counts the replay alone
 
+        def at(when: float) -> float:
+            return (when - t0) * time_scale
+
         async def fire(i: int) -> tuple[str | None, int]:
             nonlocal finished
-            delay = trace[i].arrival_s / time_scale - (time.monotonic() - t0)
+            delay = trace[i].arrival_s / time_scale - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            answer = await _one(
-                http,
-                f"{base_url}/completions",
-                model,
-                texts[i],
-                trace[i],
-                records[i],
-                t0,
-                time_scale,
-            )
+            body = {
+                "model": model,
+                "prompt": texts[i],
+                "max_tokens": trace[i].output_length,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            url = f"{base_url}/completions"
+            answer = await _one(session, url, body, headers or {}, timeout_s, records[i], at)
             finished += 1
             if progress is not None:
                 progress(finished)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
 import os
 import random
@@ -41,13 +42,26 @@ class Sample:
     """One request as the client saw it; times in seconds of ``time.perf_counter``."""
 
     sent: float
-    first: float | None = None
     first_event: float | None = None
+    # When each chunk carrying text came.
+    chunk_times: list[float] = field(default_factory=list)
     end: float = 0.0
-    gaps: list[float] = field(default_factory=list)
-    chunks: int = 0
-    completion_tokens: int | None = None
+    # The response's id (its chunks' ``id``) and the usage its last chunk reported.
+    response_id: str | None = None
+    usage: dict[str, Any] | None = None
     error: str | None = None
+
+    @property
+    def first(self) -> float | None:
+        return self.chunk_times[0] if self.chunk_times else None
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in itertools.pairwise(self.chunk_times)]
+
+    @property
+    def completion_tokens(self) -> int | None:
+        return None if self.usage is None else self.usage.get("completion_tokens")
 
 
 @dataclass
@@ -103,7 +117,6 @@ async def stream_one(
 ) -> Sample:
     sample = Sample(sent=time.perf_counter())
     done = False
-    last: float | None = None
     try:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with session.post(url, json=body, headers=request_headers, timeout=timeout) as r:
@@ -125,17 +138,12 @@ async def stream_one(
                 if "error" in event:
                     sample.error = f"error event: {str(event['error'])[:120]}"
                     return sample
+                if sample.response_id is None:
+                    sample.response_id = event.get("id")
                 if _chunk_text(event):
-                    now = time.perf_counter()
-                    if last is None:
-                        sample.first = now
-                    else:
-                        sample.gaps.append(now - last)
-                    last = now
-                    sample.chunks += 1
-                usage = event.get("usage")
-                if usage:
-                    sample.completion_tokens = usage.get("completion_tokens")
+                    sample.chunk_times.append(time.perf_counter())
+                if event.get("usage"):
+                    sample.usage = event["usage"]
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
         sample.error = f"{type(exc).__name__}: {exc}"[:160]
         return sample
@@ -190,7 +198,7 @@ def summarize(
         "window_s": round(window, 3),
         "rps": round(len(in_window) / window, 2) if window > 0 else 0.0,
         "ttft_without_text": sum(1 for s in ok if s.first is None),
-        "mean_chunks": round(sum(s.chunks for s in ok) / len(ok), 2) if ok else None,
+        "mean_chunks": round(sum(len(s.chunk_times) for s in ok) / len(ok), 2) if ok else None,
         "mean_completion_tokens": round(sum(tokens) / len(tokens), 2) if tokens else None,
     }
     for name, values in (("ttft", ttft), ("lat", latency), ("itl", gaps)):
