@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -75,6 +76,10 @@ def run_service(main: ServiceMain, log_level: str = "INFO") -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
+    # Each request allocates thousands of short-lived objects (events, dicts, tasks): with
+    # Python's default of a young collection every 700 allocations, the collector took 4 to 14 %
+    # of the ingress's CPU per request (three alternating runs at c=32).
+    gc.set_threshold(50_000, 50, 100)
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as run:
             run.run(runner())
