@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -105,6 +106,7 @@ async def _one(
     timeout_s: float,
     record: RequestRecord,
     at: Callable[[float], float],
+    errors: Counter[str],
 ) -> tuple[str | None, int]:
     """The request's id as the ingress named it, and how many chunks carried its text; its
     tokens' times go into ``record`` as ``at`` turns the client's clock into the replay's."""
@@ -117,6 +119,8 @@ async def _one(
         details = usage.get("prompt_tokens_details") or {}
         record.cached_tokens = details.get("cached_tokens") or 0
     record.failed = sample.error is not None
+    if sample.error is not None:
+        errors[sample.error[:80]] += 1
     request_id = None if sample.response_id is None else sample.response_id.removeprefix("cmpl-")
     return request_id, len(sample.chunk_times)
 
@@ -147,6 +151,7 @@ async def replay_live(
     observer.start()
     started = time.perf_counter()
     answers: list[tuple[str | None, int]] = []
+    errors: Counter[str] = Counter()
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         t0 = time.perf_counter()
@@ -171,7 +176,9 @@ async def replay_live(
                 "stream_options": {"include_usage": True},
             }
             url = f"{base_url}/completions"
-            answer = await _one(session, url, body, headers or {}, timeout_s, records[i], at)
+            answer = await _one(
+                session, url, body, headers or {}, timeout_s, records[i], at, errors
+            )
             finished += 1
             if progress is not None:
                 progress(finished)
@@ -201,6 +208,8 @@ async def replay_live(
     chunks = sum(n for r, (_, n) in zip(records, answers, strict=True) if r.done)
     tokens = sum(r.output_tokens for r in records if r.done)
     extra["tokens_per_chunk"] = tokens / chunks if chunks else None
+    # Why the failed ones failed, as the client saw it.
+    extra["client_errors"] = dict(errors)
     report = build_report(records, workers, time.perf_counter() - started, extra)
     pools = observer.pools.fractions()
     if "prefill" in pools:

@@ -31,6 +31,7 @@ def compare(report: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_chunk": report.get("tokens_per_chunk"),
         "completed": report["completed"],
         "failed": report["failed"],
+        "client_errors": report.get("client_errors"),
         "ttft_ms_p50": report["ttft_ms"]["p50"],
     }
 

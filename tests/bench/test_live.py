@@ -38,7 +38,7 @@ async def test_live_replay_completes_every_request(
     report = result.report
     assert finished == list(range(13))  # the progress callback: the start, each finished request
     assert report["completed"] == len(trace) == 12
-    assert report["failed"] == 0
+    assert report["failed"] == 0 and report["client_errors"] == {}
     assert sum(report["worker_requests"].values()) == 12
     assert len(report["worker_requests"]) == 2
     assert 0 < report["prefix_hit_rate"] < 1
