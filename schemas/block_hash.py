@@ -6,6 +6,7 @@ prefixes, not just two equal blocks. Only full blocks are hashed: engines cache 
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
 
@@ -13,6 +14,8 @@ import xxhash
 
 ROOT_HASH = 0
 _MASK = (1 << 64) - 1
+# array("I") is in native order: a byte widens to a uint32 by three zero bytes after it.
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def hash_block(parent: int, token_ids: Sequence[int]) -> int:
@@ -29,13 +32,21 @@ def chain_block_hashes(
     """Hashes of every full block of ``token_ids``; a trailing partial block gets none."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
-    # The payload hash_block builds per block, built once for all of them.
-    ids = memoryview(token_ids).tolist() if isinstance(token_ids, bytes | bytearray) else token_ids
-    words = array("I", ids).tobytes()
+    # The tokens as hash_block lays them out (uint32), laid out once for all the blocks.
+    words: bytes | bytearray
+    if isinstance(token_ids, bytes | bytearray):
+        if _LITTLE_ENDIAN:
+            wide = bytearray(4 * len(token_ids))
+            wide[::4] = token_ids
+            words = wide
+        else:
+            words = array("I", memoryview(token_ids).tolist()).tobytes()
+    else:
+        words = array("I", token_ids).tobytes()
     width = 4 * block_size
+    digest = xxhash.xxh3_64_intdigest
     hashes = []
     for start in range(0, len(words) - width + 1, width):
-        payload = (parent & _MASK).to_bytes(8, "little") + words[start : start + width]
-        parent = int(xxhash.xxh3_64_intdigest(payload))
+        parent = digest((parent & _MASK).to_bytes(8, "little") + words[start : start + width])
         hashes.append(parent)
     return tuple(hashes)
