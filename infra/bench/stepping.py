@@ -128,7 +128,7 @@ class ReplaySteps(ABC):
         """Account a decode run's steps: those before its last have ended already."""
         times = run.times
         worker.stepping = True
-        worker.record.busy += pairwise(times)
+        worker.record.busy.chain(times)
         steps = chain.from_iterable(repeat(d, n) for d, n in run.durations)
         worker.busy_in_role = reduce(add, steps, worker.busy_in_role)
         self._fold(worker, run.ended_changes)

@@ -47,9 +47,12 @@ class TraceRequest:
 def block_tokens(hash_id: int, length: int = TRACE_BLOCK_SIZE) -> bytes:
     """The first ``length`` tokens of the trace block ``hash_id`` (as bytes, one per token)."""
     seed = hash_id.to_bytes(8, "little", signed=True)
+    blake2b = hashlib.blake2b
     digests = b"".join(
-        hashlib.blake2b(seed + counter.to_bytes(4, "little"), digest_size=64).digest()
-        for counter in range(-(-length // 64))
+        [
+            blake2b(seed + counter.to_bytes(4, "little"), digest_size=64).digest()
+            for counter in range(-(-length // 64))
+        ]
     )
     return digests[:length].translate(_TO_ALPHABET)
 
