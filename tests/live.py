@@ -14,7 +14,7 @@ from bus.topology import Subjects
 from infra.cluster import LocalCluster
 from infra.cluster_auth import ClusterAuth, secure
 from infra.embedded import NATS_MAX_PAYLOAD, EmbeddedServer, start_etcd, start_nats
-from schemas.deltas import run_delta
+from schemas.deltas import runs_delta
 from schemas.events import Event, TokenBatch
 from schemas.messages import WorkerRegistration
 
@@ -65,7 +65,7 @@ class Observed:
 
     async def on_event(self, event: Event) -> None:
         if isinstance(event, TokenBatch):  # a step's tokens: each request's, as its own event
-            self.events["TokensGenerated"] += (run_delta(event, run) for run in event.runs)
+            self.events["TokensGenerated"] += (runs_delta(event, (run,)) for run in event.runs)
             return
         self.events[type(event).__name__].append(event)
 

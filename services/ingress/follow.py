@@ -22,6 +22,7 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from schemas.events import RequestAccepted, RequestFailed, RequestPlaced, TerminalEvent
 from schemas.messages import ResendReply
@@ -55,6 +56,16 @@ class Recovery:
     migration_limit: int = MIGRATION_LIMIT
 
 
+class Arrivals(Protocol):
+    """What a request's events come through (an ``asyncio.Queue`` will do)."""
+
+    def empty(self) -> bool: ...
+
+    def get_nowait(self) -> Heard: ...
+
+    async def get(self) -> Heard: ...
+
+
 # (request id, worker asked, first missing token, attempt) → the worker's answer, or None when
 # it does not hold the request.
 Ask = Callable[[str, str, int, int], Awaitable[ResendReply | None]]
@@ -65,7 +76,7 @@ class Follow:
     def __init__(
         self,
         accepted: RequestAccepted,
-        queue: asyncio.Queue[Heard],
+        queue: Arrivals,
         recovery: Recovery,
         ask: Ask,
         resubmit: Resubmit,

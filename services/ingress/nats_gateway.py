@@ -16,7 +16,6 @@ from bus.client import Bus
 from bus.topology import Subjects
 from observability.tracing import trace_context
 from schemas.codec import encode
-from schemas.deltas import run_delta
 from schemas.events import (
     CancellationRequested,
     RequestAccepted,
@@ -29,6 +28,7 @@ from schemas.messages import ResendQuery, ResendReply
 from services.ingress.follow import Follow, Heard, Recovery
 from services.ingress.gateway import CancelReason, GatewayEvent
 from services.ingress.loop_lag import LoopLag
+from services.ingress.mailbox import Mailbox
 
 
 class NatsGateway:
@@ -37,7 +37,7 @@ class NatsGateway:
         self._recovery = recovery or Recovery()
         self._instance_id = instance_id
         self._source = f"ingress/{instance_id}"
-        self._streams: dict[str, asyncio.Queue[Heard]] = {}
+        self._streams: dict[str, Mailbox] = {}
         self._tracer = trace.get_tracer("laneway.ingress")
         self._lag: LoopLag | None = None
         self._lag_task: asyncio.Task[None] | None = None
@@ -70,12 +70,12 @@ class NatsGateway:
         for run in event.runs:
             queue = streams.get(run.request_id)
             if queue is not None:
-                queue.put_nowait(run_delta(event, run))
+                queue.put_run(event, run)
 
     async def submit(
         self, request_id: str, session_id: str | None, spec: RequestSpec
     ) -> AsyncIterator[GatewayEvent]:
-        queue: asyncio.Queue[Heard] = asyncio.Queue()
+        queue = Mailbox()
         self._streams[request_id] = queue
         with self._tracer.start_as_current_span("ingress.request") as span:
             span.set_attribute("laneway.request_id", request_id)

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from schemas import codec
 from schemas.block_hash import chain_block_hashes, hash_block
-from schemas.deltas import run_delta
+from schemas.deltas import runs_delta
 from schemas.events import (
     CancellationRequested,
     KvBlocksRemoved,
@@ -189,7 +189,7 @@ def test_a_batch_s_run_is_the_tokens_generated_event_it_stands_for() -> None:
     batch = EXAMPLES[-1]
     assert isinstance(batch, TokenBatch)
     (run,) = batch.runs
-    delta = run_delta(batch, run)
+    delta = runs_delta(batch, (run,))
     validated = TokensGenerated(
         event_id=batch.event_id,
         occurred_at=batch.occurred_at,
@@ -203,3 +203,6 @@ def test_a_batch_s_run_is_the_tokens_generated_event_it_stands_for() -> None:
     assert delta == validated and codec.encode(delta) == codec.encode(validated)
     joined = delta.model_copy(update={"text": "ab"})
     assert joined.text == "ab" and delta.text == "a"
+    later = TokenRun(request_id="r1", index=1, token_ids=(6, 7), text="bc")
+    both = runs_delta(batch, (run, later))
+    assert (both.index, both.token_ids, both.text) == (0, (5, 6, 7), "abc")

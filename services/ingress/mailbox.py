@@ -1,0 +1,71 @@
+"""One followed request's arrivals at the ingress: its placement, its terminals and its token
+runs. A run costs a list append as it comes (an engine step's batch holds one for every request
+of the ingress on that worker); the runs that queue up meanwhile are joined into one
+``TokensGenerated`` when the request's task takes them, so an ingress that falls behind builds
+one event per request per turn, not one per request per engine step."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from schemas.deltas import runs_delta
+from schemas.events import TokenBatch, TokenRun
+from services.ingress.follow import Heard
+
+_Run = tuple[TokenBatch, TokenRun]
+
+
+class Mailbox:
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[Heard | _Run] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def put_nowait(self, event: Heard) -> None:
+        self._items.append(event)
+        self._wake()
+
+    def put_run(self, batch: TokenBatch, run: TokenRun) -> None:
+        self._items.append((batch, run))
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def get(self) -> Heard:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self.get_nowait()
+
+    def get_nowait(self) -> Heard:
+        """The next arrival; runs that follow one another (one worker, one attempt, each
+        starting where the last ended) come as one event."""
+        first = self._items.popleft()
+        if not isinstance(first, tuple):
+            return first
+        batch, run = first
+        runs = [run]
+        end = run.index + len(run.token_ids)
+        items = self._items
+        while items and isinstance(following := items[0], tuple):
+            other, next_run = following
+            if (
+                other.worker_id != batch.worker_id
+                or next_run.attempt != run.attempt
+                or next_run.index != end
+            ):
+                break
+            items.popleft()
+            runs.append(next_run)
+            end += len(next_run.token_ids)
+        return runs_delta(batch, runs)
