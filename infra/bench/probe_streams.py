@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import random
 import re
 import sys
@@ -37,7 +38,6 @@ from infra.bench.live_load import (
     percentile,
     prompt,
     request_body,
-    stream_one,
 )
 from infra.bench.proc_stats import rss_mb
 
@@ -111,27 +111,33 @@ class RssSampler:
 
 
 async def probe_ttft(base: LoadSpec, every_s: float, out: list[dict[str, Any]]) -> None:
-    url = chat_url(base.base_url)
-    async with aiohttp.ClientSession() as session:
-        n = 0
-        while True:
-            body = request_body(base, f"probe {n} " + prompt(random.Random(n), 70))
-            sent = time.perf_counter()
-            try:
-                sample = await stream_one(session, url, body, headers(base.api_key), 60.0)
-            except asyncio.CancelledError:  # the probe's end: how long this one had waited
-                waited = round((time.perf_counter() - sent) * 1000, 1)
-                out.append({"ttft_ms": None, "error": f"no answer by the end ({waited} ms)"})
-                raise
-            first = sample.first or sample.first_event
-            out.append(
-                {
-                    "ttft_ms": None if first is None else round((first - sample.sent) * 1000, 1),
-                    "error": sample.error,
-                }
-            )
-            n += 1
-            await asyncio.sleep(every_s)
+    """A new short request every ``every_s`` seconds, each from a client process of its own:
+    its TTFT is the cluster's, not this crowded event loop's."""
+    n = 0
+    while True:
+        # Seeds far from the streams' (0): no probe's prompt is a stream's, cached.
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "infra.bench.live_load", "--base-url", base.base_url,
+            "--model", base.model, "--requests", "1", "--warmup", "0", "--seed", str(10**6 + n),
+            "--max-tokens", str(base.max_tokens), "--timeout", "300",
+            stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "LANEWAY_API_KEY": base.api_key or ""},
+        )  # fmt: skip
+        started = time.perf_counter()
+        try:
+            stdout, _ = await proc.communicate()
+        except asyncio.CancelledError:  # the probe's end: how long this one had waited
+            proc.kill()
+            await proc.wait()
+            waited = round((time.perf_counter() - started) * 1000, 1)
+            out.append({"ttft_ms": None, "error": f"no answer by the end (waited {waited} ms)"})
+            raise
+        result = orjson.loads(stdout.splitlines()[-1]) if stdout.strip() else {}
+        kinds = result.get("error_kinds") or {}
+        error = next(iter(kinds), None) if kinds else (None if result else "probe client failed")
+        out.append({"ttft_ms": result.get("ttft_ms_p50"), "error": error})
+        n += 1
+        await asyncio.sleep(every_s)
 
 
 def log_signs(logs: Path) -> dict[str, dict[str, Any]]:
