@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import nats
@@ -42,6 +42,8 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 # How long a confirmed publish waits for a stream to answer: a cluster's new leader for it
 # (a server lost) is elected well within this; past it the publish fails.
 CONFIRM_WITHIN_S = 30.0
+# How long closing waits for handlers still running in tasks; those left are redelivered.
+CLOSE_HANDLERS_WITHIN_S = 5.0
 
 
 def event_headers(event: Envelope) -> dict[str, str]:
@@ -98,6 +100,9 @@ class Bus:
         self._nc = nc
         self._js: JetStreamContext = nc.jetstream()
         self._subs: list[Subscription] = []
+        # Handlers of consumed messages running in tasks of their own (``consume``'s
+        # concurrency): each acks its message, so closing waits for them.
+        self._handling: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def connect(cls, url: str, name: str, tls: ssl.SSLContext | None = None) -> Bus:
@@ -214,11 +219,20 @@ class Bus:
 
         self._subs.append(await self._nc.subscribe(topic.subject, cb=on_msg))
 
-    async def consume(self, consumer: Consumer[E], handler: Callable[[E], Awaitable[None]]) -> None:
+    async def consume(
+        self,
+        consumer: Consumer[E],
+        handler: Callable[[E], Awaitable[None]],
+        concurrency: int = 1,
+    ) -> None:
         """Durable consumer with explicit ack: a message is acked only after its handler
         returned, re-delivered if the handler failed. Handlers must therefore be idempotent.
         A message the handler does not take is acked unhandled, so it cannot hold the
-        consumer up."""
+        consumer up.
+
+        ``concurrency``: how many messages' handlers may run at once, each in a task of its
+        own, started in delivery order (1: one after the other). A handler that waits on round
+        trips (the planner's) then no longer holds every message behind it."""
         config = ConsumerConfig(
             durable_name=consumer.durable,
             ack_policy=AckPolicy.EXPLICIT,
@@ -260,10 +274,30 @@ class Bus:
             durable=consumer.durable,
             stream=consumer.stream.name,
             config=config,
-            cb=on_msg,
+            cb=on_msg if concurrency == 1 else self._in_tasks(on_msg, concurrency),
             manual_ack=True,
         )
         self._subs.append(sub)
+
+    def _in_tasks(
+        self, on_msg: Callable[[Msg], Coroutine[Any, Any, None]], limit: int
+    ) -> Callable[[Msg], Awaitable[None]]:
+        """``on_msg`` run in a task per message, at most ``limit`` at once: the subscription
+        waits for a free slot, so the messages beyond wait in the client as they would for a
+        handler running inline."""
+        slots = asyncio.Semaphore(limit)
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._handling.discard(task)
+            slots.release()
+
+        async def dispatch(msg: Msg) -> None:
+            await slots.acquire()
+            task = asyncio.create_task(on_msg(msg))
+            self._handling.add(task)
+            task.add_done_callback(done)
+
+        return dispatch
 
     async def replay(
         self, topic: Topic[E], after: int, handler: Callable[[E, int], Awaitable[None]]
@@ -348,6 +382,8 @@ class Bus:
             except Exception:  # the connection may already be gone; closing anyway
                 log.debug("unsubscribe failed", exc_info=True)
         self._subs.clear()
+        if self._handling:
+            await asyncio.wait(self._handling, timeout=CLOSE_HANDLERS_WITHIN_S)
         if self._nc.is_connected:
             await self._nc.drain()
         elif not self._nc.is_closed:

@@ -35,6 +35,12 @@ from services.planner.policy import Policy, RouteRequest
 
 log = logging.getLogger(__name__)
 
+# Requests routed at once. Each waits on round trips (the overlap query, its route's and
+# placement's confirmations); one at a time, each waited for the one before it. A decision
+# itself is made without a pause (but for a session binding's round trip to etcd) on the state
+# the requests routed before it left.
+ROUTING_CONCURRENCY = 64
+
 
 class Planner:
     def __init__(
@@ -60,6 +66,8 @@ class Planner:
         self._source = f"planner/{instance_id}"
         self._overlap_timeout_s = overlap_timeout_s
         self.cluster = ClusterView()
+        # Requests (id, attempt) being routed now: consumed up to ROUTING_CONCURRENCY at once.
+        self._routing: dict[tuple[str, int], asyncio.Event] = {}
         self.metrics = PlannerMetrics(self.cluster)
         self._tracer = trace.get_tracer("laneway.planner")
 
@@ -74,13 +82,27 @@ class Planner:
 
         await self._bus.subscribe(Subjects.worker_terminals, on_terminal)
         await self._bus.subscribe(Subjects.all_load, self.on_load)
-        await self._bus.consume(PLANNER_INTAKE, self.on_request)
+        await self._bus.consume(PLANNER_INTAKE, self.on_request, concurrency=ROUTING_CONCURRENCY)
 
     async def on_request(self, event: RequestAccepted) -> None:
         if event.request_id is None:
             return
+        key = (event.request_id, event.spec.attempt)
+        while (earlier := self._routing.get(key)) is not None:
+            # A redelivery while its first delivery is still routing: it waits for that one,
+            # which may yet fail (and then this one routes it).
+            await earlier.wait()
         if self.cluster.is_routed(event.request_id, event.spec.attempt):  # a redelivery
             return
+        self._routing[key] = routing = asyncio.Event()
+        try:
+            await self._on_request(event)
+        finally:
+            del self._routing[key]
+            routing.set()
+
+    async def _on_request(self, event: RequestAccepted) -> None:
+        assert event.request_id is not None
         if event.spec.deadline < utc_now():  # replayed or stuck: nobody waits for it any more
             await self._fail(event, "timeout", "the request's deadline passed before routing")
             return

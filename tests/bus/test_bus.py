@@ -97,6 +97,33 @@ async def test_durable_consumer_gets_every_event_once_in_order(bus: Bus) -> None
     assert [e.seq for e in got] == [1, 2, 3]
 
 
+async def test_a_concurrent_consumer_runs_up_to_its_limit_at_once_and_acks_each(
+    bus: Bus,
+) -> None:
+    started: list[int] = []
+    release = asyncio.Event()
+
+    async def handler(event: KvEvent) -> None:
+        started.append(event.seq)
+        await release.wait()
+
+    topic = Subjects.kv("busconc")
+    for seq in range(1, 6):
+        await bus.publish(topic, kv_event("busconc", seq))
+    await bus.consume(Consumer("t-conc", topic), handler, concurrency=3)
+    await eventually(lambda: len(started) == 3, message="three handlers never ran at once")
+    await asyncio.sleep(0.3)
+    assert started == [1, 2, 3]  # in delivery order, and no more than three
+    release.set()
+    await eventually(lambda: len(started) == 5)
+
+    async def all_acked() -> bool:
+        info = await bus.nc.jetstream().consumer_info(KV.name, "t-conc")
+        return info.num_ack_pending == 0 and info.num_pending == 0
+
+    await eventually(all_acked, message="the handled messages were not all acked")
+
+
 async def test_a_stray_event_type_is_dropped_and_acked_not_redelivered(
     bus: Bus, caplog: pytest.LogCaptureFixture
 ) -> None:
