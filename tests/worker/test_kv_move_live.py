@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from bus.client import Bus
 from bus.credentials import inbox_prefix
-from bus.registry import LeasedKey, connect_etcd
+from bus.registry import WORKERS_PREFIX, LeasedKey, connect_etcd
 from bus.topology import Subjects
 from infra.embedded import EmbeddedServer
 from schemas.block_hash import chain_block_hashes
@@ -136,17 +136,30 @@ async def workers(
     await bus.subscribe(Subjects.all_routes, seen.on)
     await bus.subscribe(Subjects.all_kv, seen.on)
     etcd = connect_etcd(etcd_server.url)
+    # Connected before any engine is built: in a test process that has run a cluster before, a
+    # first etcd call made after torch engines were built in the loop never got its answer.
+    await etcd.get(WORKERS_PREFIX)
     stop = asyncio.Event()
     engines: dict[str, Recorded] = {}
-    running = []
+    started = []
+    # Every engine built before any worker starts: loading a model holds the event loop.
     for name in names:
         engines[name] = recorded = Recorded(engine())
         options = WorkerOptions(name, "both", "sim", "m", 1.0, 5, 1.0, 1.0)
         options.handoff_timeout_s, options.handoff_timeout_factor = 1.0, 2.0
-        worker = Worker(bus, recorded.engine, ByteTokenizer(), options)
+        started.append(Worker(bus, recorded.engine, ByteTokenizer(), options))
+    running = []
+    for worker in started:
         lease = LeasedKey.worker(etcd, worker.registration(), 5)
-        running.append(asyncio.create_task(worker.run(lease, stop)))
-    await asyncio.sleep(0.5)
+        task = asyncio.create_task(worker.run(lease, stop))
+        running.append(task)
+
+        def serving(w: Worker = worker, t: asyncio.Task[None] = task) -> bool:
+            if t.done():
+                t.result()  # it failed to start: say why
+            return w.serving
+
+        await eventually(serving, timeout=20.0)
     try:
         yield seen, engines
     finally:
