@@ -8,7 +8,9 @@ load client in a process of its own), then, after a warm-up:
    system calls per request (/proc/PID/io counts read(2)/write(2): uvloop's and nats-server's
    socket I/O; the standard loop's recv/send, as the client's, show as none). Requests per
    window: the client's req/s over the whole load times the window;
-2. a sampled window: py-spy records each Python service (``--nonblocking``: the service is never
+2. NATS messages per request by kind of subject, counted by a subscriber to every subject
+   (infra/bench/bus_census.py);
+3. a sampled window: py-spy records each Python service (``--nonblocking``: the service is never
    paused), written as collapsed stacks (``<service>.txt``: flamegraph.pl or speedscope.app draw
    them) and summed by package and function (``<service>.top.txt``).
 
@@ -18,6 +20,7 @@ load client in a process of its own), then, after a warm-up:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import shutil
 import subprocess
@@ -28,6 +31,7 @@ from typing import Any
 
 import orjson
 
+from infra.bench.bus_census import census, per_request
 from infra.bench.live_cluster import laneway_up
 from infra.bench.proc_stats import COUNTERS, growth, snapshot
 from infra.bench.profile_summary import parse, report
@@ -114,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load first")
     parser.add_argument("--cpu-window", type=float, default=10.0, help="seconds, /proc only")
+    parser.add_argument(
+        "--census-window", type=float, default=5.0, help="seconds counting bus messages"
+    )
     parser.add_argument("--spy-window", type=float, default=15.0, help="seconds under py-spy")
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples a second")
     parser.add_argument(
@@ -125,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--up-arg", action="append", default=[], help="passed to laneway up")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    load_s = args.warmup + args.cpu_window + args.spy_window + 2
+    load_s = args.warmup + args.cpu_window + args.census_window + args.spy_window + 2
     with laneway_up(args.workers, args.speedup, tuple(args.up_arg)) as up:
         load = subprocess.Popen(
             [
@@ -138,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         time.sleep(args.warmup)
         grown, window_s = measure_window({**up.pids, "load-client": load.pid}, args.cpu_window)
+        start = time.monotonic()
+        kinds = asyncio.run(census(up.nats_url, args.census_window))
+        census_s = time.monotonic() - start
         services = {
             n: p
             for n, p in up.pids.items()
@@ -148,7 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     result = orjson.loads(out.splitlines()[-1])
     requests = result["rps"] * window_s
     table = cpu_table(grown, window_s, requests)
-    summary = {"load": result, "cpu_window_s": round(window_s, 3), "cpu": table}
+    messages = per_request(kinds, result["rps"] * census_s)
+    summary = {
+        "load": result,
+        "cpu_window_s": round(window_s, 3),
+        "cpu": table,
+        "bus_messages": messages,
+    }
     (args.out / "cpu.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     tops = {}
     for name, path in stacks.items():
@@ -157,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"{name}.top.txt").write_text(tops[name])
     print(f"c={args.concurrency}: {result['rps']} req/s, errors {result['errors']}")
     print_table(table)
+    print(f"\n{'NATS subject':<34}{'msgs/req':>9}{'bytes/msg':>10}")
+    for m in messages:
+        size = m.get("bytes_per_message", "")
+        print(f"{m['subject']:<34}{m['messages_per_request']:>9.2f}{size:>10}")
     for text in tops.values():
         print("\n" + "\n".join(text.splitlines()[:12]))
     print(f"\nstacks and summaries in {args.out}")
