@@ -24,10 +24,12 @@ from infra.embedded import EmbeddedServer
 from schemas.block_hash import chain_block_hashes
 from schemas.codec import decode_as, encode
 from schemas.events import (
+    CancellationRequested,
     Event,
     KvBlocksStored,
     KvMove,
     KvTransferred,
+    RequestCancelled,
     RequestFinished,
     RequestSpec,
     RouteDecided,
@@ -251,7 +253,7 @@ async def test_a_holder_that_is_gone_silent_or_empty_costs_a_recompute(
 
     await bus.subscribe_bytes(Subjects.kv_pull("mvmute"), ignore)
     targets = {"gone": "mvnobody", "mute": "mvmute", "empty": "mvempty"}
-    names = ("mvempty", "mvctl2", *(f"mvdst-{r}" for r in targets))
+    names = ("mvempty", "mvctl2", "mvdst-cancel", *(f"mvdst-{r}" for r in targets))
     async with workers(bus, etcd_server, *names) as (seen, engines):
         control = await answer(bus, seen, route("control2", "mvctl2"))
         for request_id, source in targets.items():
@@ -266,6 +268,20 @@ async def test_a_holder_that_is_gone_silent_or_empty_costs_a_recompute(
             assert not seen.of(KvTransferred, request_id)
         # The silent holder was asked, and the wait for it bounded (1 s here).
         assert silent
+        # Cancelled while its KV is awaited: it ends once, cancelled, and never runs.
+        asked = len(silent)
+        await bus.publish(
+            Subjects.route("mvdst-cancel"), route("cancel", "mvdst-cancel", move_from("mvmute"))
+        )
+        await eventually(lambda: len(silent) > asked)
+        cancel = CancellationRequested(source="test", request_id="cancel", reason="timeout")
+        await bus.publish(Subjects.cancellation_requested, cancel)
+        await eventually(lambda: seen.of(RequestCancelled, "cancel"))
+        await asyncio.sleep(1.5)  # past the pull's deadline
+        assert len(seen.of(RequestCancelled, "cancel")) == 1
+        assert not seen.of(RequestFinished, "cancel")
+        assert "cancel" not in engines["mvdst-cancel"].tokens
+        assert engines["mvdst-cancel"].prefilled == 0
 
 
 async def test_the_holder_sends_only_blocks_it_holds_to_the_worker_that_asks(
