@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Generic, Literal, TypeVar
 
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
@@ -101,16 +102,21 @@ class Channel(Generic[E]):
     def key_of(self, subject: str) -> str | None:
         """The (last) key ``subject`` carries if it is one of this channel's subjects, else
         None."""
-        parts, tokens = self.pattern.split("."), subject.split(".")
+        parts, tokens = self._parts, subject.split(".")
         if len(parts) != len(tokens):
             return None
         key = None
         for part, token in zip(parts, tokens, strict=True):
-            if _KEY.fullmatch(part):
+            if part is None:
                 key = token
             elif part != token:
                 return None
         return key
+
+    @cached_property
+    def _parts(self) -> tuple[str | None, ...]:
+        """The pattern's tokens, None for each key (parsed once, not per message)."""
+        return tuple(None if _KEY.fullmatch(part) else part for part in self.pattern.split("."))
 
     @property
     def subject(self) -> Topic[E]:
@@ -154,8 +160,11 @@ class Topic(Generic[E]):
         subject's (a worker's KV event on another worker's subject, which only that worker may
         publish to). None if it can."""
         for channel in self.channels:
+            # The subject is parsed last: this runs for every message received.
+            if channel.key_field is None or not isinstance(event, channel.events):
+                continue
             key = channel.key_of(subject)
-            if key is None or channel.key_field is None or not isinstance(event, channel.events):
+            if key is None:
                 continue
             claimed = getattr(event, channel.key_field)
             if claimed != key:
