@@ -181,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--workers", type=int, default=4, help="of the laneway up started")
     parser.add_argument("--speedup", type=float, default=1000.0, help="of its sim workers")
+    parser.add_argument(
+        "--up-arg",
+        action="append",
+        default=[],
+        help="passed to that laneway up, repeatable (an A/B: --up-arg=--no-auth)",
+    )
     parser.add_argument("--loads", default="seq,c32,c128", help="comma-separated, of seq,c32,c128")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--seq-requests", type=int, default=300)
@@ -198,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with contextlib.ExitStack() as stack:
         if args.laneway or not targets:
-            up = stack.enter_context(laneway_up(args.workers, args.speedup))
+            up = stack.enter_context(laneway_up(args.workers, args.speedup, tuple(args.up_arg)))
             targets.append(Target("laneway", up.base_url, up.api_key, tuple(up.pids.values())))
         results = asyncio.run(run_all(targets, specs, args.rounds))
     if args.json:

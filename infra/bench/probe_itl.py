@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--trace", type=Path, help="(default: laneway bench's, Mooncake's)")
     parser.add_argument("--limit", type=int, default=300)
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--policy", default="kv")
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                 "bench", "--mode", "live", "--limit", str(args.limit),
                 "--time-scale", f"{args.time_scale:g}", "--policy", args.policy,
                 "--workers", str(args.workers), "--json", str(out),
+                *(["--trace", str(args.trace)] if args.trace else []),
             ]
         )  # fmt: skip
         if code != 0:

@@ -228,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ramp", type=float, default=10.0, help="seconds to open the streams")
     parser.add_argument("--probe-every", type=float, default=2.0, help="seconds between probes")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--state-dir", type=Path, help="the cluster's (default: a new temp dir)")
     parser.add_argument("--up-arg", action="append", default=[], help="passed to laneway up")
     args = parser.parse_args(argv)
     env = {"LANEWAY_MAX_NUM_SEQS": str(args.max_num_seqs)}
     # Kept afterwards: its logs are what shows a slow consumer.
-    state = Path(tempfile.mkdtemp(prefix="lw-probe-"))
+    state = args.state_dir or Path(tempfile.mkdtemp(prefix="lw-probe-"))
     with laneway_up(args.workers, args.speedup, tuple(args.up_arg), env, state) as up:
         result = asyncio.run(run_probe(up, args))
     # Read once the cluster has stopped, its last lines in.

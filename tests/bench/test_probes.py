@@ -1,0 +1,43 @@
+"""The acceptance probes, small: each runs a cluster of its own and reports what it promises."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infra.bench import probe_itl, probe_streams
+
+pytestmark = pytest.mark.live  # each starts a cluster
+
+
+def test_streams_probe_reports_streams_probes_memory_and_logs(tmp_path: Path) -> None:
+    out = tmp_path / "streams.json"
+    argv = ["--streams", "20", "--max-tokens", "40", "--speedup", "20", "--duration", "8"]
+    argv += ["--ramp", "1", "--probe-every", "1", "--state-dir", str(tmp_path / "state")]
+    assert probe_streams.main([*argv, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["opened"] == r["first_event"] == r["finished"] == 20
+    assert r["cut"] == 0 and not r["broken"] and not r["error_events"] and not r["refused"]
+    probes = r["probe_ttft_ms"]
+    assert probes["n"] >= 2 and probes["errors"] <= 1  # the last may be cut off by the end
+    assert 0 < probes["p50"] < 5000
+    assert r["rss_peak_mb"]["nats"] > 5 and r["rss_peak_mb"]["ingress"] > 20
+    assert r["rss_timeline_mb"] and r["log_signs"] == {}
+    assert r["state_dir"] == str(tmp_path / "state")
+    assert (tmp_path / "state" / "logs" / "ingress.log").exists()
+
+
+def test_itl_probe_sets_the_clients_gaps_beside_the_workers(
+    small_trace: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "itl.json"
+    argv = ["--trace", str(small_trace), "--limit", "6", "--time-scale", "20", "--workers", "2"]
+    assert probe_itl.main([*argv, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["completed"] == 6 and r["failed"] == 0 and r["client_errors"] == {}
+    client, worker = r["client_itl_ms"], r["worker_itl_ms"]
+    assert 0 < worker["p50"] <= worker["p95"] and 0 < client["p50"] <= client["p95"]
+    assert r["p95_ratio"] == pytest.approx(client["p95"] / worker["p95"])
+    assert r["tokens_per_chunk"] >= 1
