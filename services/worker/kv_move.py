@@ -93,24 +93,23 @@ class KvMoves:
                 raise ValueError("the prompt has no blocks at this engine's block size")
             sent, data = await self._fetch(request_id, state.spec.attempt, move, wanted)
         except Exception as err:  # any failure to pull costs a recompute, never the request
-            log.warning("request %s: KV move from %s failed (%s); recomputing", request_id,
-                        move.source_worker_id, err)  # fmt: skip
+            source = move.source_worker_id
+            log.warning(
+                "request %s: KV move from %s failed (%s); recomputing", request_id, source, err
+            )
             self._moves.labels("pulled", "failed").inc()
             await self._resume(request_id, state, f"failed: {err}", request)
             return
         hashes = wanted[:sent]
         portable = self._driver.portable
         assert portable is not None  # _fetch refuses an engine that cannot import
-        span = state.awaiting.span if state.awaiting is not None else None
 
         def adopt() -> bool:
             # An engine op, right before the request is added: its blocks cannot go meanwhile.
             try:
                 portable.import_prefix(hashes, data)
-            except Exception as err:  # unusable KV costs a recompute, never the request
+            except Exception:  # unusable KV costs a recompute, never the request
                 log.exception("KV import of %s's move failed; recomputing", request_id)
-                if span is not None:
-                    span.set_attribute("laneway.failed", f"KV import failed: {err}")
                 return False
             return True
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
@@ -16,6 +16,7 @@ import pytest
 from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry
 
+from bus.blobs import BLOB_ID_HEADER, CHUNK_HEADER
 from bus.client import Bus
 from bus.credentials import inbox_prefix
 from bus.registry import WORKERS_PREFIX, LeasedKey, connect_etcd
@@ -28,6 +29,7 @@ from schemas.events import (
     Event,
     KvBlocksStored,
     KvMove,
+    KvPayload,
     KvTransferred,
     RequestCancelled,
     RequestFinished,
@@ -42,7 +44,7 @@ from services.engine.protocol import Engine, StepResult
 from services.engine.sim import SimConfig, SimEngine
 from services.engine.torch_engine import TorchEngine, TorchEngineConfig
 from services.worker.driver import EngineDriver
-from services.worker.kv_move import KvMoves
+from services.worker.kv_move import KvMoves, blob_id
 from services.worker.outputs import Background
 from services.worker.runtime import Worker
 from services.worker.settings import WorkerOptions
@@ -243,7 +245,7 @@ async def test_torch_workers_move_real_kv_and_answer_token_for_token(
         assert set(HASHES) <= stored
 
 
-async def test_a_holder_that_is_gone_silent_or_empty_costs_a_recompute(
+async def test_a_holder_that_is_gone_silent_empty_or_lying_costs_a_recompute(
     bus: Bus, etcd_server: EmbeddedServer
 ) -> None:
     silent: list[bytes] = []
@@ -252,7 +254,31 @@ async def test_a_holder_that_is_gone_silent_or_empty_costs_a_recompute(
         silent.append(b"")
 
     await bus.subscribe_bytes(Subjects.kv_pull("mvmute"), ignore)
-    targets = {"gone": "mvnobody", "mute": "mvmute", "empty": "mvempty"}
+
+    def lying(reply: KvPullReply) -> Callable[[Msg], Awaitable[None]]:
+        """A holder that sends two bytes of chunk and answers ``reply``."""
+
+        async def answer(msg: Msg) -> None:
+            query = decode_as(KvPullQuery, msg.data)
+            blob = blob_id(query.request_id, query.attempt)
+            headers = {BLOB_ID_HEADER: blob, CHUNK_HEADER: "0"}
+            await bus.publish_bytes(Subjects.kv_handoff(query.to_worker_id), b"xx", headers)
+            await msg.respond(encode(reply))
+
+        return answer
+
+    garbled = KvPayload(chunks=1, size=2, sha256="0" * 64)
+    await bus.subscribe_bytes(
+        Subjects.kv_pull("mvgarbled"), lying(KvPullReply(blocks=8, payload=garbled))
+    )
+    await bus.subscribe_bytes(Subjects.kv_pull("mvgreedy"), lying(KvPullReply(blocks=9)))
+    targets = {
+        "gone": "mvnobody",
+        "mute": "mvmute",
+        "empty": "mvempty",
+        "garbled": "mvgarbled",
+        "greedy": "mvgreedy",
+    }
     names = ("mvempty", "mvctl2", "mvdst-cancel", *(f"mvdst-{r}" for r in targets))
     async with workers(bus, etcd_server, *names) as (seen, engines):
         control = await answer(bus, seen, route("control2", "mvctl2"))
