@@ -124,3 +124,29 @@ def test_catching_up_gives_what_stepping_in_global_order_gives(
     assert caught_up.report == exact.report
     assert caught_up.decisions == exact.decisions
     assert [repr(r) for r in caught_up.records] == [repr(r) for r in exact.records]
+
+
+@pytest.mark.parametrize(
+    ("busy_a", "busy_b", "a_first"),
+    [
+        # At equal ends, the step that started first ended first in a global order.
+        ([(0.0, 1.0), (1.0, 2.0)], [(0.5, 2.0)], False),
+        # Starts tie too: back along both workers' chains of steps.
+        ([(0.0, 1.0), (1.0, 2.0)], [(0.2, 1.0), (1.0, 2.0)], True),
+        # A start when idle follows an arrival, which comes before any step's end at its time.
+        ([(0.0, 1.0), (1.0, 2.0)], [(0.5, 0.9), (1.0, 2.0)], False),
+    ],
+)
+def test_lessons_at_one_time_go_in_the_order_their_steps_started(
+    small_trace: Path,
+    busy_a: list[tuple[float, float]],
+    busy_b: list[tuple[float, float]],
+    a_first: bool,
+) -> None:
+    replay = OfflineReplay(load_trace(small_trace), make_policy("kv"), 2, SMALL_ENGINE)
+    for worker, busy in zip(replay._workers, (busy_a, busy_b), strict=True):
+        for interval in busy:
+            worker.record.busy.append(interval)
+    a, b = (2.0, 0, len(busy_a) - 1, 0), (2.0, 1, len(busy_b) - 1, 1)
+    assert replay._earlier(a, b) == (-1 if a_first else 1)
+    assert replay._earlier(b, a) == (1 if a_first else -1)
