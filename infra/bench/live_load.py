@@ -144,7 +144,8 @@ async def stream_one(
                     sample.chunk_times.append(time.perf_counter())
                 if event.get("usage"):
                     sample.usage = event["usage"]
-    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+    # ValueError: a line past aiohttp's limit (64 KiB), which no answer of ours should send.
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         sample.error = f"{type(exc).__name__}: {exc}"[:160]
         return sample
     finally:
