@@ -185,6 +185,25 @@ class WholePromptHandoff(Protocol):
         ...
 
 
+class ModelledKvMove(Protocol):
+    """An engine whose KV is modelled (``capabilities.modelled_time`` with ``kv_handoff``): a KV
+    move brings it no bytes, so it waits out the move's modelled transfer itself."""
+
+    def expect_transfer(self, request_id: str, transfer_ms: float) -> None:
+        """The request added next under ``request_id`` brings KV imported just before over a
+        link that takes ``transfer_ms`` (modelled): the step that first schedules it waits that
+        out. Called by a KV move's target right before it adds the request."""
+        ...
+
+
+def modelled_kv_move(engine: Engine) -> ModelledKvMove | None:
+    """The engine's way to model a KV move's transfer, or None if its KV is real."""
+    capabilities = engine.capabilities
+    if not (capabilities.modelled_time and capabilities.kv_handoff):
+        return None
+    return cast(ModelledKvMove, engine)
+
+
 def whole_prompt_handoff(engine: Engine) -> WholePromptHandoff | None:
     """The engine's way to continue a whole-prompt hand-off, or None if it has none."""
     if not engine.capabilities.whole_prompt_handoff:

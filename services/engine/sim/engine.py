@@ -33,7 +33,18 @@ class SimEngine(ScheduledEngine):
         self._transfers_ms: dict[str, float] = {}
 
     def add_request(self, request: EngineRequest) -> None:
-        self._admit(self._new_request(request))
+        try:
+            self._admit(self._new_request(request))
+        except ValueError:
+            if request.request_id not in self._requests:
+                self._transfers_ms.pop(request.request_id, None)  # expected, never queued
+            raise
+
+    def expect_transfer(self, request_id: str, transfer_ms: float) -> None:
+        """The request added next under ``request_id`` is a live KV move's, its blocks imported
+        just before: it queues at once and the step that first schedules it waits out the
+        transfer, as :meth:`add_moved` has it offline."""
+        self._transfers_ms[request_id] = transfer_ms
 
     def add_handed_off(self, request: EngineRequest, prompt_tokens: int) -> None:
         """A request whose first ``prompt_tokens`` tokens a prefill worker computed and whose KV
