@@ -130,11 +130,11 @@ class KvReceiver:
 
     def within_s(self, predicted_ms: float) -> float:
         """How long to wait for KV the planner predicted ``predicted_ms`` for (modelled time)."""
-        return max(self._timeout_s, self._timeout_factor * predicted_ms / 1000 / self._speedup)
+        return max(self._timeout_s, self._timeout_factor * self.wall_s(predicted_ms))
 
-    async def wait_modelled(self, transfer_ms: float) -> None:
-        """Wait out a modelled KV transfer (modelled time, divided by the speed-up)."""
-        await asyncio.sleep(transfer_ms / 1000 / self._speedup)
+    def wall_s(self, modelled_ms: float) -> float:
+        """The seconds of the clock that ``modelled_ms`` of modelled time take (the speed-up)."""
+        return modelled_ms / 1000 / self._speedup
 
     async def receive(
         self, event: PrefillCompleted, cached_blocks: int, prompt_tokens: int
@@ -147,7 +147,7 @@ class KvReceiver:
             return await self.blobs.take(request_id, event.payload, self._timeout_s)
         # Only the sim engine models its KV, and it hands the whole prompt over.
         tokens = handoff_tokens(prompt_tokens, cached_blocks, self._block_size)
-        await self.wait_modelled(self._transfer.transfer_ms(tokens))
+        await asyncio.sleep(self.wall_s(self._transfer.transfer_ms(tokens)))
         return b""
 
     @staticmethod

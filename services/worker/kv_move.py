@@ -2,9 +2,10 @@
 prompt's leading blocks from the worker holding them (its GPU cache or host tier) and runs the
 request with them cached. The blocks travel as a disaggregated hand-off's do: exported by the
 holder's engine, chunked onto the puller's ``lw.kvx`` subject (real tensors) or waited out over the
-planner's predicted link time (a sim engine's modelled KV), imported by the puller's engine, whose
-next step announces them in ``KvBlocksStored``. Whatever goes wrong (no answer in time, the holder
-gone or holding none of them, a broken payload) costs a recompute, never the request."""
+planner's predicted link time in the request's first step (a sim engine's modelled KV, as the
+offline replay has it), imported by the puller's engine, whose next step announces them in
+``KvBlocksStored``. Whatever goes wrong (no answer in time, the holder gone or holding none of
+them, a broken payload) costs a recompute, never the request."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from observability.tracing import trace_context
 from schemas.codec import decode_as, encode
 from schemas.events import KvMove, KvTransferred, RouteDecided
 from schemas.messages import KvPullQuery, KvPullReply
-from services.engine.protocol import EngineRequest
+from services.engine.protocol import EngineRequest, modelled_kv_move
 from services.worker.driver import EngineDriver
 from services.worker.handoff import KvReceiver
 from services.worker.outputs import Background, Outputs
@@ -103,6 +104,10 @@ class KvMoves:
         hashes = wanted[:sent]
         portable = self._driver.portable
         assert portable is not None  # _fetch refuses an engine that cannot import
+        modelled = modelled_kv_move(self._driver.engine) if not data else None
+        # Modelled KV: the planner priced the blocks it asked for over the link between the two;
+        # the request queues now and its first step waits that out, as offline.
+        transfer_ms = move.transfer_ms * sent / len(wanted) if modelled is not None else 0.0
 
         def adopt() -> bool:
             # An engine op, right before the request is added: its blocks cannot go meanwhile.
@@ -111,6 +116,8 @@ class KvMoves:
             except Exception:  # unusable KV costs a recompute, never the request
                 log.exception("KV import of %s's move failed; recomputing", request_id)
                 return False
+            if modelled is not None:
+                modelled.expect_transfer(request_id, transfer_ms)
             return True
 
         if await self._resume(request_id, state, "pulled", request, adopt):
@@ -124,7 +131,8 @@ class KvMoves:
                     from_worker_id=move.source_worker_id,
                     to_worker_id=self._outputs.worker_id,
                     block_hashes=hashes,
-                    transfer_ms=(time.monotonic() - started) * 1000,
+                    transfer_ms=(time.monotonic() - started + self._receiver.wall_s(transfer_ms))
+                    * 1000,
                 )
             )
 
@@ -132,7 +140,7 @@ class KvMoves:
         self, request_id: str, attempt: int, move: KvMove, wanted: tuple[int, ...]
     ) -> tuple[int, bytes]:
         """Ask the holder; how many leading ``wanted`` blocks it sent, and their KV (empty for
-        modelled KV, whose link time is waited out here)."""
+        modelled KV)."""
         if self._driver.portable is None:
             raise ValueError("this engine cannot import KV")
         query = KvPullQuery(
@@ -152,10 +160,8 @@ class KvMoves:
             raise ValueError(f"{reply.blocks} blocks sent for {len(wanted)} asked")
         payload = reply.payload
         if payload is None:
-            if not self._driver.engine.capabilities.modelled_time:
+            if modelled_kv_move(self._driver.engine) is None:
                 raise ValueError("no KV payload for an engine that computes")
-            # The planner priced the blocks it asked for over the link between the two.
-            await self._receiver.wait_modelled(move.transfer_ms * reply.blocks / len(wanted))
             return reply.blocks, b""
         if payload.chunks != max(1, -(-payload.size // CHUNK_BYTES)):
             raise ValueError(f"{payload.chunks} chunks for {payload.size} bytes")

@@ -200,8 +200,8 @@ async def test_a_moved_prompt_is_pulled_announced_and_answered_as_without_the_mo
         assert isinstance(transferred, KvTransferred)
         assert (transferred.from_worker_id, transferred.to_worker_id) == ("mvsrc", "mvdst")
         assert transferred.block_hashes == HASHES
-        # The modelled link time (30 ms) was waited out before the request ran.
-        assert transferred.transfer_ms >= 30.0
+        # The modelled link time (30 ms) was waited out by the request's first step.
+        assert transferred.transfer_ms >= 30.0 and moved.ttft_ms >= 30.0
         # The target announced the moved blocks, so the index learns them.
         stored = [
             h
