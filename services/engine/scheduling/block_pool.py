@@ -106,12 +106,10 @@ class BlockPool:
     def _evict(self, n: int) -> list[int]:
         """Uncache the ``n`` idle blocks released longest ago and return their hashes; a hook for
         a pool that also tracks where each block's contents live."""
-        refs, idle = self._refs, self._idle
-        evicted = []
-        for _ in range(n):
-            h, _ = idle.popitem(last=False)
+        refs, pop = self._refs, self._idle.popitem
+        evicted = [pop(last=False)[0] for _ in range(n)]
+        for h in evicted:
             del refs[h]
-            evicted.append(h)
         return evicted
 
     def _offload(self, hashes: list[int]) -> None:
@@ -201,14 +199,13 @@ class BlockPool:
         """Give back a request's blocks. Its last block is released first, so a prefix's tail is
         evicted before its head, as vLLM frees a request's blocks in reverse."""
         refs, idle = self._refs, self._idle
+        self._empty += table.count(None)
         for ref in reversed(table):
-            if ref is None:
-                self._empty += 1
-                continue
-            held = refs[ref] - 1
-            refs[ref] = held
-            if held == 0:
-                idle[ref] = None
+            if ref is not None:
+                held = refs[ref] - 1
+                refs[ref] = held
+                if not held:
+                    idle[ref] = None
 
     @property
     def num_changes(self) -> int:
