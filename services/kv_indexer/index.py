@@ -147,7 +147,8 @@ class PrefixIndex:
             mask = get(block, 0)
             if not mask & bit:
                 mask |= bit
-                holders[block] = intern(mask, mask)
+                # CPython shares ints below 256 already.
+                holders[block] = mask if mask < 256 else intern(mask, mask)
                 added += 1
         self._count[slot] += added
         self._size += added
@@ -169,7 +170,7 @@ class PrefixIndex:
             if mask & bit:
                 mask ^= bit
                 if mask:
-                    holders[block] = intern(mask, mask)
+                    holders[block] = mask if mask < 256 else intern(mask, mask)
                 else:
                     del holders[block]
                 removed += 1
