@@ -85,6 +85,10 @@ class Outputs:
         for reply_to, queued in runs.items():
             batch = TokenBatch(source=self.source, worker_id=self.worker_id, runs=tuple(queued))
             await self._bus.publish(Subjects.tokens(reply_to, self.worker_id), batch)
+        if runs:
+            # The connection writes from a task of its own: let it, before an engine stepped on
+            # this thread computes the next step (the batches would wait that long).
+            await asyncio.sleep(0)
         for reply_to, event in terminals:
             # Awaiting the stream's confirmation here would stall every other request's next
             # step.

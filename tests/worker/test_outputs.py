@@ -73,6 +73,7 @@ async def test_outputs_of_no_engine_step_go_out_by_themselves() -> None:
     outputs.kept.started("a")
     outputs.tokens(spec("i1"), "a", Chunk(0, (7,), "x"))
     outputs.terminal("i1", ended("a"))
-    for _ in range(3):
-        await asyncio.sleep(0)
+    async with asyncio.timeout(1):
+        while len(bus.published) < 2:
+            await asyncio.sleep(0)
     assert [type(e).__name__ for e in bus.published] == ["TokenBatch", "RequestCancelled"]
