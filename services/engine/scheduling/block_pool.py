@@ -138,6 +138,13 @@ class BlockPool:
         blocks, the first the child of ``parent``. True where the request's block became the
         cached (and shared) one; False where the hash was cached already and it stays private."""
         refs = self._refs
+        fresh = dict.fromkeys(hashes, 1)
+        if len(fresh) == len(hashes) and refs.keys().isdisjoint(fresh):
+            # The usual case, none cached yet, at once: all become cached, as one run.
+            if fresh:
+                refs.update(fresh)
+                self._changes.append(BlocksStored(tuple(hashes), parent))
+            return [True] * len(fresh)
         became_cached = []
         run: list[int] = []
         run_parent = prev = parent
@@ -200,12 +207,17 @@ class BlockPool:
         evicted before its head, as vLLM frees a request's blocks in reverse."""
         refs, idle = self._refs, self._idle
         self._empty += table.count(None)
-        for ref in reversed(table):
-            if ref is not None:
-                held = refs[ref] - 1
-                refs[ref] = held
-                if not held:
-                    idle[ref] = None
+        shared = [ref for ref in reversed(table) if ref is not None]
+        if list(map(refs.__getitem__, shared)).count(1) == len(shared):
+            # The usual case, no other request holding any, at once: all idle, last first.
+            refs.update(dict.fromkeys(shared, 0))
+            idle.update(dict.fromkeys(shared))
+            return
+        for ref in shared:
+            held = refs[ref] - 1
+            refs[ref] = held
+            if not held:
+                idle[ref] = None
 
     @property
     def num_changes(self) -> int:
