@@ -143,7 +143,11 @@ class PrefixIndex:
         get = holders.get
         intern = self._masks.setdefault
         added = 0
-        for block in block_hashes:
+        fresh = dict.fromkeys(block_hashes, bit if bit < 256 else intern(bit, bit))
+        if holders.keys().isdisjoint(fresh):  # the usual case, blocks nobody holds, at once
+            holders.update(fresh)
+            added = len(fresh)
+        for block in () if added else fresh:
             mask = get(block, 0)
             if not mask & bit:
                 mask |= bit
