@@ -68,6 +68,8 @@ class SessionStore:
         self._probe_after_s = probe_after_s
         self._max_cached = max_cached
         self._cached: dict[str, str] = {}
+        # The watch has read every binding and follows etcd's changes (owners come from it).
+        self._synced = False
         self._skip_until: float | None = None  # degraded while set
         self.metrics = _Metrics(self)
         self.degraded_calls = 0
@@ -81,6 +83,11 @@ class SessionStore:
         return SESSIONS_PREFIX + session_id.encode()
 
     async def owner(self, session_id: str) -> str | None:
+        """From the watched cache while the watch is in step with etcd (no round trip per
+        request); a binding another replica made a moment ago and not yet seen here is then
+        found by the claim, which etcd decides."""
+        if self._synced and self._skip_until is None:
+            return self._cached.get(session_id)
         key = self.key(session_id)
         with _refusals(session_id):
             found = await self._call(self._client.get(key))
@@ -116,6 +123,8 @@ class SessionStore:
             except Exception as exc:  # whatever broke it, the cache stands meanwhile
                 log.debug("session watch broke (%s); again in 1 s", exc)
                 await asyncio.sleep(1.0)
+            finally:
+                self._synced = False
 
     async def _watch_once(self) -> None:
         # Change by change, not registry.watch_records' whole set on each: sessions are many.
@@ -123,7 +132,9 @@ class SessionStore:
         for kv in snapshot:
             self._put(kv.key, kv.value)
         start = snapshot.header.revision + 1
-        async for event in await self._client.watch_prefix(SESSIONS_PREFIX, start_revision=start):
+        changes = await self._client.watch_prefix(SESSIONS_PREFIX, start_revision=start)
+        self._synced = True
+        async for event in changes:
             if event.kind == aetcd.EventKind.PUT:
                 self._put(event.kv.key, event.kv.value)
             else:
