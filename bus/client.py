@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import nats
+import nats.aio.client
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -33,6 +34,12 @@ from schemas.codec import decode_as, decode_event, encode
 from schemas.events import Envelope, Event
 
 log = logging.getLogger(__name__)
+
+# nats-py reads its socket through an asyncio StreamReader limited to this, which stops taking
+# from the socket past twice it: at its 32 KiB an ingress busy with 2,000 streams took in less
+# per turn of its loop than the workers' token batches brought, until the server dropped it as
+# a slow consumer (its 10 s write deadline passed).
+nats.aio.client.DEFAULT_BUFFER_SIZE = 1 << 20
 
 E = TypeVar("E", bound=Envelope)
 Q = TypeVar("Q", bound=BaseModel)
