@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,10 @@ class StreamStats:
     refused: Counter[str] = field(default_factory=Counter)
     broken: Counter[str] = field(default_factory=Counter)
     error_events: Counter[str] = field(default_factory=Counter)
+
+    def figures(self) -> dict[str, Any]:
+        # Not dataclasses.asdict: it rebuilds a Counter from its (kind, count) pairs as items.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 async def hold(
@@ -197,7 +201,7 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
         "without_headers_at_end": args.streams - stats.opened - sum(stats.refused.values())
         - sum(stats.broken.values()),
         "stream_events_per_s": round(events_at_end / elapsed, 1),
-        **asdict(stats),
+        **stats.figures(),
         "probe_ttft_ms": {
             "n": len(probes),
             "errors": sum(1 for p in probes if p["error"]),

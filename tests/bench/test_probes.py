@@ -41,3 +41,11 @@ def test_itl_probe_sets_the_clients_gaps_beside_the_workers(
     assert 0 < worker["p50"] <= worker["p95"] and 0 < client["p50"] <= client["p95"]
     assert r["p95_ratio"] == pytest.approx(client["p95"] / worker["p95"])
     assert r["tokens_per_chunk"] >= 1
+
+
+def test_stream_figures_keep_counted_kinds() -> None:
+    stats = probe_streams.StreamStats(opened=3)
+    stats.refused["HTTP 429"] += 2
+    figures = stats.figures()
+    assert figures["opened"] == 3 and figures["refused"] == {"HTTP 429": 2}
+    assert json.loads(json.dumps(figures))["refused"] == {"HTTP 429": 2}
