@@ -16,9 +16,13 @@ from typing import Any
 
 import nats
 
+from bus.topology import Subjects
+
 # An id in a subject: long, or letters mixed with digits (worker-0, a uuid's hex, a sequence).
 _ID = re.compile(r"^(?=.*\d).{3,}$|^.{20,}$")
 _PREFIXES = {"_INBOX": 1, "$JS": 3}
+# A request's terminal event, once per finished request: what "per request" counts.
+TERMINALS = Subjects.request_terminal().subject
 
 
 def subject_kind(subject: str) -> str:
@@ -29,23 +33,50 @@ def subject_kind(subject: str) -> str:
     return ".".join("*" if _ID.match(t) else t for t in tokens)
 
 
-async def census(nats_url: str, seconds: float) -> dict[str, dict[str, int]]:
-    """Messages and bytes per kind of subject over ``seconds`` of the bus."""
-    counts: Counter[str] = Counter()
-    sizes: Counter[str] = Counter()
+def matches(pattern: str, subject: str) -> bool:
+    """Whether ``subject`` is one of ``pattern``'s (NATS ``*`` wildcards only)."""
+    want, got = pattern.split("."), subject.split(".")
+    return len(want) == len(got) and all(w in ("*", g) for w, g in zip(want, got, strict=True))
 
-    async def on_msg(msg: Any) -> None:
-        kind = subject_kind(msg.subject)
-        counts[kind] += 1
-        sizes[kind] += len(msg.data)
 
+async def _listen(nats_url: str, subject: str, seconds: float, on_msg: Any) -> None:
     connection = await nats.connect(nats_url, name="laneway-bench-census")
     try:
-        await connection.subscribe(">", cb=on_msg, pending_msgs_limit=1_000_000)
+        await connection.subscribe(subject, cb=on_msg, pending_msgs_limit=1_000_000)
         await asyncio.sleep(seconds)
     finally:
         await connection.close()
-    return {k: {"messages": n, "bytes": sizes[k]} for k, n in counts.most_common()}
+
+
+async def finished(nats_url: str, seconds: float) -> int:
+    """Requests finished over ``seconds``, by their terminal events (one subscriber more to
+    those alone: the bus's load barely changes)."""
+    seen = 0
+
+    async def on_msg(msg: Any) -> None:
+        nonlocal seen
+        seen += 1
+
+    await _listen(nats_url, TERMINALS, seconds, on_msg)
+    return seen
+
+
+async def census(nats_url: str, seconds: float) -> tuple[dict[str, dict[str, int]], int]:
+    """Messages and bytes per kind of subject over ``seconds`` of the bus, and the requests
+    finished meanwhile."""
+    counts: Counter[str] = Counter()
+    sizes: Counter[str] = Counter()
+    terminals = 0
+
+    async def on_msg(msg: Any) -> None:
+        nonlocal terminals
+        kind = subject_kind(msg.subject)
+        counts[kind] += 1
+        sizes[kind] += len(msg.data)
+        terminals += matches(TERMINALS, msg.subject)
+
+    await _listen(nats_url, ">", seconds, on_msg)
+    return {k: {"messages": n, "bytes": sizes[k]} for k, n in counts.most_common()}, terminals
 
 
 def per_request(kinds: dict[str, dict[str, int]], requests: float) -> list[dict[str, Any]]:

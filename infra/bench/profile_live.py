@@ -6,8 +6,8 @@ load client in a process of its own), then, after a warm-up:
 1. a quiet window: every process's CPU seconds from /proc (the services, nats-server, etcd and
    the client), as a share of a core and as CPU milliseconds per request, and its read and write
    system calls per request (/proc/PID/io counts read(2)/write(2): uvloop's and nats-server's
-   socket I/O; the standard loop's recv/send, as the client's, show as none). Requests per
-   window: the client's req/s over the whole load times the window;
+   socket I/O; the standard loop's recv/send, as the client's, show as none). Requests: those
+   whose terminal event came in the window;
 2. NATS messages per request by kind of subject, counted by a subscriber to every subject
    (infra/bench/bus_census.py);
 3. a sampled window: py-spy records each Python service (``--nonblocking``: the service is never
@@ -31,22 +31,12 @@ from typing import Any
 
 import orjson
 
-from infra.bench.bus_census import census, per_request
+from infra.bench.bus_census import census, finished, per_request
 from infra.bench.live_cluster import laneway_up
 from infra.bench.proc_stats import COUNTERS, growth, snapshot
 from infra.bench.profile_summary import parse, report
 
 _SERVERS = ("nats", "etcd")
-
-
-def measure_window(
-    pids: dict[str, int], seconds: float
-) -> tuple[dict[str, dict[str, float]], float]:
-    """Each process's counters' growth over a window of about ``seconds``, and its length."""
-    before = snapshot(pids)
-    start = time.monotonic()
-    time.sleep(seconds)
-    return growth(before, snapshot(pids)), time.monotonic() - start
 
 
 def spy(
@@ -144,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
             env={**os.environ, "LANEWAY_API_KEY": up.api_key or ""},
         )  # fmt: skip
         time.sleep(args.warmup)
-        grown, window_s = measure_window({**up.pids, "load-client": load.pid}, args.cpu_window)
-        start = time.monotonic()
-        kinds = asyncio.run(census(up.nats_url, args.census_window))
-        census_s = time.monotonic() - start
+        pids = {**up.pids, "load-client": load.pid}
+        before, start = snapshot(pids), time.monotonic()
+        done = asyncio.run(finished(up.nats_url, args.cpu_window))
+        grown, window_s = growth(before, snapshot(pids)), time.monotonic() - start
+        kinds, census_done = asyncio.run(census(up.nats_url, args.census_window))
         services = {
             n: p
             for n, p in up.pids.items()
@@ -156,12 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         stacks = spy(services, args.out, args.spy_window, args.rate, args.native)
         out, _ = load.communicate(timeout=load_s + 120)
     result = orjson.loads(out.splitlines()[-1])
-    requests = result["rps"] * window_s
-    table = cpu_table(grown, window_s, requests)
-    messages = per_request(kinds, result["rps"] * census_s)
+    table = cpu_table(grown, window_s, done)
+    messages = per_request(kinds, census_done)
     summary = {
         "load": result,
         "cpu_window_s": round(window_s, 3),
+        "cpu_window_requests": done,
         "cpu": table,
         "bus_messages": messages,
     }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infra.bench.bus_census import per_request, subject_kind
+from infra.bench.bus_census import TERMINALS, matches, per_request, subject_kind
 
 
 def test_ids_masked_kinds_kept() -> None:
@@ -29,3 +29,10 @@ def test_per_request() -> None:
         "bytes_per_message": 200,
     }
     assert rows[-1] == {"subject": "all", "messages_per_request": 4.0}
+
+
+def test_terminals_are_matched_by_the_topologys_pattern() -> None:
+    assert TERMINALS == "lw.req.done.*.*"
+    assert matches(TERMINALS, "lw.req.done.ingress-1.decode-worker-0")
+    assert not matches(TERMINALS, "lw.req.done.ingress-1")  # a placement, not a terminal
+    assert not matches(TERMINALS, "lw.req.done.ingress-1.decode-worker-0.x")
