@@ -130,7 +130,8 @@ def cluster_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluste
         cluster.stop()
 
 
-SHARED_TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+# ../shared beside the checkout, as the project keeps its traces out of the repo.
+SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
 
 @pytest.fixture
