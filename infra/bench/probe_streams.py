@@ -198,7 +198,9 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
         "elapsed_s": round(elapsed, 1),
         "in_flight_at_end": in_flight,
         # Sent, and not even a status line back by the end.
-        "without_headers_at_end": args.streams - stats.opened - sum(stats.refused.values())
+        "without_headers_at_end": args.streams
+        - stats.opened
+        - sum(stats.refused.values())
         - sum(stats.broken.values()),
         "stream_events_per_s": round(events_at_end / elapsed, 1),
         **stats.figures(),

@@ -112,7 +112,10 @@ async def test_bench_takes_turns_and_counts_cpu_of_known_processes(server: str) 
     shape = loads(seq_requests=3, duration_s=0.3)
     results = await run_all([served_here, unknown], {"seq": shape["seq"]}, rounds=2)
     assert [(r["system"], r["round"]) for r in results] == [
-        ("here", 0), ("there", 0), ("here", 1), ("there", 1)
+        ("here", 0),
+        ("there", 0),
+        ("here", 1),
+        ("there", 1),
     ]
     assert all(r["ok"] == 3 and r["model"] == "tiny" for r in results)
     assert all(r["cpu_ms_per_request"] > 0 for r in results if r["system"] == "here")
@@ -128,9 +131,7 @@ def test_percentile_interpolates() -> None:
 def test_table_medians_and_ratios() -> None:
     def run(system: str, rps: float, lat: float) -> dict[str, object]:
         cols = ("ttft_ms_p50", "ttft_ms_p99", "lat_ms_p50", "lat_ms_p99", "itl_ms_p95")
-        return {"system": system, "load": "c32", "rps": rps, "errors": 0} | dict.fromkeys(
-            cols, lat
-        )
+        return {"system": system, "load": "c32", "rps": rps, "errors": 0} | dict.fromkeys(cols, lat)
 
     results = [run("dyn", 100, 10), run("lw", 40, 30), run("dyn", 300, 10), run("lw", 60, 20)]
     lines = format_table(results).splitlines()

@@ -15,7 +15,7 @@ from bus.tls import TlsFiles
 from bus.topology import Subjects
 from infra.cluster_auth import ClusterAuth
 from infra.embedded import EmbeddedServer, start_nats
-from schemas.events import TokensGenerated
+from schemas.events import TokenBatch, TokensGenerated
 from tests.helpers import eventually
 from tests.security.certificates import make_certificates
 
@@ -34,9 +34,9 @@ def tls_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Embedde
 
 
 async def _round_trip(bus: Bus) -> None:
-    got: list[TokensGenerated] = []
+    got: list[TokenBatch | TokensGenerated] = []
 
-    async def on_tokens(event: TokensGenerated) -> None:
+    async def on_tokens(event: TokenBatch | TokensGenerated) -> None:
         got.append(event)
 
     topic = Subjects.tokens("tls", "w")
