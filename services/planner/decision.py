@@ -82,7 +82,10 @@ def decide(policy: Policy, disagg: DisaggSettings, inputs: DecisionInputs) -> De
     worker; a remotely prefilled request decodes where its tokens will come soonest."""
     request, decoders = inputs.request, inputs.decoders
     turn = policy.turn
-    choice = policy.choose(request, decoders)
+    if isinstance(policy, KvAware):
+        choice = policy.choose(request, decoders, inputs.handoff)
+    else:
+        choice = policy.choose(request, decoders)
     worker_id, reason, move = choice.worker_id, choice.reason, choice.move
     placement = _place_prefill(policy, disagg, inputs, _view(decoders, worker_id))
     if placement is not None and placement.prefill_worker_id is not None:

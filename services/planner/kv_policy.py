@@ -132,11 +132,23 @@ class KvAware:
     def _short(self, request: RouteRequest) -> bool:
         return request.prompt_tokens < self.settings.short_prompt_tokens
 
-    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Choice:
+    def choose(
+        self,
+        request: RouteRequest,
+        workers: Sequence[WorkerView],
+        handoff: frozenset[str] = frozenset(),
+    ) -> Choice:
+        """``handoff``: the workers whose engines send and take a prompt's KV, the only ends a
+        move may have (another engine would recompute what was counted as moved)."""
         if request.session_id is None and self._short(request):
             return self._two_choices(request, workers)
-        source = _deepest(workers) if self.settings.kv_moves else None
-        predictions = {w.worker_id: self._sooner(request, w, source) for w in workers}
+        source = None
+        if self.settings.kv_moves:
+            source = _deepest([w for w in workers if w.worker_id in handoff])
+        predictions = {
+            w.worker_id: self._sooner(request, w, source if w.worker_id in handoff else None)
+            for w in workers
+        }
         costs = {w.worker_id: predictions[w.worker_id].cost + self._held_kv_ms(w) for w in workers}
         best = self._cheapest(costs, workers)
         reason = "lowest predicted TTFT"

@@ -45,8 +45,16 @@ def test_a_host_tier_hit_costs_the_pcie_load_not_a_prefill() -> None:
     assert host.cost < cold.cost
 
 
-def _decide(settings: KvSettings, owner: WorkerView, others: list[WorkerView]) -> Decision:
-    inputs = DecisionInputs(request(), [owner, *others])
+def _decide(
+    settings: KvSettings,
+    owner: WorkerView,
+    others: list[WorkerView],
+    handoff: frozenset[str] | None = None,
+) -> Decision:
+    """``handoff`` None: every worker can send and take KV."""
+    workers = [owner, *others]
+    able = frozenset(w.worker_id for w in workers) if handoff is None else handoff
+    inputs = DecisionInputs(request(), workers, handoff=able)
     return decide(KvAware(settings), DisaggSettings(mode="never"), inputs)
 
 
@@ -69,6 +77,14 @@ def test_a_busy_owners_kv_is_moved_to_an_idle_worker_and_the_move_explained() ->
     # Without moves, the same cluster recomputes on b: later.
     recomputed = _decide(KvSettings(), owner, [idle])
     assert recomputed.worker_id == "b" and recomputed.kv_move is None
+
+
+def test_no_move_from_or_to_a_worker_whose_engine_cannot_hand_kv_over() -> None:
+    owner = view("a", cached_blocks=BLOCKS, waiting_prefill_tokens=60_000, running=20)
+    assert _decide(KvSettings(kv_moves=True), owner, [view("b")]).kv_move is not None
+    for able in ({"a"}, {"b"}):
+        moved = _decide(KvSettings(kv_moves=True), owner, [view("b")], frozenset(able))
+        assert moved.worker_id == "b" and moved.kv_move is None, able
 
 
 def test_no_move_when_the_owner_is_free_or_the_link_too_slow() -> None:

@@ -70,7 +70,7 @@ async def test_host_runs_places_and_learned_lengths_reach_the_decision(
     planner = Planner(
         bus, KvAware(settings), "tiers", overlap_timeout_s=2.0, lengths=OutputLengthPredictor()
     )
-    place = {"node": "n0", "rack": "r0", "kv_blocks_total": 4096}
+    place = {"node": "n0", "rack": "r0", "kv_blocks_total": 4096, "kv_handoff": True}
     await planner.on_workers({w: registration(w).model_copy(update=place) for w in ("a", "b")})
     # a holds the whole prompt, 100 blocks on its GPU and the rest in its host tier, behind a
     # long queue: pulling it to the idle b over their node's link is sooner.

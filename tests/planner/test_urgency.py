@@ -23,7 +23,8 @@ def _decide(priority: Priority, queued: int, **settings: float) -> Decision:
         idle, worker_id="a", cached_blocks=BLOCKS, waiting_prefill_tokens=queued
     )
     policy = KvAware(KvSettings(kv_moves=True, **settings))  # type: ignore[arg-type]
-    return decide(policy, DisaggSettings(mode="never"), DecisionInputs(request, [owner, idle]))
+    inputs = DecisionInputs(request, [owner, idle], handoff=frozenset({"a", "b"}))
+    return decide(policy, DisaggSettings(mode="never"), inputs)
 
 
 def test_a_high_priority_request_moves_kv_a_normal_one_waits_for() -> None:
