@@ -7,9 +7,24 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
 
+from schemas.events import RequestSpec, RouteDecided
 from schemas.messages import WorkerRegistration
 
 T = TypeVar("T")
+
+
+def routed(request_id: str, worker_id: str, spec: RequestSpec, **fields: Any) -> RouteDecided:
+    """A planner's decision to run ``spec`` on ``worker_id``, as a worker receives it."""
+    return RouteDecided(
+        source="test",
+        request_id=request_id,
+        worker_id=worker_id,
+        policy="test",
+        reason="test",
+        candidates=(),
+        spec=spec,
+        **fields,
+    )
 
 
 def registration(worker_id: str, max_model_len: int | None = None) -> WorkerRegistration:

@@ -49,7 +49,7 @@ from services.worker.outputs import Background
 from services.worker.runtime import Worker
 from services.worker.settings import WorkerOptions
 from tests.engine.torch_engine.tiny_checkpoint import write_tiny_checkpoint
-from tests.helpers import eventually
+from tests.helpers import eventually, routed
 
 BLOCK = 16
 PROMPT = tuple(range(1, 8 * BLOCK + 6))  # eight full blocks and five tokens
@@ -67,16 +67,7 @@ def route(request_id: str, worker_id: str, move: KvMove | None = None) -> RouteD
         reply_to=INGRESS,
         deadline=datetime(2100, 1, 1, tzinfo=UTC),
     )
-    return RouteDecided(
-        source="test",
-        request_id=request_id,
-        worker_id=worker_id,
-        policy="test",
-        reason="test",
-        candidates=(),
-        spec=spec,
-        kv_move=move,
-    )
+    return routed(request_id, worker_id, spec, kv_move=move)
 
 
 def move_from(source: str, transfer_ms: float = 30.0) -> KvMove:

@@ -17,7 +17,6 @@ from bus.client import Bus
 from schemas.events import (
     RequestFinished,
     RequestSpec,
-    RouteDecided,
     SamplingParams,
     TokenBatch,
     TokenRun,
@@ -30,6 +29,7 @@ from services.worker.handoff import PrefillSide
 from services.worker.outputs import Background, Outputs
 from services.worker.requests import Requests
 from tests.engine._sim_support import make_engine, run_to_end, tokens_by_request
+from tests.helpers import routed
 from tests.worker.fakes import RecordingBus
 
 PROMPT = tuple(b"tell me story number 44")
@@ -76,17 +76,7 @@ class Worker:
         self.before_outputs: Callable[[int], Awaitable[None]] | None = None
 
     async def route(self, attempt: int) -> None:
-        await self._handlers.on_route(
-            RouteDecided(
-                source="test",
-                request_id="r",
-                worker_id="w1",
-                policy="test",
-                reason="test",
-                candidates=(),
-                spec=spec(attempt),
-            )
-        )
+        await self._handlers.on_route(routed("r", "w1", spec(attempt)))
 
     async def run_until_finished(self, attempt: int) -> None:
         async def on_step(result: StepResult) -> None:

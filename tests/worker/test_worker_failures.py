@@ -25,7 +25,7 @@ from services.common.tokenizer import ByteTokenizer
 from services.engine.sim import SimConfig, SimEngine
 from services.worker.runtime import Worker
 from services.worker.settings import WorkerOptions
-from tests.helpers import eventually
+from tests.helpers import eventually, routed
 
 
 class FlakyEngine(SimEngine):
@@ -51,15 +51,7 @@ def route(request_id: str, worker_id: str, max_tokens: int = 3) -> RouteDecided:
         reply_to="testingress",
         deadline=datetime(2100, 1, 1, tzinfo=UTC),
     )
-    return RouteDecided(
-        source="test",
-        request_id=request_id,
-        worker_id=worker_id,
-        policy="test",
-        reason="test",
-        candidates=(),
-        spec=spec,
-    )
+    return routed(request_id, worker_id, spec)
 
 
 @contextlib.asynccontextmanager
