@@ -188,7 +188,15 @@ def _port(bus: Bus) -> int | None:
 
 async def test_bus_leaves_a_server_that_stops_answering(nats_nodes: list[EmbeddedServer]) -> None:
     bus = await Bus.connect(",".join(node.url for node in nats_nodes), "frozen")
-    await bus.ensure_streams(3)
+
+    async def streams_answer() -> bool:
+        try:
+            await bus.ensure_streams(3)
+        except nats.errors.TimeoutError:  # the server the last test restarted: still electing
+            return False
+        return True
+
+    await eventually(streams_answer, timeout=30.0, message="the cluster's streams never answered")
     victim = next(node for node in nats_nodes if node.port == _port(bus))
     victim.proc.send_signal(signal.SIGSTOP)  # a partitioned server: up, but silent
     started = time.monotonic()
