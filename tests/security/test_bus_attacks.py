@@ -131,7 +131,7 @@ async def _received(
     await publish.publish(subject, data)
     await publish.flush()
     if expected:
-        await eventually(lambda: bool(got), timeout=5, message=f"nothing on {subject}")
+        await eventually(lambda: bool(got), timeout=20, message=f"nothing on {subject}")
     else:
         await asyncio.sleep(0.3)
     return bool(got)
