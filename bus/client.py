@@ -148,6 +148,11 @@ class Bus:
     def nc(self) -> NatsClient:
         return self._nc
 
+    @property
+    def reconnects(self) -> int:
+        """Times the connection was made again: what was sent before one may not have gone."""
+        return int(self._nc.stats["reconnects"])
+
     async def ensure_streams(self, replicas: int = 1) -> None:
         """Create or update the streams, stored on ``replicas`` servers (an existing stream
         moves to that count); every service calls this, so start order is free. Streams

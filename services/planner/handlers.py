@@ -188,10 +188,16 @@ class Planner:
         )
         # The ingress takes this attempt's tokens from worker_id alone (only the planner
         # publishes placements): sent first, and beside the route, not after its confirmation.
+        reconnects = self._bus.reconnects
         await asyncio.gather(
             self._bus.publish(Subjects.placements(spec.reply_to), placed),
             self._bus.publish(Subjects.route(worker_id), route_decided),
         )
+        if self._bus.reconnects != reconnects:
+            # Nothing confirms a placement, which a connection lost meanwhile may have lost
+            # with it; the route's confirmation came after a reconnect, so say it again (an
+            # ingress takes the first it hears, the stream drops the copy by its id).
+            await self._bus.publish(Subjects.placements(spec.reply_to), placed)
         if remote is not None:
             # The same decision, to the worker that computes the prompt.
             prefill_copy = route_decided.model_copy(

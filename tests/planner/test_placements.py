@@ -1,0 +1,87 @@
+"""A placement is a stored publish, not a confirmed one: said again when the connection was lost
+while it went out, since nothing else would tell the planner it never arrived."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+from bus.channels import Topic
+from bus.client import Bus
+from bus.topology import Subjects
+from infra.embedded import EmbeddedServer
+from schemas.events import (
+    Event,
+    RequestAccepted,
+    RequestPlaced,
+    RequestSpec,
+    RouteDecided,
+    SamplingParams,
+    utc_now,
+)
+from services.planner.handlers import Planner
+from services.planner.policies import make_policy
+from tests.helpers import eventually, registration
+
+
+class ReconnectingBus(Bus):
+    """A bus whose connection is made again while a route waits for its confirmation."""
+
+    def __init__(self, bus: Bus, reconnect_on_route: bool) -> None:
+        super().__init__(bus.nc)
+        self._reconnect_on_route = reconnect_on_route
+        self._reconnected = 0
+
+    @property
+    def reconnects(self) -> int:
+        return self._reconnected
+
+    async def publish(self, topic: Topic[Any], event: Any) -> None:
+        await super().publish(topic, event)
+        if isinstance(event, RouteDecided) and self._reconnect_on_route:
+            self._reconnected += 1
+
+
+def accepted(request_id: str, reply_to: str) -> RequestAccepted:
+    spec = RequestSpec(
+        model="m",
+        prompt_token_ids=(1, 2, 3),
+        block_size=16,
+        block_hashes=(),
+        sampling=SamplingParams(max_tokens=4),
+        reply_to=reply_to,
+        deadline=utc_now() + timedelta(minutes=5),
+    )
+    return RequestAccepted(source="test", request_id=request_id, spec=spec)
+
+
+async def placements_heard(nats_server: EmbeddedServer, reconnect_on_route: bool) -> int:
+    bus = await Bus.connect(nats_server.url, "test-placements")
+    await bus.ensure_streams()
+    reply_to = f"placements{int(reconnect_on_route)}"
+    heard: list[RequestPlaced] = []
+
+    async def on_placement(event: Event) -> None:
+        if isinstance(event, RequestPlaced):
+            heard.append(event)
+
+    await bus.subscribe(Subjects.placements(reply_to), on_placement)
+    planner = Planner(ReconnectingBus(bus, reconnect_on_route), make_policy("round_robin"), "p")
+    await planner.on_workers({"w": registration("w")})
+    try:
+        await planner.on_request(accepted(f"r-{reply_to}", reply_to))
+        await eventually(lambda: heard)
+        await asyncio.sleep(0.2)  # a second copy, if one was sent, has come by now
+        assert {p.worker_id for p in heard} == {"w"}
+        return len(heard)
+    finally:
+        await bus.close()
+
+
+async def test_a_placement_goes_once_on_a_steady_connection(nats_server: EmbeddedServer) -> None:
+    assert await placements_heard(nats_server, reconnect_on_route=False) == 1
+
+
+async def test_a_placement_is_said_again_after_a_reconnect(nats_server: EmbeddedServer) -> None:
+    assert await placements_heard(nats_server, reconnect_on_route=True) == 2
