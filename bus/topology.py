@@ -79,13 +79,16 @@ CANCELS: Channel[CancellationRequested] = Channel(
     "every worker hears every ask; the one running the request ends it",
 )
 # An ingress takes a request's tokens and terminal only from the worker the planner placed it
-# on; only the planner publishes placements, only a worker its own terminals and tokens.
+# on; only the planner publishes placements, only a worker its own terminals and tokens. The
+# ingress hears them on a core subscription, so a stream's confirmation would tell it nothing:
+# stored. The planner says a placement again when its connection was lost while it went out,
+# and an ingress that hears none submits the request again (`Recovery.unrouted_s`).
 PLACEMENTS: Channel[RequestPlaced | RequestFailed] = Channel(
     "lw.req.done.{ingress}",
     (RequestPlaced, RequestFailed),
     ("planner",),
     ("ingress (its own instance)",),
-    "confirmed",
+    "stored",
     REQUESTS,
     "the planner's word to an ingress: where each attempt runs, or why it ends without a worker",
 )
