@@ -34,6 +34,22 @@ class OverlapReply(Frozen):
     )
 
 
+# Queries in one batch at most: a planner asks those of one turn of its event loop together.
+OVERLAP_BATCH_LIMIT = 256
+
+
+class OverlapQueries(Frozen):
+    """Several prompts' overlap queries in one message, answered in one."""
+
+    queries: tuple[OverlapQuery, ...] = Field(min_length=1, max_length=OVERLAP_BATCH_LIMIT)
+
+
+class OverlapReplies(Frozen):
+    """The answers to an :class:`OverlapQueries`, in its order."""
+
+    replies: tuple[OverlapReply, ...] = Field(max_length=OVERLAP_BATCH_LIMIT)
+
+
 class WorkerRegistration(Frozen):
     """A worker's record in etcd (`workers/<id>`), alive as long as its lease."""
 
