@@ -25,6 +25,7 @@ from schemas.events import new_id
 from schemas.messages import WorkerRegistration
 from services.common.hf_tokenizer import HfTokenizer
 from services.common.tokenizer import ByteTokenizer, Tokenizer
+from services.ingress.acceptor import EagerAcceptServer
 from services.ingress.admission import Admission, AdmissionSettings
 from services.ingress.api import create_app
 from services.ingress.auth import KeyBook
@@ -81,7 +82,7 @@ class IngressSettings(ServiceSettings):
             raise ValueError("LANEWAY_API_TLS_CERTFILE and LANEWAY_API_TLS_KEYFILE go together")
 
 
-class _Server(uvicorn.Server):
+class _Server(EagerAcceptServer):
     # The process's own stop event owns SIGINT/SIGTERM; uvicorn must not take them over.
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
