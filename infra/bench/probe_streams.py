@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from infra.bench.cluster_gauges import GaugeSampler, rates, targets
 from infra.bench.live_cluster import RunningUp, laneway_up
 from infra.bench.live_load import (
     LoadSpec,
@@ -114,7 +115,7 @@ class RssSampler:
             await asyncio.sleep(0.5)
 
 
-async def probe_ttft(base: LoadSpec, every_s: float, out: list[dict[str, Any]]) -> None:
+async def probe_ttft(base: LoadSpec, every_s: float, t0: float, out: list[dict[str, Any]]) -> None:
     """A new short request every ``every_s`` seconds, each from a client process of its own:
     its TTFT is the cluster's, not this crowded event loop's."""
     n = 0
@@ -128,18 +129,20 @@ async def probe_ttft(base: LoadSpec, every_s: float, out: list[dict[str, Any]]) 
             env={**os.environ, "LANEWAY_API_KEY": base.api_key or ""},
         )  # fmt: skip
         started = time.perf_counter()
+        sent_at = round(time.monotonic() - t0, 1)
         try:
             stdout, _ = await proc.communicate()
         except asyncio.CancelledError:  # the probe's end: how long this one had waited
             proc.kill()
             await proc.wait()
             waited = round((time.perf_counter() - started) * 1000, 1)
-            out.append({"ttft_ms": None, "error": f"no answer by the end (waited {waited} ms)"})
+            unanswered = f"no answer by the end (waited {waited} ms)"
+            out.append({"t": sent_at, "ttft_ms": None, "error": unanswered})
             raise
         result = orjson.loads(stdout.splitlines()[-1]) if stdout.strip() else {}
         kinds = result.get("error_kinds") or {}
         error = next(iter(kinds), None) if kinds else (None if result else "probe client failed")
-        out.append({"ttft_ms": result.get("ttft_ms_p50"), "error": error})
+        out.append({"t": sent_at, "ttft_ms": result.get("ttft_ms_p50"), "error": error})
         n += 1
         await asyncio.sleep(every_s)
 
@@ -163,11 +166,12 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
     stats = StreamStats()
     probes: list[dict[str, Any]] = []
     sampler = RssSampler({n: up.pids[n] for n in ("nats", "ingress") if n in up.pids})
+    gauges = GaugeSampler(targets(up.state_dir))
     url, hdrs = chat_url(up.base_url), headers(up.api_key)
     t0 = time.monotonic()
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        background = [asyncio.create_task(sampler.run(t0))]
+        background = [asyncio.create_task(sampler.run(t0)), asyncio.create_task(gauges.run(t0))]
         streams = []
         rng = random.Random(0)
         for i in range(args.streams):
@@ -178,7 +182,7 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
             if i % max(1, args.streams // max(1, int(args.ramp * 100))) == 0:
                 await asyncio.sleep(0.01)
         ramp_s = time.monotonic() - t0
-        background.append(asyncio.create_task(probe_ttft(probe_spec, args.probe_every, probes)))
+        background.append(asyncio.create_task(probe_ttft(probe_spec, args.probe_every, t0, probes)))
         await asyncio.sleep(max(0.0, args.duration - (time.monotonic() - t0)))
         in_flight = sum(1 for s in streams if not s.done())
         events_at_end = stats.events
@@ -214,6 +218,8 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
         },
         "rss_peak_mb": {n: round(mb, 1) for n, mb in sampler.peak_mb.items()},
         "rss_timeline_mb": sampler.timeline,
+        "worker_rates": rates(gauges.timeline),
+        "gauges": gauges.timeline,
     }
 
 
@@ -249,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(text)
-    brief = {k: v for k, v in result.items() if k != "rss_timeline_mb"}
+    brief = {k: v for k, v in result.items() if k not in ("rss_timeline_mb", "gauges")}
     brief["probe_ttft_ms"] = {k: v for k, v in result["probe_ttft_ms"].items() if k != "all"}
     print(orjson.dumps(brief, option=orjson.OPT_INDENT_2).decode())
     return 0
