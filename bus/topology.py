@@ -196,9 +196,16 @@ RETIRED_STREAMS = ("LW_TOKENS",)
 OVERLAP_QUERY = Endpoint(
     "lw.query.overlap",
     "`OverlapQuery` → `OverlapReply`",
+    ("operators", "tests"),
+    ("kv-indexer (queue group)",),
+    "request/reply: queries are not facts; one prompt's (the planner asks in batches)",
+)
+OVERLAP_QUERIES = Endpoint(
+    "lw.query.overlaps",
+    "`OverlapQueries` → `OverlapReplies`",
     ("planner",),
     ("kv-indexer (queue group)",),
-    "request/reply: queries are not facts",
+    "the queries a planner asked in one turn of its loop, in one round trip",
 )
 INDEX_STATE = Endpoint(
     "lw.query.index.{indexer}",
@@ -230,7 +237,7 @@ RESEND = Endpoint(
     ("worker (its own)",),
     "token deltas are core messages: one lost on its way is asked of the request's worker again",
 )
-ENDPOINTS = (OVERLAP_QUERY, INDEX_STATE, KV_HANDOFF, KV_PULL, RESEND)
+ENDPOINTS = (OVERLAP_QUERY, OVERLAP_QUERIES, INDEX_STATE, KV_HANDOFF, KV_PULL, RESEND)
 
 
 class Subjects:
@@ -255,6 +262,7 @@ class Subjects:
     # Every worker's routing decisions, without the prefill completions beside them.
     route_decisions = ROUTE.every.only(RouteDecided)
     overlap_query = OVERLAP_QUERY.pattern
+    overlap_queries = OVERLAP_QUERIES.pattern
     resend = staticmethod(RESEND.at)
     index_state = staticmethod(INDEX_STATE.at)
     placements = staticmethod(PLACEMENTS.at)
