@@ -13,7 +13,9 @@ from schemas.events import KvEvent, RouteDecided
 from schemas.messages import (
     IndexState,
     IndexStateQuery,
+    OverlapQueries,
     OverlapQuery,
+    OverlapReplies,
     OverlapReply,
     WorkerRegistration,
 )
@@ -83,21 +85,31 @@ class Indexer:
             self.metrics.query_seconds.time(),
             self._tracer.start_as_current_span("kv_indexer.overlap") as span,
         ):
-            overlaps = self.index.overlaps(query.block_hashes)
-            for worker_id, depth in self.predicted.overlaps(
-                query.block_hashes, time.monotonic()
-            ).items():
-                overlaps[worker_id] = max(depth, overlaps.get(worker_id, 0))
-            host_runs = self.index.host_runs(query.block_hashes, overlaps)
-            if self._seen_live:
-                overlaps = {w: n for w, n in overlaps.items() if w in self._live}
-                host_runs = {w: n for w, n in host_runs.items() if w in self._live}
+            reply = self._answer(query, time.monotonic())
             span.set_attribute("laneway.query_blocks", len(query.block_hashes))
-            span.set_attribute("laneway.best_overlap", max(overlaps.values(), default=0))
-            span.set_attribute("laneway.workers_overlapping", len(overlaps))
-            return OverlapReply(
-                overlaps=overlaps, indexed_blocks=self.index.size, host_runs=host_runs
-            )
+            span.set_attribute("laneway.best_overlap", max(reply.overlaps.values(), default=0))
+            span.set_attribute("laneway.workers_overlapping", len(reply.overlaps))
+            return reply
+
+    async def on_queries(self, batch: OverlapQueries) -> OverlapReplies:
+        # A child of the route span of the batch's first request (the headers carry its trace).
+        with (
+            self.metrics.query_seconds.time(),
+            self._tracer.start_as_current_span("kv_indexer.overlaps") as span,
+        ):
+            now = time.monotonic()
+            span.set_attribute("laneway.queries", len(batch.queries))
+            return OverlapReplies(replies=tuple(self._answer(q, now) for q in batch.queries))
+
+    def _answer(self, query: OverlapQuery, now: float) -> OverlapReply:
+        overlaps = self.index.overlaps(query.block_hashes)
+        for worker_id, depth in self.predicted.overlaps(query.block_hashes, now).items():
+            overlaps[worker_id] = max(depth, overlaps.get(worker_id, 0))
+        host_runs = self.index.host_runs(query.block_hashes, overlaps)
+        if self._seen_live:
+            overlaps = {w: n for w, n in overlaps.items() if w in self._live}
+            host_runs = {w: n for w, n in host_runs.items() if w in self._live}
+        return OverlapReply(overlaps=overlaps, indexed_blocks=self.index.size, host_runs=host_runs)
 
     async def on_state(self, query: IndexStateQuery) -> IndexState:
         pairs = sorted(

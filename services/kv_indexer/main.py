@@ -16,7 +16,7 @@ from bus.topology import INDEX_SNAPSHOT_NAME, INDEX_SNAPSHOTS, Subjects
 from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
 from schemas.events import RouteDecided, new_id
-from schemas.messages import IndexStateQuery, OverlapQuery
+from schemas.messages import IndexStateQuery, OverlapQueries, OverlapQuery
 from services.kv_indexer.handlers import Indexer
 from services.kv_indexer.index import PrefixIndex
 
@@ -76,6 +76,9 @@ def main() -> None:
         watcher = asyncio.create_task(watch_workers(etcd, indexer.on_workers))
         await bus.replay(Subjects.all_kv, indexer.index.position, indexer.on_kv)
         await bus.serve(Subjects.overlap_query, OverlapQuery, indexer.on_query, queue="kv-indexer")
+        await bus.serve(
+            Subjects.overlap_queries, OverlapQueries, indexer.on_queries, queue="kv-indexer"
+        )
         await bus.serve(
             Subjects.index_state(settings.instance_id),
             IndexStateQuery,

@@ -25,12 +25,13 @@ from schemas.events import (
     WorkerLoadReported,
     utc_now,
 )
-from schemas.messages import OverlapQuery, OverlapReply, WorkerRegistration
+from schemas.messages import WorkerRegistration
 from services.planner.cluster import ClusterView, Routed, migrated_reason
 from services.planner.decision import Decision, DecisionInputs, decide, rebind
 from services.planner.disagg import DisaggSettings
 from services.planner.metrics import PlannerMetrics
 from services.planner.output_length import OutputLengthPredictor
+from services.planner.overlaps import OverlapAsker
 from services.planner.policy import Policy, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -64,11 +65,13 @@ class Planner:
         self._policy = policy
         self._sessions = sessions
         self._source = f"planner/{instance_id}"
-        self._overlap_timeout_s = overlap_timeout_s
         self.cluster = ClusterView()
         # Requests (id, attempt) being routed now: consumed up to ROUTING_CONCURRENCY at once.
         self._routing: dict[tuple[str, int], asyncio.Event] = {}
         self.metrics = PlannerMetrics(self.cluster)
+        self._overlaps = OverlapAsker(
+            bus, overlap_timeout_s, self.metrics.overlap_seconds, self.metrics.overlap_failures
+        )
         self._tracer = trace.get_tracer("laneway.planner")
 
     async def attach(self, on_finished: Callable[[RequestFinished], None] | None = None) -> None:
@@ -135,7 +138,7 @@ class Planner:
         overlaps: dict[str, int] | None = None
         host_runs: dict[str, int] | None = None
         if spec.block_hashes and self._policy.wants_overlap(route):
-            overlaps, host_runs = await self._overlaps(spec.block_hashes)
+            overlaps, host_runs = await self._overlaps.ask(spec.block_hashes)
         owner = None
         if self._sessions is not None and event.session_id is not None:
             owner = await self._sessions.owner(event.session_id)
@@ -238,28 +241,6 @@ class Planner:
                 attempt=event.spec.attempt,
             ),
         )
-
-    async def _overlaps(
-        self, block_hashes: tuple[int, ...]
-    ) -> tuple[dict[str, int], dict[str, int]]:
-        """Per worker, the prompt's leading blocks it caches on its GPU, and how many more its
-        host tier holds after them."""
-        started = time.monotonic()
-        try:
-            reply = await self._bus.request(
-                Subjects.overlap_query,
-                OverlapQuery(block_hashes=block_hashes),
-                OverlapReply,
-                timeout=self._overlap_timeout_s,
-            )
-        except Exception:  # no indexer, or too slow: route on load alone rather than stall
-            elapsed = time.monotonic() - started
-            self.metrics.overlap_seconds.observe(elapsed)
-            self.metrics.overlap_failures.inc()
-            log.warning("overlap query failed after %.1f ms", elapsed * 1e3)
-            return {}, {}
-        self.metrics.overlap_seconds.observe(time.monotonic() - started)
-        return reply.overlaps, reply.host_runs
 
     async def on_terminal(self, event: TerminalEvent) -> None:
         route = None

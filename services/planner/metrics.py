@@ -61,7 +61,8 @@ class PlannerMetrics:
         )
         self.overlap_seconds = Histogram(
             "laneway_planner_overlap_query_seconds",
-            "Overlap queries to the kv-indexer, asked to answered (or timed out).",
+            "Overlap queries to the kv-indexer, a turn's in one batch: asked to answered (or "
+            "timed out).",
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )

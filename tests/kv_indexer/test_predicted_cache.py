@@ -7,7 +7,7 @@ from schemas.events import (
     SamplingParams,
     utc_now,
 )
-from schemas.messages import OverlapQuery, WorkerRegistration
+from schemas.messages import OverlapQueries, OverlapQuery, WorkerRegistration
 from services.kv_indexer.handlers import Indexer
 from services.kv_indexer.index import PrefixIndex
 from services.kv_indexer.predicted import PredictedCache
@@ -89,3 +89,18 @@ async def test_only_predicted_workers_routes_are_followed_and_each_once() -> Non
     await indexer.on_workers({"with-events": with_events})  # decode leaves
     await indexer.on_workers(workers)  # and comes back: its subscription still stands
     assert followed == ["decode"]
+
+
+async def test_a_batch_of_queries_is_answered_as_each_alone() -> None:
+    indexer = Indexer(PrefixIndex())
+    indexer.index.store("a", [1, 2, 3])
+    indexer.index.store("b", [1, 7])
+    queries = tuple(OverlapQuery(block_hashes=h) for h in ((1, 2, 3, 4), (1, 7), (9,), (1, 2)))
+    batch = await indexer.on_queries(OverlapQueries(queries=queries))
+    assert batch.replies == tuple([await indexer.on_query(q) for q in queries])
+    assert [r.overlaps for r in batch.replies] == [
+        {"a": 3, "b": 1},
+        {"a": 1, "b": 2},
+        {},
+        {"a": 2, "b": 1},
+    ]

@@ -30,7 +30,7 @@ from schemas.events import (
     WorkerLoadReported,
     utc_now,
 )
-from schemas.messages import OverlapQuery, OverlapReply, WorkerRegistration
+from schemas.messages import OverlapQueries, OverlapReplies, OverlapReply, WorkerRegistration
 from services.engine.sim import SimConfig
 from services.planner.decision import Decision, DecisionInputs
 from services.planner.disagg import DisaggSettings
@@ -133,12 +133,17 @@ async def test_live_and_offline_decide_alike_field_for_field(
 
     overlaps: dict[tuple[int, ...], dict[str, int]] = {}
 
-    async def on_overlap(query: OverlapQuery) -> OverlapReply:
-        return OverlapReply(overlaps=overlaps[query.block_hashes], indexed_blocks=0)
+    async def on_overlap(batch: OverlapQueries) -> OverlapReplies:
+        return OverlapReplies(
+            replies=tuple(
+                OverlapReply(overlaps=overlaps[q.block_hashes], indexed_blocks=0)
+                for q in batch.queries
+            )
+        )
 
     await planner.attach()
     await bus.subscribe(Subjects.route_decisions, on_route)
-    await bus.serve(Subjects.overlap_query, OverlapQuery, on_overlap, queue="parity")
+    await bus.serve(Subjects.overlap_queries, OverlapQueries, on_overlap, queue="parity")
     try:
         await eventually(lambda: len(planner.cluster.workers) == len(roles))
         open_routes: dict[str, list[str]] = {w: [] for w in roles}

@@ -20,7 +20,7 @@ from schemas.events import (
     WorkerLoadReported,
     utc_now,
 )
-from schemas.messages import OverlapQuery, OverlapReply
+from schemas.messages import OverlapQueries, OverlapReplies, OverlapReply
 from services.planner.disagg import DisaggSettings
 from services.planner.handlers import Planner
 from services.planner.kv_policy import KvAware, KvSettings
@@ -80,9 +80,11 @@ async def test_host_runs_places_and_learned_lengths_reach_the_decision(
     )  # fmt: skip
     await planner.on_load(busy)
 
-    async def on_overlap(query: OverlapQuery) -> OverlapReply:
+    async def on_overlap(batch: OverlapQueries) -> OverlapReplies:
+        [query] = batch.queries
         assert query.block_hashes == HASHES
-        return OverlapReply(overlaps={"a": 100}, indexed_blocks=100, host_runs={"a": 412})
+        reply = OverlapReply(overlaps={"a": 100}, indexed_blocks=100, host_runs={"a": 412})
+        return OverlapReplies(replies=(reply,))
 
     routes: list[RouteDecided] = []
 
@@ -90,7 +92,7 @@ async def test_host_runs_places_and_learned_lengths_reach_the_decision(
         if isinstance(event, RouteDecided):
             routes.append(event)
 
-    await bus.serve(Subjects.overlap_query, OverlapQuery, on_overlap, queue="tiers")
+    await bus.serve(Subjects.overlap_queries, OverlapQueries, on_overlap, queue="tiers")
     await bus.subscribe(Subjects.all_routes, on_route)
     try:
         for n, tokens in enumerate((30, 40, 41)):
