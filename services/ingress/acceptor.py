@@ -101,6 +101,10 @@ class EagerAcceptServer(uvicorn.Server):
             server_state=self.server_state,
             app_state=self.lifespan.state,
         )
+        for sock in sockets:
+            # uvicorn's backlog, as its own server sets it on a socket given (a burst larger
+            # than the socket's default of 128 would have its handshakes dropped and retried).
+            sock.listen(config.backlog)
         self._acceptors = [_Acceptor(sock, factory, config.ssl) for sock in sockets]
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

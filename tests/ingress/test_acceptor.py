@@ -35,7 +35,7 @@ def _config() -> uvicorn.Config:
 
 async def _turns_to_accept(server_class: type[uvicorn.Server]) -> int:
     """Turns of a loop whose every turn costs 5 ms until PENDING waiting connections are in."""
-    listener = socket.create_server(("127.0.0.1", 0), backlog=4096)
+    listener = socket.create_server(("127.0.0.1", 0))  # listens with a backlog of 128
     port = listener.getsockname()[1]
     server = server_class(_config())
     serving = asyncio.create_task(server.serve(sockets=[listener]))
