@@ -1,36 +1,54 @@
 """How far behind this process's event loop runs: a timer it sets fires late by as much as the
-work queued ahead of it. An ingress whose loop is late reads the bus late too (token batches
+work queued ahead of it. An ingress whose loop stays late reads the bus late too (token batches
 pile up in the server's buffer for it, and past its limits the server drops the connection as a
 slow consumer), and writes every stream late: it should take no new requests until it catches
-up."""
+up.
+
+Only lateness that lasts counts: on a shared machine one turn of the loop now and then runs long
+(the process descheduled, a collection, a burst of requests handled in one turn) and the loop
+catches up at the next; refusing requests for that sheds ordinary load. The loop is behind once
+``streak`` ticks in a row came late (the tick now overdue counts as one): for a slow consumer
+the server must be kept waiting for seconds (its write deadline is 10 s), so two long turns in a
+row are still early enough to push back.
+"""
 
 from __future__ import annotations
 
 import asyncio
 
-# Beyond this the ingress counts as behind; well under nats-server's write deadline (10 s),
-# and above the lateness of a busy but keeping-up loop (a few tens of milliseconds).
+# Beyond this a tick counts as late; well under nats-server's write deadline (10 s), and above
+# the lateness of a busy but keeping-up loop (a few tens of milliseconds).
 BEHIND_S = 0.5
+# Late ticks in a row that make the loop behind.
+STREAK = 2
 
 
 class LoopLag:
-    def __init__(self, interval_s: float = 0.05, behind_s: float = BEHIND_S) -> None:
+    def __init__(
+        self, interval_s: float = 0.05, behind_s: float = BEHIND_S, streak: int = STREAK
+    ) -> None:
+        if streak < 1:
+            raise ValueError("streak must be at least 1")
         self._interval_s = interval_s
         self._behind_s = behind_s
+        self._streak = streak
         self._loop = asyncio.get_running_loop()
         self._due = self._loop.time() + interval_s
         self.late_s = 0.0
         """How late the latest tick came (seconds)."""
+        self.late_ticks = 0
+        """Ticks in a row, up to the latest, that came late by ``behind_s`` or more."""
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self._interval_s)
             now = self._loop.time()
             self.late_s = max(0.0, now - self._due)
+            self.late_ticks = self.late_ticks + 1 if self.late_s >= self._behind_s else 0
             self._due = now + self._interval_s
 
     def behind(self) -> bool:
-        """The latest tick came late, or the next one is overdue by now (the loop has not got
-        to it yet)."""
-        overdue = self._loop.time() - self._due
-        return max(self.late_s, overdue) >= self._behind_s
+        """The latest ``streak`` ticks came late, the one overdue by now (the loop has not got
+        to it yet) counted as one."""
+        overdue = self._loop.time() - self._due >= self._behind_s
+        return self.late_ticks + overdue >= self._streak
