@@ -30,6 +30,8 @@ Delivery = Literal["core", "stored", "confirmed"]
 # with two names its reader first and its publisher last (`lw.tok.{ingress}.{worker}`): NATS
 # does not tell a subscriber who published, so the subject does, and permissions make it true.
 _KEY = re.compile(r"\{[a-z_]+\}")
+# Topics a channel keeps filled in, per key (workers and instances: a few hundred at most).
+TOPICS_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,19 @@ class Channel(Generic[E]):
 
     def at(self, *keys: str) -> Topic[E]:
         """The subject of these keys, in the pattern's order; keys left out are any (``*``)."""
-        return Topic(fill(self.pattern, keys), self.events, (self,))
+        # Asked for each event published (a request's route, its placement, a step's batch):
+        # filled once per key. Keys come from events (an ingress id a request names), so the
+        # kept ones are bounded.
+        topic = self._topics.get(keys)
+        if topic is None:
+            topic = Topic(fill(self.pattern, keys), self.events, (self,))
+            if len(self._topics) < TOPICS_KEPT:
+                self._topics[keys] = topic
+        return topic
+
+    @cached_property
+    def _topics(self) -> dict[tuple[str, ...], Topic[E]]:
+        return {}
 
     @property
     def every(self) -> Topic[E]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import typing
 from collections.abc import Awaitable, Callable
@@ -13,6 +14,7 @@ from nats.aio.msg import Msg
 from nats.js.api import StorageType
 from nats.js.errors import NotFoundError
 
+from bus import channels
 from bus.channels import Consumer, Stream
 from bus.client import Bus
 from bus.topology import (
@@ -20,6 +22,7 @@ from bus.topology import (
     KV,
     KV_EVENTS,
     RETIRED_STREAMS,
+    TOKEN_DELTAS,
     Subjects,
     channel_table,
     readme_table,
@@ -201,6 +204,21 @@ def test_only_keyed_subjects_check_their_key() -> None:
     assert Subjects.all_routes.impostor(event, "lw.route.b") is None  # no key field declared
     assert KV_EVENTS.key_of("lw.kv.a") == "a"
     assert KV_EVENTS.key_of("lw.load.a") is None
+
+
+def test_a_keys_subject_is_filled_once_and_the_kept_ones_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(channels, "TOPICS_KEPT", 2)
+    channel = dataclasses.replace(TOKEN_DELTAS)  # a copy: nothing kept yet
+    assert channel.at("i", "w") is channel.at("i", "w")
+    assert channel.at("i", "w").subject == "lw.tok.i.w"
+    assert channel.at("i").subject == "lw.tok.i.*"
+    # Past the bound, subjects are filled in each time, still right.
+    assert channel.at("j", "v").subject == "lw.tok.j.v"
+    assert channel.at("j", "v") is not channel.at("j", "v")
+    with pytest.raises(ValueError):
+        channel.at("a", "b", "c")
 
 
 async def test_republished_event_id_is_deduplicated(bus: Bus) -> None:
