@@ -30,6 +30,7 @@ TRACE_BLOCK_SIZE = 512
 # 64 printable characters: a token never is a control byte or a multi-byte UTF-8 sequence.
 _ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789 .,;"[:64]
 _TO_ALPHABET = bytes(_ALPHABET[b % 64] for b in range(256))
+_BLOCK_COUNTERS = tuple(c.to_bytes(4, "little") for c in range(TRACE_BLOCK_SIZE // 64))
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +48,17 @@ class TraceRequest:
 def block_tokens(hash_id: int, length: int = TRACE_BLOCK_SIZE) -> bytes:
     """The first ``length`` tokens of the trace block ``hash_id`` (as bytes, one per token)."""
     seed = hash_id.to_bytes(8, "little", signed=True)
-    blake2b = hashlib.blake2b
-    digests = b"".join(
-        [
-            blake2b(seed + counter.to_bytes(4, "little"), digest_size=64).digest()
-            for counter in range(-(-length // 64))
-        ]
-    )
+    blake2b = hashlib.blake2b  # its default digest is the 64 bytes each counter adds
+    digests = b"".join([blake2b(seed + counter).digest() for counter in _counters(length)])
     return digests[:length].translate(_TO_ALPHABET)
+
+
+def _counters(length: int) -> Sequence[bytes]:
+    """The counters whose digests make up ``length`` tokens (a trace block's, made once)."""
+    n = -(-length // 64)
+    if n == len(_BLOCK_COUNTERS):
+        return _BLOCK_COUNTERS
+    return [counter.to_bytes(4, "little") for counter in range(n)]
 
 
 class SyntheticPrompt(Sequence[int]):
