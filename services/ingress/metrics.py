@@ -3,8 +3,11 @@ more than one per process) never share or collide on counters."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Client closed the connection before the answer was complete (nginx's convention).
@@ -103,12 +106,21 @@ class IngressMetrics:
             "Generated tokens of completed requests.",
             registry=self.registry,
         )
+        # Each request's labelled series, looked up once: labels() validates and locks per call.
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def _child(self, metric: MetricWrapperBase, *labels: str) -> Any:
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def request_done(self, endpoint: str, status: int) -> None:
-        self._requests.labels(endpoint, str(status)).inc()
+        self._child(self._requests, endpoint, str(status)).inc()
 
     def first_token(self, endpoint: str, seconds: float) -> None:
-        self._ttft.labels(endpoint).observe(seconds)
+        self._child(self._ttft, endpoint).observe(seconds)
 
     def completed(
         self,
@@ -119,9 +131,9 @@ class IngressMetrics:
         cached: int,
         completion: int,
     ) -> None:
-        self._e2e.labels(endpoint).observe(seconds)
+        self._child(self._e2e, endpoint).observe(seconds)
         if ttft_s is not None and completion > 1:
-            self._itl.labels(endpoint).observe((seconds - ttft_s) / (completion - 1))
+            self._child(self._itl, endpoint).observe((seconds - ttft_s) / (completion - 1))
         self._prompt_tokens.inc(prompt)
         self._cached_tokens.inc(cached)
         self._completion_tokens.inc(completion)

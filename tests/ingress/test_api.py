@@ -5,16 +5,18 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import httpx
 import pytest
 
 from schemas.block_hash import chain_block_hashes
 from schemas.events import FailureCode
 from services.common.tokenizer import ByteTokenizer
+from services.ingress.api import create_app
 from services.ingress.main import IngressSettings
 from services.ingress.openai_models import MAX_MESSAGES, MAX_STOP_TOKEN_IDS, Message
 from services.ingress.settings import IngressApiSettings
 from tests.helpers import eventually
-from tests.ingress.fakes import Fail, Finish, Hang, Raise, Step, Tokens
+from tests.ingress.fakes import Fail, FakeGateway, Finish, Hang, Raise, Step, Tokens
 from tests.ingress.helpers import MODEL, chat_body, completion_body, harness, sse_data
 
 
@@ -409,6 +411,23 @@ async def test_gateway_error_is_a_500() -> None:
     assert response.json()["error"]["type"] == "server_error"
     (submitted,) = h.gateway.submitted
     assert h.gateway.cancelled == [(submitted.request_id, "client_disconnected")]
+
+
+class _BrokenTokenizer(ByteTokenizer):
+    def encode(self, text: str) -> list[int]:
+        raise RuntimeError("tokenizer broke")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_an_unexpected_error_before_the_answer_is_an_openai_500(path: str) -> None:
+    # The completion paths skip Starlette's error middleware: they answer as it would.
+    app = create_app(FakeGateway(), _BrokenTokenizer(), IngressApiSettings(instance_id="i"))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
+        body = chat_body() if "chat" in path else completion_body()
+        response = await client.post(path, json=body)
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "server_error"
 
 
 async def test_events_ending_without_terminal_is_a_500() -> None:
