@@ -81,8 +81,12 @@ class Follow:
         ask: Ask,
         resubmit: Resubmit,
         source: str,
+        hold: Callable[[], float] | None = None,
     ) -> None:
+        """``hold``: how long to wait after passing events on before taking the next (seconds;
+        what comes meanwhile goes on together), e.g. :meth:`LoopLag.hold_s`."""
         self._accepted = accepted
+        self._hold = hold
         self._request_id = accepted.request_id or ""
         self._queue = queue
         self._rec = recovery
@@ -121,6 +125,8 @@ class Follow:
                 ready.extend(await self._take(queue.get_nowait()))
             for out in coalesced(ready):
                 yield out
+            if ready and self.ended is None and self._hold and (hold := self._hold()) > 0:
+                await asyncio.sleep(hold)
 
     async def _take(self, event: Heard) -> list[GatewayEvent]:
         if event.attempt != self.attempt:

@@ -21,6 +21,12 @@ import asyncio
 BEHIND_S = 0.5
 # Late ticks in a row that make the loop behind.
 STREAK = 2
+# A loop whose ticks come this late, STREAK in a row, is busy: each stream is then written less
+# often (``hold_s``), well before it is behind.
+BUSY_S = 0.2
+# The longest a stream's tokens are held back for a busy loop: under the silence after which a
+# stream's worker is asked (``Recovery.silence_s``, 1 s).
+MAX_HOLD_S = 0.8
 
 
 class LoopLag:
@@ -38,6 +44,8 @@ class LoopLag:
         """How late the latest tick came (seconds)."""
         self.late_ticks = 0
         """Ticks in a row, up to the latest, that came late by ``behind_s`` or more."""
+        self.busy_ticks = 0
+        """Ticks in a row, up to the latest, that came late by ``BUSY_S`` or more."""
 
     async def run(self) -> None:
         while True:
@@ -45,6 +53,7 @@ class LoopLag:
             now = self._loop.time()
             self.late_s = max(0.0, now - self._due)
             self.late_ticks = self.late_ticks + 1 if self.late_s >= self._behind_s else 0
+            self.busy_ticks = self.busy_ticks + 1 if self.late_s >= BUSY_S else 0
             self._due = now + self._interval_s
 
     def behind(self) -> bool:
@@ -52,3 +61,12 @@ class LoopLag:
         to it yet) counted as one."""
         overdue = self._loop.time() - self._due >= self._behind_s
         return self.late_ticks + overdue >= self._streak
+
+    def hold_s(self) -> float:
+        """How long a stream waits after a write before its next: none while the loop keeps up;
+        while it is busy, twice the latest lateness (up to ``MAX_HOLD_S``). A busy loop writes
+        every stream at every turn, each turn longer for it; held, each stream is written less
+        often with more tokens at once, and the turns shorten again."""
+        if self.busy_ticks < self._streak:
+            return 0.0
+        return min(MAX_HOLD_S, 2 * self.late_s)

@@ -101,3 +101,40 @@ async def test_batches_that_came_while_the_client_was_written_to_go_out_as_one()
     out, _ = await follow({0: [*arrived, of(finished(6), "w1", 0)]})
     assert [type(e).__name__ for e in out] == ["TokensGenerated", "RequestFinished"]
     assert tokens_of(out) == list(b"abcdef")
+
+
+async def test_held_back_a_stream_passes_on_what_came_meanwhile_as_one() -> None:
+    """While the loop is busy (a hold), tokens that come after a write go out together at the
+    next; without one each batch goes out as it comes."""
+
+    async def run(hold: float) -> list[GatewayEvent]:
+        queue: asyncio.Queue[Heard] = asyncio.Queue()
+        accepted = RequestAccepted(source="ingress/t", request_id="r1", spec=request_spec("t"))
+        out = Follow(accepted, queue, FAST, _no_resend, _no_resubmit, "ingress/t", lambda: hold)
+        queue.put_nowait(placed("w1", 0))
+        queue.put_nowait(of(batch(0, "a"), "w1", 0))
+
+        async def later() -> None:
+            for i, c in enumerate("bcdef", start=1):
+                await asyncio.sleep(0.005)
+                queue.put_nowait(of(batch(i, c), "w1", 0))
+            queue.put_nowait(of(finished(6), "w1", 0))
+
+        feeding = asyncio.create_task(later())
+        events = await asyncio.wait_for(collect(out.events()), 5)
+        await feeding
+        return events
+
+    held, not_held = await run(0.2), await run(0.0)
+    assert text_of(held) == text_of(not_held) == "abcdef"
+    # The first token at once, the rest (and the terminal) together after the hold.
+    assert [e.type for e in held] == ["TokensGenerated", "TokensGenerated", "RequestFinished"]
+    assert len(not_held) == 7
+
+
+async def _no_resend(_: str, worker: str, index: int, attempt: int) -> ResendReply | None:
+    return None
+
+
+async def _no_resubmit(moved: RequestAccepted) -> None:
+    return None

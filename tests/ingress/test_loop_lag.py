@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from services.ingress.loop_lag import LoopLag
+from services.ingress.loop_lag import BUSY_S, MAX_HOLD_S, LoopLag
 
 
 async def _ticks_run() -> None:
@@ -56,3 +56,21 @@ async def test_a_loop_that_stays_late_is_behind_until_it_catches_up() -> None:
 async def test_streak_is_checked() -> None:
     with pytest.raises(ValueError):
         LoopLag(streak=0)
+
+
+async def test_a_busy_loop_holds_streams_back_and_a_keeping_up_one_does_not() -> None:
+    lag = LoopLag(interval_s=0.01, behind_s=10.0)
+    ticking = asyncio.create_task(lag.run())
+    try:
+        await asyncio.sleep(0.05)
+        assert lag.hold_s() == 0.0
+        await _turn(BUSY_S + 0.05)
+        assert lag.hold_s() == 0.0  # one long turn is no busy loop
+        await _turn(BUSY_S + 0.05)
+        assert 2 * BUSY_S <= lag.hold_s() <= MAX_HOLD_S
+        await _turn(1.0)
+        assert lag.hold_s() == MAX_HOLD_S
+        await asyncio.sleep(0.05)
+        assert lag.hold_s() == 0.0
+    finally:
+        ticking.cancel()
