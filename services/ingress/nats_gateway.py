@@ -101,6 +101,7 @@ class NatsGateway:
                     self.ask,
                     lambda moved: self._bus.publish(Subjects.request_accepted, moved),
                     self._source,
+                    hold=self._lag.hold_s if self._lag is not None else None,
                 )
                 async for event in follow.events():
                     yield event
