@@ -4,25 +4,17 @@ while it went out, since nothing else would tell the planner it never arrived.""
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
 from typing import Any
 
 from bus.channels import Topic
 from bus.client import Bus
 from bus.topology import Subjects
 from infra.embedded import EmbeddedServer
-from schemas.events import (
-    Event,
-    RequestAccepted,
-    RequestPlaced,
-    RequestSpec,
-    RouteDecided,
-    SamplingParams,
-    utc_now,
-)
+from schemas.events import Event, RequestAccepted, RequestPlaced, RouteDecided
 from services.planner.handlers import Planner
 from services.planner.policies import make_policy
 from tests.helpers import eventually, registration
+from tests.ingress.helpers import request_spec
 
 
 class ReconnectingBus(Bus):
@@ -43,19 +35,6 @@ class ReconnectingBus(Bus):
             self._reconnected += 1
 
 
-def accepted(request_id: str, reply_to: str) -> RequestAccepted:
-    spec = RequestSpec(
-        model="m",
-        prompt_token_ids=(1, 2, 3),
-        block_size=16,
-        block_hashes=(),
-        sampling=SamplingParams(max_tokens=4),
-        reply_to=reply_to,
-        deadline=utc_now() + timedelta(minutes=5),
-    )
-    return RequestAccepted(source="test", request_id=request_id, spec=spec)
-
-
 async def placements_heard(nats_server: EmbeddedServer, reconnect_on_route: bool) -> int:
     bus = await Bus.connect(nats_server.url, "test-placements")
     await bus.ensure_streams()
@@ -70,7 +49,8 @@ async def placements_heard(nats_server: EmbeddedServer, reconnect_on_route: bool
     planner = Planner(ReconnectingBus(bus, reconnect_on_route), make_policy("round_robin"), "p")
     await planner.on_workers({"w": registration("w")})
     try:
-        await planner.on_request(accepted(f"r-{reply_to}", reply_to))
+        spec = request_spec(reply_to)
+        await planner.on_request(RequestAccepted(source="test", request_id=reply_to, spec=spec))
         await eventually(lambda: heard)
         await asyncio.sleep(0.2)  # a second copy, if one was sent, has come by now
         assert {p.worker_id for p in heard} == {"w"}
