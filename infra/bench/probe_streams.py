@@ -5,6 +5,13 @@ tokens, no slow-consumer disconnect, a new request's TTFT under 1 s, NATS under 
 
     python -m infra.bench.probe_streams --streams 2000 --max-tokens 2000 --duration 60
 
+The workers are sized as a real deployment's: speed-up 1 runs Dynamo's mocker perf model (an
+H100-class GPU: a decode step of 500 sequences takes 6 to 34 ms as their KV grows, so each
+stream's ITL is that), 512 sequences and an H200's KV per worker. 2,000 such streams ask for
+60,000 tokens a second and more: far past what four simulated workers and an ingress take on a
+small machine. ``worker_rates`` says what the workers really stepped (tokens and steps a second,
+the share of wall time in steps), ``gauges`` where requests waited (admission, engine queues).
+
 Bounded: the streams open over ``--ramp`` seconds, are read for ``--duration`` seconds in all,
 then closed (a stream not finished by then is no error), and the cluster is stopped. Meanwhile
 a short request every ``--probe-every`` seconds measures TTFT. Afterwards every service log is
@@ -236,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-num-seqs", type=int, default=512, help="per worker: all streams run at once"
     )
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=60_000,
+        help="per worker, of 16 tokens: an H200's ~125 GB of KV for Llama-3-8B (128 KiB a token)",
+    )
     parser.add_argument("--duration", type=float, default=60.0, help="seconds in all")
     parser.add_argument("--ramp", type=float, default=10.0, help="seconds to open the streams")
     parser.add_argument("--probe-every", type=float, default=2.0, help="seconds between probes")
@@ -243,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", type=Path, help="the cluster's (default: a new temp dir)")
     parser.add_argument("--up-arg", action="append", default=[], help="passed to laneway up")
     args = parser.parse_args(argv)
-    env = {"LANEWAY_MAX_NUM_SEQS": str(args.max_num_seqs)}
+    env = {
+        "LANEWAY_MAX_NUM_SEQS": str(args.max_num_seqs),
+        "LANEWAY_NUM_GPU_BLOCKS": str(args.kv_blocks),
+    }
     # Kept afterwards: its logs are what shows a slow consumer.
     state = args.state_dir or Path(tempfile.mkdtemp(prefix="lw-probe-"))
     with laneway_up(args.workers, args.speedup, tuple(args.up_arg), env, state) as up:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from infra.bench import probe_itl, probe_streams
+from infra.bench.cluster_gauges import kept, rates
 
 pytestmark = pytest.mark.live  # each starts a cluster
 
@@ -25,6 +26,10 @@ def test_streams_probe_reports_streams_probes_memory_and_logs(tmp_path: Path) ->
     assert 0 < probes["p50"] < 5000
     assert r["rss_peak_mb"]["nats"] > 5 and r["rss_peak_mb"]["ingress"] > 20
     assert r["rss_timeline_mb"] and r["log_signs"] == {}
+    # Where requests wait and how fast the workers really stepped, from their /metrics.
+    assert all(p["ingress"]["capacity"] == 4 * 512 for p in r["gauges"][1:])
+    assert len(r["worker_rates"]) == 4
+    assert all(w["tokens_per_s"] > 0 and w["steps_per_s"] > 0 for w in r["worker_rates"].values())
     assert r["state_dir"] == str(tmp_path / "state")
     assert (tmp_path / "state" / "logs" / "ingress.log").exists()
 
@@ -49,3 +54,22 @@ def test_stream_figures_keep_counted_kinds() -> None:
     figures = stats.figures()
     assert figures["opened"] == 3 and figures["refused"] == {"HTTP 429": 2}
     assert json.loads(json.dumps(figures))["refused"] == {"HTTP 429": 2}
+
+
+def test_gauges_keep_the_queues_and_rate_the_workers() -> None:
+    text = (
+        "# HELP laneway_worker_running x\nlaneway_worker_running 3.0\n"
+        'laneway_worker_tokens_total{kind="generated"} 100.0\n'
+        'laneway_worker_tokens_total{kind="prefill"} 7.0\n'
+        "laneway_worker_busy_seconds_total 1.0\nlaneway_worker_step_seconds_count 10.0\n"
+    )
+    start = kept("decode-worker-0", text)
+    assert start == {"running": 3.0, "generated": 100.0, "busy_s": 1.0, "steps": 10.0}
+    assert kept("ingress", "laneway_ingress_admission_queue_depth 2.0\n") == {
+        "admission_queue": 2.0
+    }
+    end = {**start, "generated": 300.0, "busy_s": 2.5, "steps": 30.0}
+    timeline = [{"t": 0.0, "decode-worker-0": start}, {"t": 2.0, "decode-worker-0": end}]
+    assert rates(timeline) == {
+        "decode-worker-0": {"tokens_per_s": 100.0, "steps_per_s": 10.0, "busy_share": 0.75}
+    }
