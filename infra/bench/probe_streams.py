@@ -249,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         default=60_000,
         help="per worker, of 16 tokens: an H200's ~125 GB of KV for Llama-3-8B (128 KiB a token)",
     )
+    parser.add_argument(
+        "--worker-nice",
+        type=int,
+        default=0,
+        help="the sim workers' niceness: on one machine their steps (a GPU's work in a real "
+        "deployment, on hosts of their own) take CPU the serving layer would not share",
+    )
     parser.add_argument("--duration", type=float, default=60.0, help="seconds in all")
     parser.add_argument("--ramp", type=float, default=10.0, help="seconds to open the streams")
     parser.add_argument("--probe-every", type=float, default=2.0, help="seconds between probes")
@@ -263,7 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     # Kept afterwards: its logs are what shows a slow consumer.
     state = args.state_dir or Path(tempfile.mkdtemp(prefix="lw-probe-"))
     with laneway_up(args.workers, args.speedup, tuple(args.up_arg), env, state) as up:
+        workers = {name: pid for name, pid in up.pids.items() if "worker" in name}
+        for pid in workers.values():
+            os.setpriority(os.PRIO_PROCESS, pid, args.worker_nice)
+        niceness = {name: os.getpriority(os.PRIO_PROCESS, pid) for name, pid in workers.items()}
         result = asyncio.run(run_probe(up, args))
+    result["worker_niceness"] = niceness
     # Read once the cluster has stopped, its last lines in.
     result["log_signs"] = log_signs(state / "logs")
     result["state_dir"] = str(state)

@@ -17,6 +17,7 @@ def test_streams_probe_reports_streams_probes_memory_and_logs(tmp_path: Path) ->
     out = tmp_path / "streams.json"
     argv = ["--streams", "20", "--max-tokens", "40", "--speedup", "20", "--duration", "8"]
     argv += ["--ramp", "1", "--probe-every", "1", "--state-dir", str(tmp_path / "state")]
+    argv += ["--worker-nice", "5"]
     assert probe_streams.main([*argv, "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["opened"] == r["first_event"] == r["finished"] == 20
@@ -29,6 +30,7 @@ def test_streams_probe_reports_streams_probes_memory_and_logs(tmp_path: Path) ->
     # Where requests wait and how fast the workers really stepped, from their /metrics.
     assert all(p["ingress"]["capacity"] == 4 * 512 for p in r["gauges"][1:])
     assert len(r["worker_rates"]) == 4
+    assert sorted(r["worker_niceness"].values()) == [5] * 4
     assert all(w["tokens_per_s"] > 0 and w["steps_per_s"] > 0 for w in r["worker_rates"].values())
     assert r["state_dir"] == str(tmp_path / "state")
     assert (tmp_path / "state" / "logs" / "ingress.log").exists()
