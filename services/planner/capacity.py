@@ -164,6 +164,11 @@ class CapacityPlanner:
         self._interval += 1
         growth = obs.prefill_queue_tokens - (self._last_queue or 0)
         self._last_queue = obs.prefill_queue_tokens
+        if obs.decode_workers == 0 and obs.prefill_workers > 0:
+            # Nothing serves a request (a decoder died just after a move, say): at once, not
+            # after a cooldown, and on no trial.
+            self._trial = None
+            return self._move("to_decode", 1, "no worker decodes")
         if self._cooldown > 0:
             self._cooldown -= 1
             return Decision(None, 0, "cooling down after the last move")

@@ -29,6 +29,11 @@ from services.planner.policy import WorkerView
 
 log = logging.getLogger(__name__)
 
+# A worker reports its load at least every 0.5 s (its default; every 50 ms while busy): one
+# silent for four such intervals is no longer counted in a pool, lest its lease, still standing
+# after it died, let a move take the last worker that really serves.
+QUIET_S = 2.0
+
 AssignRoles = Callable[[dict[str, Role]], Awaitable[None]]
 Publish = Callable[[Topic[RolesRebalanced], RolesRebalanced], Awaitable[None]]
 
@@ -83,7 +88,7 @@ class CapacityLoop:
         gaps = LatencyHistogram()
         for event in done:
             gaps.merge(event.token_gaps)
-        prefill = self._cluster.prefill_candidates()
+        prefill = self._pool("prefill")
         return observe_interval(
             [(e.ttft_ms, e.prefill_worker_id is not None) for e in done],
             gaps,
@@ -94,10 +99,12 @@ class CapacityLoop:
         )
 
     def _pool(self, role: Role) -> list[WorkerView]:
-        if role == "prefill":
-            return self._cluster.prefill_candidates()
         # Aggregated workers decode too: the loop may split them into a prefill pool.
-        return self._cluster.candidates()
+        pool = (
+            self._cluster.prefill_candidates() if role == "prefill" else self._cluster.candidates()
+        )
+        quiet = self._cluster.quiet(QUIET_S)
+        return [w for w in pool if w.worker_id not in quiet]
 
     async def step(self) -> RolesRebalanced | None:
         decision = self._planner.decide(self.observe())

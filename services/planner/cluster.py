@@ -5,7 +5,9 @@ Plain bookkeeping with no I/O; the service feeds it events and asks it for candi
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from schemas.events import WorkerLoadReported
@@ -45,9 +47,12 @@ class Routed:
 
 
 class ClusterView:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.workers: dict[str, WorkerRegistration] = {}
         self._load: dict[str, WorkerLoadReported] = {}
+        self._clock = clock
+        # Per worker, when it was last heard from (registered or reported), on ``clock``.
+        self._heard: dict[str, float] = {}
         self._routed: dict[str, Routed] = {}
         self._in_flight: dict[str, int] = {}
         # Per worker, (when, prompt tokens) routed there that its last report may not include.
@@ -56,6 +61,9 @@ class ClusterView:
     def set_workers(self, workers: dict[str, WorkerRegistration]) -> dict[str, Routed]:
         """Replace the live set; returns the requests that were in flight on workers now gone."""
         gone = self.workers.keys() - workers.keys()
+        now = self._clock()
+        for worker_id in workers.keys() - self.workers.keys():
+            self._heard[worker_id] = now
         self.workers = workers
         lost = {rid: r for rid, r in self._routed.items() if r.worker_id in gone}
         for request_id in lost:
@@ -64,16 +72,24 @@ class ClusterView:
             self._load.pop(worker_id, None)
             self._in_flight.pop(worker_id, None)
             self._unreported.pop(worker_id, None)
+            self._heard.pop(worker_id, None)
         return lost
 
     def report(self, load: WorkerLoadReported) -> None:
         if load.worker_id not in self.workers:
             return
         self._load[load.worker_id] = load
+        self._heard[load.worker_id] = self._clock()
         pending = self._unreported.get(load.worker_id)
         reported_at = load.occurred_at.timestamp()
         while pending and pending[0][0] <= reported_at:
             pending.popleft()
+
+    def quiet(self, silent_s: float) -> set[str]:
+        """Workers not heard from for ``silent_s`` seconds: their lease may still stand (a
+        killed or frozen worker keeps it until it expires) while they serve nothing."""
+        horizon = self._clock() - silent_s
+        return {w for w, heard in self._heard.items() if heard < horizon}
 
     def routed(
         self,

@@ -175,3 +175,12 @@ def test_deep_overload_judges_a_move_by_its_direction_not_one_interval() -> None
     for p in (7, 6, 5):
         decision = planner.decide(obs(900, 170, p=p, d=8 - p))
         assert decision.move == "to_decode", decision.reason
+
+
+def test_with_no_worker_decoding_one_goes_back_at_once_even_while_cooling_down() -> None:
+    planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
+    assert planner.decide(obs(2000, 15)).move == "to_prefill"  # and it cools down now
+    # The decoders that were left died: nothing finishes, so no latency either.
+    back = planner.decide(obs(None, None, p=3, d=0))
+    assert (back.move, back.workers) == ("to_decode", 1)
+    assert back.reason.startswith("no worker decodes")

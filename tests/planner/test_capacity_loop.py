@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -10,7 +12,7 @@ from schemas.events import RequestFinished, Role, RolesRebalanced, Usage, Worker
 from schemas.latency import LatencyHistogram
 from schemas.messages import WorkerRegistration
 from services.planner.capacity import CapacityPlanner, CapacitySettings
-from services.planner.capacity_loop import CapacityLoop
+from services.planner.capacity_loop import QUIET_S, CapacityLoop
 from services.planner.cluster import ClusterView
 from tests.helpers import registration
 
@@ -51,9 +53,11 @@ def finished(
 
 
 def make_loop(
-    workers: list[WorkerRegistration], **settings: Any
+    workers: list[WorkerRegistration],
+    clock: Callable[[], float] = time.monotonic,
+    **settings: Any,
 ) -> tuple[CapacityLoop, ClusterView, dict[str, Role], list[RolesRebalanced]]:
-    cluster = ClusterView()
+    cluster = ClusterView(clock)
     cluster.set_workers({w.worker_id: w for w in workers})
     assigned: dict[str, Role] = {}
     published: list[RolesRebalanced] = []
@@ -92,6 +96,31 @@ async def test_slow_first_tokens_move_the_least_busy_decode_worker() -> None:
         ("d2", "decode", "prefill")
     ]
     assert published == [event] and "TTFT" in event.reason
+
+
+def load(worker_id: str, role: Role) -> WorkerLoadReported:
+    return WorkerLoadReported(
+        source="t", worker_id=worker_id, role=role, running=1, waiting=0,
+        waiting_prefill_tokens=0, kv_blocks_used=1, kv_blocks_total=10,
+    )  # fmt: skip
+
+
+async def test_a_worker_gone_quiet_does_not_count_so_the_last_one_serving_stays() -> None:
+    now = 0.0
+    pool = [worker("p1", "prefill"), worker("d1", "decode"), worker("d2", "decode")]
+    loop, cluster, assigned, _ = make_loop(pool, lambda: now, ttft_target_ms=100)
+    now = QUIET_S + 1  # d1 was killed: its lease stands a while, but it says nothing
+    cluster.report(load("p1", "prefill"))
+    cluster.report(load("d2", "decode"))
+    for _ in range(10):
+        loop.on_finished(finished(ttft_ms=500, e2e_ms=900, tokens=21, prefill_worker_id="p1"))
+    observed = loop.observe()
+    assert (observed.prefill_workers, observed.decode_workers) == (1, 1)
+    # Counted, d1 would have let the move take d2, the one worker still decoding.
+    assert await loop.step() is None and not assigned
+    cluster.report(load("d1", "decode"))  # it was only slow: it counts again
+    event = await loop.step()
+    assert event is not None and assigned == {"d1": "prefill"}
 
 
 async def test_slow_tokens_move_a_prefill_worker_back_and_draining_ones_do_not_count() -> None:
