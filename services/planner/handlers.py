@@ -152,8 +152,22 @@ class Planner:
             await self._fail(event, "no_worker", "no worker is registered to serve this model")
             return
         decision = decide(self._policy, self._disagg, inputs)
+        # Booked before any wait, so the requests routed meanwhile (a burst is routed at once)
+        # see this one queued there rather than all picking the same idle worker.
+        self._book(event, decision, expected)
         if self._sessions is not None and event.session_id is not None:
-            decision = await self._bind_session(event.session_id, owner, decision, inputs)
+            try:
+                bound = await self._bind_session(event.session_id, owner, decision, inputs)
+            except BaseException:
+                # Not routed after all (etcd refused or failed: failed or redelivered); the
+                # worker's queue counts the prompt until its next load report.
+                self.cluster.finished(event.request_id)
+                raise
+            if bound.worker_id != decision.worker_id:
+                # Rare (another replica claimed the session first): booked again; the first
+                # worker's queue counts the prompt until its next load report.
+                self._book(event, bound, expected)
+            decision = bound
         self.metrics.decided(decision)
         if spec.attempt:
             self.metrics.migrations.inc()
@@ -162,13 +176,6 @@ class Planner:
         span.set_attribute("laneway.worker_id", worker_id)
         if remote is not None:
             span.set_attribute("laneway.prefill_worker_id", remote)
-        self.cluster.routed(
-            event.request_id,
-            Routed(worker_id, spec.reply_to, event.session_id, spec.attempt, expected),
-            decision.queued_tokens,
-            time.time(),
-            remote,
-        )
         fields = decision.route_fields()
         fields["reason"] = migrated_reason(spec.attempt, decision.reason)
         route_decided = RouteDecided(
@@ -207,6 +214,17 @@ class Planner:
                 update={"event_id": f"{route_decided.event_id}-prefill"}
             )
             await self._bus.publish(Subjects.route(remote), prefill_copy)
+
+    def _book(self, event: RequestAccepted, decision: Decision, expected: int | None) -> None:
+        assert event.request_id is not None
+        spec = event.spec
+        self.cluster.routed(
+            event.request_id,
+            Routed(decision.worker_id, spec.reply_to, event.session_id, spec.attempt, expected),
+            decision.queued_tokens,
+            time.time(),
+            decision.prefill_worker_id,
+        )
 
     async def _bind_session(
         self, session_id: str, owner: str | None, decision: Decision, inputs: DecisionInputs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from datetime import timedelta
 
 import openai
@@ -101,3 +102,36 @@ async def test_a_session_etcd_refuses_fails_its_request_at_once(
     finally:
         await bus.close()
         await etcd.close()
+
+
+async def test_new_sessions_arriving_at_once_spread_over_the_workers(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """Each first turn waits on its session's claim in etcd: the requests routed meanwhile see
+    it queued already, rather than all taking the worker that was idlest before the burst."""
+    cluster = cluster_factory(workers=2, policy="kv")
+    bus = await Bus.connect(cluster.nats_url, "test-sessions-burst")
+    routes: list[RouteDecided] = []
+
+    async def observe(event: Event) -> None:
+        if isinstance(event, RouteDecided):
+            routes.append(event)
+
+    await bus.subscribe(Subjects.all_routes, observe)
+    client = openai.AsyncOpenAI(
+        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
+    )
+    users = [f"user-{n}" for n in range(8)]
+    await asyncio.gather(
+        *(
+            client.completions.create(
+                model="laneway-sim", prompt=f"{user} asks about traffic " * 40, max_tokens=4,
+                user=user,
+            )
+            for user in users
+        )
+    )  # fmt: skip
+    await eventually(lambda: len(routes) == len(users))
+    await bus.close()
+    placed = Counter(r.worker_id for r in routes)
+    assert max(placed.values()) <= 5, placed
