@@ -16,7 +16,7 @@ the host copy stays (the tiers are inclusive), so evicting the block again costs
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from services.engine.protocol import BlocksRemoved, BlocksStored, KvChange
@@ -33,20 +33,27 @@ class BlockPool:
         # Hashes whose contents host memory holds, least recently used first.
         self._host: OrderedDict[int, None] = OrderedDict()
         self._empty = num_blocks
-        # Cached hash -> running requests holding its block (0 while idle).
+        # Cached hash -> running requests holding its block; an idle block's is its stamp instead,
+        # negative: -1 - its place in `_order`.
         self._refs: dict[int, int] = {}
-        # Idle cached blocks, least recently released first: the eviction order.
-        self._idle: OrderedDict[int, None] = OrderedDict()
+        # Idle cached blocks, least recently released first (the eviction order), from index
+        # `_next` on, place `_base` + index; with stale entries of blocks taken since, or gone
+        # idle again later (their stamp is another place), skipped. A list and stamps cost less
+        # per block than an OrderedDict's node, and a usual eviction or release is a few calls.
+        self._order: list[int] = []
+        self._base = 0
+        self._next = 0
+        self._num_idle = 0
         self._changes: list[KvChange] = []
 
     @property
     def num_used(self) -> int:
         """Blocks held by running requests; idle cached blocks count as free, as in vLLM."""
-        return self.num_blocks - self._empty - len(self._idle)
+        return self.num_blocks - self._empty - self._num_idle
 
     @property
     def num_free(self) -> int:
-        return self._empty + len(self._idle)
+        return self._empty + self._num_idle
 
     def cached_hashes(self) -> set[int]:
         return set(self._refs)
@@ -60,7 +67,7 @@ class BlockPool:
             held = refs.get(hashes[hits])
             if held is None:
                 break
-            if held == 0:
+            if held < 0:
                 idle += 1
             hits += 1
         return hits, idle
@@ -82,17 +89,18 @@ class BlockPool:
 
     def take_cached(self, hashes: Sequence[int]) -> None:
         """Share the cached blocks of ``hashes`` (all cached) with one more request."""
-        refs, idle = self._refs, self._idle
+        refs = self._refs
         for h in hashes:
             held = refs[h]
-            if held == 0:
-                del idle[h]
+            if held < 0:  # its entry in the eviction order goes stale
+                self._num_idle -= 1
+                held = 0
             refs[h] = held + 1
 
     def allocate(self, n: int) -> bool:
         """Take ``n`` blocks, empty ones first, then evicting idle cached blocks oldest first;
         False (and nothing taken) if fewer than ``n`` are free."""
-        if n > self._empty + len(self._idle):
+        if n > self._empty + self._num_idle:
             return False
         from_empty = min(n, self._empty)
         self._empty -= from_empty
@@ -106,11 +114,46 @@ class BlockPool:
     def _evict(self, n: int) -> list[int]:
         """Uncache the ``n`` idle blocks released longest ago and return their hashes; a hook for
         a pool that also tracks where each block's contents live."""
-        refs, pop = self._refs, self._idle.popitem
-        evicted = [pop(last=False)[0] for _ in range(n)]
-        for h in evicted:
-            del refs[h]
+        refs, order, start = self._refs, self._order, self._next
+        stamp = -1 - self._base - start
+        evicted = order[start : start + n]
+        end = start + n
+        if list(map(refs.get, evicted)) != list(range(stamp, stamp - n, -1)):
+            evicted, end, get = [], start, refs.get
+            while len(evicted) < n:  # past stale entries
+                h = order[end]
+                if get(h) == stamp - (end - start):
+                    evicted.append(h)
+                end += 1
+        deque(map(refs.__delitem__, evicted), maxlen=0)
+        self._next = end
+        self._num_idle -= n
+        self._tidy()
         return evicted
+
+    def _go_idle(self, hashes: Sequence[int]) -> None:
+        """``hashes`` (cached, distinct, none idle) become idle, in order: evicted after every
+        block idle now."""
+        order = self._order
+        stamp = -1 - self._base - len(order)
+        self._refs.update(zip(hashes, range(stamp, stamp - len(hashes), -1), strict=True))
+        order.extend(hashes)
+        self._num_idle += len(hashes)
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """Keep ``_order`` within a constant factor of the idle blocks: drop its evicted head
+        once that is half of it, and its stale entries once they outnumber the idle ones by 4096."""
+        order, start = self._order, self._next
+        if start > 1024 and 2 * start > len(order):
+            del order[:start]
+            self._base += start
+            self._next = start = 0
+        if len(order) - start > 2 * self._num_idle + 4096:
+            refs, first = self._refs, -1 - self._base
+            live = [h for k, h in enumerate(order[start:], start) if refs.get(h) == first - k]
+            self._order, self._base, self._next = live, 0, 0
+            refs.update(zip(live, range(-1, -1 - len(live), -1), strict=True))
 
     def _offload(self, hashes: list[int]) -> None:
         host = self._host
@@ -169,14 +212,15 @@ class BlockPool:
         """Cache consecutive blocks computed elsewhere (a prefill worker's hand-off) as idle and
         most recently used, as far as free blocks allow; how many leading ``hashes`` are cached
         afterwards. ``parent`` is the hash before the first block."""
-        refs, idle = self._refs, self._idle
+        refs = self._refs
         for h in hashes:
-            if refs.get(h) == 0:
-                idle.move_to_end(h)  # touched: evicted after everything older
+            if refs.get(h, 0) < 0:  # touched: evicted after everything older
+                self._num_idle -= 1
+                self._go_idle((h,))
         missing = [h for h in hashes if h not in refs]
         # Evicting must not take the blocks just touched, so they do not count as room.
         touched = len(hashes) - len(missing) - sum(1 for h in hashes if refs.get(h, 0) > 0)
-        room = min(len(missing), self._empty + len(idle) - touched)
+        room = min(len(missing), self._empty + self._num_idle - touched)
         if room > 0:
             self.allocate(room)
         taking = set(missing[:room])
@@ -187,8 +231,8 @@ class BlockPool:
             if h in taking:
                 if not run:
                     run_parent = prev
-                refs[h] = 0
-                idle[h] = None
+                if h not in refs:  # not a repeat of one taken just before
+                    self._go_idle((h,))
                 run.append(h)
             elif h in refs:
                 if run:
@@ -205,19 +249,20 @@ class BlockPool:
     def release(self, table: Sequence[BlockRef]) -> None:
         """Give back a request's blocks. Its last block is released first, so a prefix's tail is
         evicted before its head, as vLLM frees a request's blocks in reverse."""
-        refs, idle = self._refs, self._idle
+        refs = self._refs
         self._empty += table.count(None)
         shared = [ref for ref in reversed(table) if ref is not None]
-        if list(map(refs.__getitem__, shared)).count(1) == len(shared):
-            # The usual case, no other request holding any, at once: all idle, last first.
-            refs.update(dict.fromkeys(shared, 0))
-            idle.update(dict.fromkeys(shared))
-            return
-        for ref in shared:
-            held = refs[ref] - 1
-            refs[ref] = held
-            if not held:
-                idle[ref] = None
+        if list(map(refs.__getitem__, shared)).count(1) != len(shared):
+            # Not the usual case, where no other request holds any and all go idle at once.
+            idle = []
+            for ref in shared:
+                held = refs[ref] - 1
+                if held:
+                    refs[ref] = held
+                else:
+                    idle.append(ref)
+            shared = idle
+        self._go_idle(shared)
 
     @property
     def num_changes(self) -> int:
