@@ -62,6 +62,24 @@ class Stream:
         )
 
 
+# The settings `Stream.config` declares; the server fills in the rest.
+_DECLARED = (
+    "subjects",
+    "num_replicas",
+    "storage",
+    "max_age",
+    "max_msgs_per_subject",
+    "max_bytes",
+    "discard",
+    "duplicate_window",
+)
+
+
+def as_declared(found: StreamConfig, declared: StreamConfig) -> bool:
+    """Whether a stream found on the server has every setting Laneway declares."""
+    return all(getattr(found, name) == getattr(declared, name) for name in _DECLARED)
+
+
 @dataclass(frozen=True)
 class Channel(Generic[E]):
     """``pattern`` is a subject, with ``{name}`` tokens standing for worker or instance ids

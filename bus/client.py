@@ -15,7 +15,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import (
     BadRequestError,
     NoStreamResponseError,
@@ -25,7 +25,7 @@ from nats.js.errors import (
 from opentelemetry import context as otel_context
 from pydantic import BaseModel, ValidationError
 
-from bus.channels import Consumer, Topic
+from bus.channels import Consumer, Topic, as_declared
 from bus.credentials import NATS_CREDS_ENV, Credentials, inbox_prefix, split_credentials
 from bus.tls import nats_tls_from_env
 from bus.topology import RETIRED_STREAMS, STREAM_SUBJECTS
@@ -79,23 +79,6 @@ def _for_handler(topic: Topic[E], event: Event, subject: str) -> E | None:
     if not isinstance(event, topic.carried):
         log.warning("dropping a %s on %s: the channel does not carry it", event.type, subject)
     return None
-
-
-_DECLARED = (
-    "subjects",
-    "num_replicas",
-    "storage",
-    "max_age",
-    "max_msgs_per_subject",
-    "max_bytes",
-    "discard",
-    "duplicate_window",
-)
-
-
-def _as_declared(found: StreamConfig, declared: StreamConfig) -> bool:
-    """Whether a stream has every setting Laneway declares (the server fills in the rest)."""
-    return all(getattr(found, name) == getattr(declared, name) for name in _DECLARED)
 
 
 async def _log_error(error: Exception) -> None:
@@ -170,7 +153,7 @@ class Bus:
                     continue
                 except BadRequestError:  # another service created it just now
                     found = await self._js.stream_info(stream.name)
-            if not _as_declared(found.config, config):
+            if not as_declared(found.config, config):
                 await self._js.update_stream(config)
         for name in RETIRED_STREAMS:
             with contextlib.suppress(NotFoundError):
