@@ -128,7 +128,10 @@ class BlockPool:
         deque(map(refs.__delitem__, evicted), maxlen=0)
         self._next = end
         self._num_idle -= n
-        self._tidy()
+        if end > 1024 and 2 * end > len(order):  # the evicted head is half of it: dropped
+            del order[:end]
+            self._base += end
+            self._next = 0
         return evicted
 
     def _go_idle(self, hashes: Sequence[int]) -> None:
@@ -139,21 +142,16 @@ class BlockPool:
         self._refs.update(zip(hashes, range(stamp, stamp - len(hashes), -1), strict=True))
         order.extend(hashes)
         self._num_idle += len(hashes)
-        self._tidy()
+        if len(order) - self._next > 2 * self._num_idle + 4096:
+            self._compact()
 
-    def _tidy(self) -> None:
-        """Keep ``_order`` within a constant factor of the idle blocks: drop its evicted head
-        once that is half of it, and its stale entries once they outnumber the idle ones by 4096."""
-        order, start = self._order, self._next
-        if start > 1024 and 2 * start > len(order):
-            del order[:start]
-            self._base += start
-            self._next = start = 0
-        if len(order) - start > 2 * self._num_idle + 4096:
-            refs, first = self._refs, -1 - self._base
-            live = [h for k, h in enumerate(order[start:], start) if refs.get(h) == first - k]
-            self._order, self._base, self._next = live, 0, 0
-            refs.update(zip(live, range(-1, -1 - len(live), -1), strict=True))
+    def _compact(self) -> None:
+        """Drop ``_order``'s stale entries, which outnumber the idle blocks by 4096 (a live
+        worker whose cache never fills evicts none), and number the rest afresh."""
+        refs, order, start, first = self._refs, self._order, self._next, -1 - self._base
+        live = [h for k, h in enumerate(order[start:], start) if refs.get(h) == first - k]
+        self._order, self._base, self._next = live, 0, 0
+        refs.update(zip(live, range(-1, -1 - len(live), -1), strict=True))
 
     def _offload(self, hashes: list[int]) -> None:
         host = self._host
