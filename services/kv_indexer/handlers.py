@@ -99,6 +99,9 @@ class Indexer:
         ):
             now = time.monotonic()
             span.set_attribute("laneway.queries", len(batch.queries))
+            span.set_attribute(
+                "laneway.query_blocks", sum(len(q.block_hashes) for q in batch.queries)
+            )
             return OverlapReplies(replies=tuple(self._answer(q, now) for q in batch.queries))
 
     def _answer(self, query: OverlapQuery, now: float) -> OverlapReply:

@@ -16,7 +16,7 @@ PROMPT = "a prompt long enough for blocks " * 8
 PARENTS = {
     "ingress.request": None,
     "planner.route": "ingress.request",
-    "kv_indexer.overlap": "planner.route",
+    "kv_indexer.overlaps": "planner.route",
     "worker.prefill": "planner.route",
     "worker.kv_send": "worker.prefill",
     "worker.generate": "planner.route",

@@ -97,4 +97,4 @@ async def test_a_request_s_spans_reach_an_otlp_backend(
     spans = await eventually(lambda: request_trace(stored_spans(phoenix), request_id), timeout=20)
     hops = check_hops(spans)
     assert hops["planner.route"]["attributes"]["laneway.request_id"] == request_id
-    assert hops["kv_indexer.overlap"]["attributes"]["laneway.query_blocks"] > 0
+    assert hops["kv_indexer.overlaps"]["attributes"]["laneway.query_blocks"] > 0
