@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -19,6 +21,7 @@ from bus.client import Bus
 from bus.topology import Subjects
 from infra.cluster import LocalCluster
 from schemas.events import Event, RouteDecided
+from schemas.messages import WorkerRegistration
 from tests.e2e.exact import MAX_TOKENS, Streamed, answers, mismatch, stream
 from tests.helpers import eventually
 from tests.live import ClusterFactory, registrations
@@ -29,14 +32,28 @@ STREAMS = 12
 
 
 class Moves:
-    """The migrated routing decisions the planner records."""
+    """The migrated routing decisions the planner records, and where requests went lately."""
 
     def __init__(self) -> None:
         self.routes: list[RouteDecided] = []
+        self._placed: list[tuple[float, str]] = []
 
     async def on_event(self, event: Event) -> None:
-        if isinstance(event, RouteDecided) and event.reason.startswith("migrated"):
-            self.routes.append(event)
+        if isinstance(event, RouteDecided):
+            self._placed.append((time.monotonic(), event.worker_id))
+            if event.reason.startswith("migrated"):
+                self.routes.append(event)
+
+    def serving(self, within_s: float = 1.0) -> str | None:
+        """Of the workers given requests in the last ``within_s`` (the streams under way: the
+        unstreamed answers before them took seconds), the one given fewest: a fault on it meets
+        some streams, and the others go on elsewhere."""
+        since = time.monotonic() - within_s
+        placed = Counter(worker for at, worker in self._placed if at >= since)
+        return min(placed, key=lambda w: (placed[w], w)) if placed else None
+
+    async def victim(self, workers: dict[str, WorkerRegistration]) -> WorkerRegistration:
+        return workers[await eventually(self.serving, timeout=10)]
 
 
 async def under_fault(
@@ -76,12 +93,14 @@ async def test_a_killed_workers_streams_continue_exactly_on_the_other(
     cluster = cluster_factory(workers=2, env=SLOW)
     bus, moves = await observe_moves(cluster)
     workers = await registrations(cluster.etcd_endpoints)
-    victim = next(iter(workers.values()))
+    killed: list[WorkerRegistration] = []
 
     async def kill() -> None:
-        os.kill(victim.pid, signal.SIGKILL)
+        killed.append(await moves.victim(workers))
+        os.kill(killed[0].pid, signal.SIGKILL)
 
     streamed, whole = await under_fault(cluster, kill)
+    [victim] = killed
     assert [m for s in streamed if (m := mismatch(s, whole[s.seed]))] == []
     await eventually(lambda: moves.routes, timeout=2)
     assert {r.worker_id for r in moves.routes} == set(workers) - {victim.worker_id}
@@ -96,16 +115,18 @@ async def test_a_stopped_workers_streams_continue_on_the_other(
     cluster = cluster_factory(workers=2, env=SLOW)
     bus, moves = await observe_moves(cluster)
     workers = await registrations(cluster.etcd_endpoints)
-    victim = next(iter(workers.values()))
+    stopped: list[WorkerRegistration] = []
 
     async def pause() -> None:
         # Past its lease (2 s): the planner gives its requests up; back, it must not disturb
         # the streams that moved away from it.
-        os.kill(victim.pid, signal.SIGSTOP)
+        stopped.append(await moves.victim(workers))
+        os.kill(stopped[0].pid, signal.SIGSTOP)
         await asyncio.sleep(4)
-        os.kill(victim.pid, signal.SIGCONT)
+        os.kill(stopped[0].pid, signal.SIGCONT)
 
     streamed, whole = await under_fault(cluster, pause)
+    [victim] = stopped
     assert [m for s in streamed if (m := mismatch(s, whole[s.seed]))] == []
     assert moves.routes and {r.worker_id for r in moves.routes} == set(workers) - {victim.worker_id}
     await bus.close()
@@ -137,13 +158,14 @@ async def test_past_the_migration_limit_the_stream_ends_with_a_clear_error(
     cluster_factory: ClusterFactory,
 ) -> None:
     cluster = cluster_factory(workers=2, env={**SLOW, "LANEWAY_MIGRATION_LIMIT": "0"})
+    bus, moves = await observe_moves(cluster)
     workers = await registrations(cluster.etcd_endpoints)
-    victim = next(iter(workers.values()))
 
     async def kill() -> None:
-        os.kill(victim.pid, signal.SIGKILL)
+        os.kill((await moves.victim(workers)).pid, signal.SIGKILL)
 
     streamed, whole = await under_fault(cluster, kill)
+    await bus.close()
     failed = [s for s in streamed if mismatch(s, whole[s.seed])]
     assert 0 < len(failed) < STREAMS
     for s in failed:
