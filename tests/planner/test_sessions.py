@@ -6,6 +6,7 @@ import asyncio
 from collections import Counter
 from datetime import timedelta
 
+import httpx
 import openai
 
 from bus.client import Bus
@@ -25,7 +26,7 @@ from schemas.events import (
 from services.planner.handlers import Planner
 from services.planner.policies import make_policy
 from tests.helpers import eventually, registration
-from tests.live import ClusterFactory
+from tests.live import ClusterFactory, observe
 
 
 async def test_ten_turns_stay_on_one_worker_across_two_planners(
@@ -110,28 +111,23 @@ async def test_new_sessions_arriving_at_once_spread_over_the_workers(
     """Each first turn waits on its session's claim in etcd: the requests routed meanwhile see
     it queued already, rather than all taking the worker that was idlest before the burst."""
     cluster = cluster_factory(workers=2, policy="kv")
-    bus = await Bus.connect(cluster.nats_url, "test-sessions-burst")
-    routes: list[RouteDecided] = []
-
-    async def observe(event: Event) -> None:
-        if isinstance(event, RouteDecided):
-            routes.append(event)
-
-    await bus.subscribe(Subjects.all_routes, observe)
-    client = openai.AsyncOpenAI(
-        base_url=cluster.config.base_url, api_key=cluster.api_key, max_retries=0
-    )
+    bus, seen = await observe(cluster.nats_url)
     users = [f"user-{n}" for n in range(8)]
-    await asyncio.gather(
-        *(
-            client.completions.create(
-                model="laneway-sim", prompt=f"{user} asks about traffic " * 40, max_tokens=4,
-                user=user,
+    async with httpx.AsyncClient(
+        base_url=cluster.config.base_url, headers=cluster.api_headers, timeout=30
+    ) as http:
+        replies = await asyncio.gather(
+            *(
+                http.post("/completions", json={
+                    "model": "laneway-sim", "prompt": f"{user} asks about traffic " * 40,
+                    "max_tokens": 4, "user": user,
+                })
+                for user in users
             )
-            for user in users
-        )
-    )  # fmt: skip
+        )  # fmt: skip
+    assert [r.status_code for r in replies] == [200] * len(users)
+    routes = seen.events["RouteDecided"]
     await eventually(lambda: len(routes) == len(users))
     await bus.close()
-    placed = Counter(r.worker_id for r in routes)
+    placed = Counter(r.worker_id for r in routes if isinstance(r, RouteDecided))
     assert max(placed.values()) <= 5, placed
