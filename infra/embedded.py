@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -33,13 +34,41 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+# Ports handed out come from just below the kernel's ephemeral range: a port from inside it (what
+# binding port 0 gives) can be taken as the local end of some outgoing connection in the second
+# between being picked and its server binding it ("address already in use").
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_BELOW_EPHEMERAL = 12_000
+
+
+def _unephemeral_ports() -> range | None:
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    ports = range(max(1024, low - _BELOW_EPHEMERAL), low)
+    return ports if len(ports) >= 1024 else None
+
+
+def _bind_free(sock: socket.socket, ports: range | None) -> None:
+    if ports is not None:
+        for _ in range(64):
+            try:
+                sock.bind(("127.0.0.1", random.choice(ports)))
+                return
+            except OSError:  # in use: another pick
+                continue
+    sock.bind(("127.0.0.1", 0))
+
+
 def free_ports(count: int) -> list[int]:
     """``count`` distinct free ports: held together while they are picked, so that none is
     handed out twice."""
+    ports = _unephemeral_ports()
     with contextlib.ExitStack() as held:
         socks = [held.enter_context(socket.socket()) for _ in range(count)]
         for sock in socks:
-            sock.bind(("127.0.0.1", 0))
+            _bind_free(sock, ports)
         return [int(sock.getsockname()[1]) for sock in socks]
 
 

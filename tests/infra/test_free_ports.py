@@ -1,0 +1,19 @@
+"""Ports handed out to servers come from below the kernel's ephemeral range, so no outgoing
+connection can take one between its pick and its server binding it."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from infra.embedded import free_ports
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = free_ports(50)
+    assert len(set(ports)) == 50
+    assert all(1024 <= port < low for port in ports), ports
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
