@@ -34,20 +34,14 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-# Ports handed out come from just below the kernel's ephemeral range: a port from inside it (what
-# binding port 0 gives) can be taken as the local end of some outgoing connection in the second
-# between being picked and its server binding it ("address already in use").
-_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_BELOW_EPHEMERAL = 12_000
-
-
+# Ports come from just below the kernel's ephemeral range: one from inside it (what binding port 0
+# gives) can be taken by an outgoing connection before its server binds it.
 def _unephemeral_ports() -> range | None:
     try:
-        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    ports = range(max(1024, low - _BELOW_EPHEMERAL), low)
-    return ports if len(ports) >= 1024 else None
+    return range(low - 12_000, low) if low >= 13_024 else None
 
 
 def _bind_free(sock: socket.socket, ports: range | None) -> None:
