@@ -24,15 +24,10 @@ from services.planner.capacity import (
     observe_interval,
     workers_to_move,
 )
-from services.planner.cluster import ClusterView
+from services.planner.cluster import QUIET_S, ClusterView
 from services.planner.policy import WorkerView
 
 log = logging.getLogger(__name__)
-
-# A worker reports its load at least every 0.5 s (its default; every 50 ms while busy): one
-# silent for four such intervals is no longer counted in a pool, lest its lease, still standing
-# after it died, let a move take the last worker that really serves.
-QUIET_S = 2.0
 
 AssignRoles = Callable[[dict[str, Role]], Awaitable[None]]
 Publish = Callable[[Topic[RolesRebalanced], RolesRebalanced], Awaitable[None]]
@@ -100,11 +95,10 @@ class CapacityLoop:
 
     def _pool(self, role: Role) -> list[WorkerView]:
         # Aggregated workers decode too: the loop may split them into a prefill pool.
-        pool = (
-            self._cluster.prefill_candidates() if role == "prefill" else self._cluster.candidates()
-        )
         quiet = self._cluster.quiet(QUIET_S)
-        return [w for w in pool if w.worker_id not in quiet]
+        if role == "prefill":
+            return self._cluster.prefill_candidates(leave_out=quiet)
+        return self._cluster.candidates(leave_out=quiet)
 
     async def step(self) -> RolesRebalanced | None:
         decision = self._planner.decide(self.observe())

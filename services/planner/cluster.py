@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from schemas.events import WorkerLoadReported
@@ -33,6 +34,12 @@ def decided_reason(recorded: str, attempt: int) -> str:
 # Roles that decode, and so can serve a request end to end in aggregated mode.
 SERVING_ROLES = frozenset({"both", "decode"})
 PREFILL_ROLES = frozenset({"prefill"})
+
+# A worker reports its load at least every 0.5 s (every 50 ms while busy); one silent for four
+# such intervals is taken for dead or frozen. Its etcd lease may stand until it expires: a
+# request routed there would wait for a migration, and a capacity move counting it could take
+# the last worker that really serves.
+QUIET_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,10 +140,16 @@ class ClusterView:
         """What a routing decision for ``request`` needs to know about the workers now;
         ``host_blocks``: the blocks each one's host tier holds after its GPU overlap."""
         slots = {worker_id: reg.max_num_seqs for worker_id, reg in self.workers.items()}
+        quiet = self.quiet(QUIET_S)
+        # When every server is silent the bus or this planner stalled, not all the workers:
+        # routing to them then beats refusing. A silent prefill worker is simply not used.
+        serving = self.candidates(
+            cached_blocks, session_owner, host_blocks, leave_out=quiet
+        ) or self.candidates(cached_blocks, session_owner, host_blocks)
         return DecisionInputs(
             request,
-            with_room(self.candidates(cached_blocks, session_owner, host_blocks), slots),
-            self.prefill_candidates(cached_blocks, host_blocks),
+            with_room(serving, slots),
+            self.prefill_candidates(cached_blocks, host_blocks, leave_out=quiet),
             frozenset(w for w, reg in self.workers.items() if reg.kv_handoff),
         )
 
@@ -145,17 +158,21 @@ class ClusterView:
         cached_blocks: dict[str, int] | None = None,
         session_owner: str | None = None,
         host_blocks: dict[str, int] | None = None,
+        leave_out: AbstractSet[str] = frozenset(),
     ) -> list[WorkerView]:
         """Workers that can serve a request end to end (or decode it after a remote prefill)."""
-        return self._views(SERVING_ROLES, cached_blocks, session_owner, host_blocks)
+        return self._views(SERVING_ROLES, cached_blocks, session_owner, host_blocks, leave_out)
 
     def prefill_candidates(
-        self, cached_blocks: dict[str, int] | None = None, host_blocks: dict[str, int] | None = None
+        self,
+        cached_blocks: dict[str, int] | None = None,
+        host_blocks: dict[str, int] | None = None,
+        leave_out: AbstractSet[str] = frozenset(),
     ) -> list[WorkerView]:
         """Prefill-only workers that can hand their KV over."""
         return [
             view
-            for view in self._views(PREFILL_ROLES, cached_blocks, None, host_blocks)
+            for view in self._views(PREFILL_ROLES, cached_blocks, None, host_blocks, leave_out)
             if self.workers[view.worker_id].kv_handoff
         ]
 
@@ -165,11 +182,12 @@ class ClusterView:
         cached_blocks: dict[str, int] | None,
         session_owner: str | None,
         host_blocks: dict[str, int] | None,
+        leave_out: AbstractSet[str],
     ) -> list[WorkerView]:
         views = []
         # In id order, as the offline replay lists them: a decision record reads the same.
         for worker_id, reg in sorted(self.workers.items()):
-            if reg.role not in roles or reg.draining:
+            if reg.role not in roles or reg.draining or worker_id in leave_out:
                 continue
             load = self._load.get(worker_id)
             unreported = sum(tokens for _, tokens in self._unreported.get(worker_id, ()))

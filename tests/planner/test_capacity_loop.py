@@ -12,8 +12,8 @@ from schemas.events import RequestFinished, Role, RolesRebalanced, Usage, Worker
 from schemas.latency import LatencyHistogram
 from schemas.messages import WorkerRegistration
 from services.planner.capacity import CapacityPlanner, CapacitySettings
-from services.planner.capacity_loop import QUIET_S, CapacityLoop
-from services.planner.cluster import ClusterView
+from services.planner.capacity_loop import CapacityLoop
+from services.planner.cluster import QUIET_S, ClusterView
 from tests.helpers import registration
 
 
