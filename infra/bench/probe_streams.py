@@ -14,8 +14,10 @@ the share of wall time in steps), ``gauges`` where requests waited (admission, e
 
 Bounded: the streams open over ``--ramp`` seconds, are read for ``--duration`` seconds in all,
 then closed (a stream not finished by then is no error), and the cluster is stopped. Meanwhile
-a short request every ``--probe-every`` seconds measures TTFT. Afterwards every service log is
-searched for slow-consumer and reconnect lines.
+a short request every ``--probe-every`` seconds measures TTFT; the one in flight at the end may
+take ``--probe-wait`` seconds more under the same load, and one still unanswered then counts with
+how long it waited. Afterwards every service log is searched for slow-consumer and reconnect
+lines.
 """
 
 from __future__ import annotations
@@ -122,11 +124,14 @@ class RssSampler:
             await asyncio.sleep(0.5)
 
 
-async def probe_ttft(base: LoadSpec, every_s: float, t0: float, out: list[dict[str, Any]]) -> None:
-    """A new short request every ``every_s`` seconds, each from a client process of its own:
-    its TTFT is the cluster's, not this crowded event loop's."""
+async def probe_ttft(
+    base: LoadSpec, every_s: float, t0: float, stop: asyncio.Event, out: list[dict[str, Any]]
+) -> None:
+    """A new short request every ``every_s`` seconds until ``stop`` is set, each from a client
+    process of its own: its TTFT is the cluster's, not this crowded event loop's. Cancelled, the
+    one in flight is recorded with how long it had waited, unanswered."""
     n = 0
-    while True:
+    while not stop.is_set():
         # Seeds far from the streams' (0): no probe's prompt is a stream's, cached.
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "infra.bench.live_load", "--base-url", base.base_url,
@@ -139,19 +144,39 @@ async def probe_ttft(base: LoadSpec, every_s: float, t0: float, out: list[dict[s
         sent_at = round(time.monotonic() - t0, 1)
         try:
             stdout, _ = await proc.communicate()
-        except asyncio.CancelledError:  # the probe's end: how long this one had waited
+        except asyncio.CancelledError:
             proc.kill()
             await proc.wait()
             waited = round((time.perf_counter() - started) * 1000, 1)
-            unanswered = f"no answer by the end (waited {waited} ms)"
-            out.append({"t": sent_at, "ttft_ms": None, "error": unanswered})
+            out.append({"t": sent_at, "ttft_ms": None, "error": "unanswered", "waited_ms": waited})
             raise
         result = orjson.loads(stdout.splitlines()[-1]) if stdout.strip() else {}
         kinds = result.get("error_kinds") or {}
         error = next(iter(kinds), None) if kinds else (None if result else "probe client failed")
         out.append({"t": sent_at, "ttft_ms": result.get("ttft_ms_p50"), "error": error})
         n += 1
-        await asyncio.sleep(every_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)
+
+
+def probe_figures(probes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every probe counts: one unanswered when the probe ended had waited at least its
+    ``waited_ms`` (its TTFT is no less), so it is in ``max`` and in ``over_1s`` if it waited
+    that long."""
+    ttfts = [p["ttft_ms"] for p in probes if p["ttft_ms"] is not None and p["error"] is None]
+    unanswered = [p["waited_ms"] for p in probes if p["error"] == "unanswered"]
+    bounds = ttfts + unanswered
+    return {
+        "n": len(probes),
+        "answered": len(ttfts),
+        "errors": sum(1 for p in probes if p["error"]),
+        "unanswered": len(unanswered),
+        "p50": percentile(ttfts, 50),
+        "max": max(bounds) if bounds else None,
+        "over_1s": sum(1 for ms in bounds if ms >= 1000),
+        "error_kinds": dict(Counter(p["error"][:60] for p in probes if p["error"])),
+        "all": probes,
+    }
 
 
 def log_signs(logs: Path) -> dict[str, dict[str, Any]]:
@@ -189,17 +214,21 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
             if i % max(1, args.streams // max(1, int(args.ramp * 100))) == 0:
                 await asyncio.sleep(0.01)
         ramp_s = time.monotonic() - t0
-        background.append(asyncio.create_task(probe_ttft(probe_spec, args.probe_every, t0, probes)))
+        stop = asyncio.Event()
+        prober = asyncio.create_task(probe_ttft(probe_spec, args.probe_every, t0, stop, probes))
         await asyncio.sleep(max(0.0, args.duration - (time.monotonic() - t0)))
         in_flight = sum(1 for s in streams if not s.done())
         events_at_end = stats.events
-        for task in (*background, *streams):
+        elapsed = time.monotonic() - t0
+        # No new probe; the one in flight gets its answer under the same load, for a while.
+        stop.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(prober), args.probe_wait)
+        for task in (prober, *background, *streams):
             task.cancel()
-        for task in (*background, *streams):
+        for task in (prober, *background, *streams):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-    elapsed = time.monotonic() - t0
-    ttfts = [p["ttft_ms"] for p in probes if p["ttft_ms"] is not None and p["error"] is None]
     return {
         "streams": args.streams,
         "max_tokens": args.max_tokens,
@@ -215,14 +244,7 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
         - sum(stats.broken.values()),
         "stream_events_per_s": round(events_at_end / elapsed, 1),
         **stats.figures(),
-        "probe_ttft_ms": {
-            "n": len(probes),
-            "errors": sum(1 for p in probes if p["error"]),
-            "p50": percentile(ttfts, 50),
-            "max": max(ttfts) if ttfts else None,
-            "error_kinds": dict(Counter(p["error"][:60] for p in probes if p["error"])),
-            "all": probes,
-        },
+        "probe_ttft_ms": probe_figures(probes),
         "rss_peak_mb": {n: round(mb, 1) for n, mb in sampler.peak_mb.items()},
         "rss_timeline_mb": sampler.timeline,
         "worker_rates": rates(gauges.timeline),
@@ -259,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds in all")
     parser.add_argument("--ramp", type=float, default=10.0, help="seconds to open the streams")
     parser.add_argument("--probe-every", type=float, default=2.0, help="seconds between probes")
+    parser.add_argument(
+        "--probe-wait",
+        type=float,
+        default=10.0,
+        help="seconds the probe in flight at the end may still take (the streams go on)",
+    )
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--state-dir", type=Path, help="the cluster's (default: a new temp dir)")
     parser.add_argument("--up-arg", action="append", default=[], help="passed to laneway up")
