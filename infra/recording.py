@@ -17,25 +17,19 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
-from typing import IO, Any, Literal, cast
+from typing import IO, TYPE_CHECKING, Any, Literal, cast
 
-import nats
 import orjson
-from nats.aio.client import Client as NatsClient
-from nats.errors import Error as NatsError
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
-from bus.topology import CONTROL, KV, LOAD, REQUESTS, ROUTES, STREAM_SUBJECTS
 from schemas.codec import current_version, decode_event, event_from
 from schemas.events import Event, PrefillCompleted, RequestAccepted, RouteDecided, new_id
 
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NatsClient
+
 FORMAT_VERSION = 1
 HEADER_KEY = "laneway_recording"
-# In the order a reader folds them: the requests, then what was decided and what followed.
-STREAMS = (REQUESTS, ROUTES, KV, LOAD, CONTROL)
 # A fetch asks for at most this many messages, and no more than this many bytes' worth of the
 # last batch's largest: nats-server drops a connection that has more than 64 MiB on its way.
 _FETCH_BATCH = 2000
@@ -209,6 +203,12 @@ async def read_log(
 ) -> list[Recorded]:
     """Every message the streams hold from ``since`` to ``until``, each stream up to where it
     ended when the read began (a busy cluster cannot keep the read going)."""
+    # NATS (and the aiohttp it brings) only here: an offline replay reads recordings from files.
+    import nats
+    from nats.errors import Error as NatsError
+
+    from bus.topology import CONTROL, KV, LOAD, REQUESTS, ROUTES, STREAM_SUBJECTS
+
     causes: list[str] = []
 
     async def failed(err: Exception) -> None:
@@ -228,7 +228,8 @@ async def read_log(
         raise RecordingError(f"cannot reach NATS at {nats_url} ({cause})") from None
     try:
         out: list[Recorded] = []
-        for stream in STREAMS:
+        # In the order a reader folds them: the requests, then what was decided and what followed.
+        for stream in (REQUESTS, ROUTES, KV, LOAD, CONTROL):
             try:
                 out += await _read_stream(nc, stream.name, STREAM_SUBJECTS[stream], since, until)
             except NatsError as err:
@@ -245,6 +246,10 @@ async def _read_stream(
     since: datetime | None,
     until: datetime | None,
 ) -> list[Recorded]:
+    from nats.errors import TimeoutError as NatsTimeoutError
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+    from nats.js.errors import NotFoundError
+
     js = nc.jetstream()
     try:
         info = await js.stream_info(name)
