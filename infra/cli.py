@@ -8,16 +8,12 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from importlib import import_module
 from pathlib import Path
 
-from infra import keys, record_export, status
-from infra.bench import engine_bench
 from infra.bench import run as bench
-from infra.cluster import ClusterConfig, LocalCluster
-from infra.debug import explain, replay
 from infra.recording import RecordingError
-from infra.startup import StartupError
-from infra.supervisor import GaveUp
 from services.planner.policies import POLICY_NAMES
 
 
@@ -147,6 +143,13 @@ def _context_env(max_model_len: int | None) -> dict[str, str]:
     return {"LANEWAY_MAX_MODEL_LEN": str(max_model_len)}
 
 
+def _add_make_tiny_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    tiny = sub.add_parser("make-tiny-model", help="write a small seeded model and tokenizer")
+    tiny.add_argument("dir", type=Path, help="folder to write (created if missing)")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    tiny.set_defaults(func=_make_tiny_model)
+
+
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from services.engine.torch_engine.tiny import make_tiny_model
 
@@ -156,6 +159,10 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from infra.cluster import ClusterConfig, LocalCluster
+    from infra.startup import StartupError
+    from infra.supervisor import GaveUp
+
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("laneway up: --tls-cert and --tls-key go together")
     tls = (args.tls_cert.resolve(), args.tls_key.resolve()) if args.tls_cert else None
@@ -216,27 +223,37 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Each command's parser, in `laneway --help`'s order: added by a function here or by the
+# ``add_parser`` of a module of its own. Between them those modules import NATS, aiohttp and
+# etcd's gRPC client, half a second an offline `laneway bench` would spend on what it never runs,
+# so running a command imports its module alone.
+_COMMANDS: dict[str, str | Callable[..., None]] = {
+    "up": _add_up,
+    "bench-engine": "infra.bench.engine_bench",
+    "make-tiny-model": _add_make_tiny_model,
+    "bench": "infra.bench.run",
+    "record": "infra.record_export",
+    "explain": "infra.debug.explain",
+    "replay": "infra.debug.replay",
+    "status": "infra.status",
+    "keys": "infra.keys",
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; with a known ``command``, that command's alone (what running it
+    needs imported)."""
     parser = argparse.ArgumentParser(
         prog="laneway",
         description="Laneway's local cluster and benchmarks; `laneway COMMAND --help` shows a "
         "command's flags with their defaults and choices.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_up(sub)
-    engine_bench.add_parser(sub)
-    tiny = sub.add_parser("make-tiny-model", help="write a small seeded model and tokenizer")
-    tiny.add_argument("dir", type=Path, help="folder to write (created if missing)")
-    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    tiny.set_defaults(func=_make_tiny_model)
-    bench.add_parser(sub)
-    record_export.add_parser(sub)
-    explain.add_parser(sub)
-    replay.add_parser(sub)
-    status.add_parser(sub)
-    keys.add_parser(sub)
-    for command in _leaf_parsers(sub):
-        command.formatter_class = _DefaultsFormatter
+    for name, adder in _COMMANDS.items():
+        if command not in _COMMANDS or name == command:
+            (import_module(adder).add_parser if isinstance(adder, str) else adder)(sub)
+    for leaf in _leaf_parsers(sub):
+        leaf.formatter_class = _DefaultsFormatter
     return parser
 
 
@@ -252,7 +269,8 @@ def _leaf_parsers(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return int(args.func(args))
     except RecordingError as err:

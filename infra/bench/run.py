@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import tempfile
 from collections.abc import Callable
@@ -12,14 +11,11 @@ from typing import Any
 
 import orjson
 
-from infra.bench.live import replay_live
 from infra.bench.metrics import ReplayResult
 from infra.bench.offline import OfflineReplay
 from infra.bench.report import format_table, write_json
 from infra.bench.tiers import TierSettings, add_tier_arguments, live_env, tier_settings
 from infra.bench.traces import TraceRequest, load_trace
-from infra.cluster import ClusterConfig, LocalCluster
-from infra.embedded import free_port
 from infra.progress import Progress
 from services.common.kv_transfer import KvTransferModel
 from services.common.perf_model import PERF_MODEL_NAMES
@@ -270,6 +266,14 @@ def _live(
     args: argparse.Namespace,
     progress: Callable[[int], None],
 ) -> ReplayResult:
+    # The live path's packages (NATS, aiohttp, etcd's gRPC) take a third of a second to import,
+    # a tenth of an offline replay: imported only for a live one.
+    import asyncio
+
+    from infra.bench.live import replay_live
+    from infra.cluster import ClusterConfig, LocalCluster
+    from infra.embedded import free_port
+
     prefill, decode = _pools(args)
     with tempfile.TemporaryDirectory(prefix="laneway-bench-") as state:
         cluster = LocalCluster(
