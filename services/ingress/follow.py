@@ -43,7 +43,12 @@ Heard = GatewayEvent | RequestPlaced
 class Recovery:
     completion_wait_s: float = 2.0
     """How long a terminal waits for tokens it counts that nobody answers for, before the request
-    ends with an error instead."""
+    ends with an error instead: counted from when what was on its way to the ingress as the
+    terminal came has been taken in (``Drain``), not from the terminal; an ingress seconds
+    behind its socket still has them to read."""
+    drain_s: float = 30.0
+    """How long that taking in may last before the wait is counted anyway (a connection that
+    stopped answering)."""
     silence_s: float = 1.0
     """How long a stream is silent before its worker is asked."""
     orphan_s: float = 6.0
@@ -70,6 +75,9 @@ class Arrivals(Protocol):
 # it does not hold the request.
 Ask = Callable[[str, str, int, int], Awaitable[ResendReply | None]]
 Resubmit = Callable[[RequestAccepted], Awaitable[None]]
+# Returns once what was on its way to this ingress when called has come in (or it could not be
+# told within ``Recovery.drain_s``): tokens still missing then were lost on the way.
+Drain = Callable[[], Awaitable[None]]
 
 
 class Follow:
@@ -82,10 +90,14 @@ class Follow:
         resubmit: Resubmit,
         source: str,
         hold: Callable[[], float] | None = None,
+        drain: Drain | None = None,
     ) -> None:
         """``hold``: how long to wait after passing events on before taking the next (seconds;
-        what comes meanwhile goes on together), e.g. :meth:`LoopLag.hold_s`."""
+        what comes meanwhile goes on together), e.g. :meth:`LoopLag.hold_s`. ``drain``: what a
+        terminal that came before tokens it counts waits for first (none: the wait for them is
+        counted from the terminal)."""
         self._accepted = accepted
+        self._drain = drain
         self._hold = hold
         self._request_id = accepted.request_id or ""
         self._queue = queue
@@ -102,6 +114,7 @@ class Follow:
         self._heard = now  # this attempt's latest sign of life
         self._next_ask = now + recovery.silence_s
         self._held_since: float | None = None
+        self._drained = False  # since the terminal was held
         self.ended: TerminalEvent | None = None
 
     async def events(self) -> AsyncIterator[GatewayEvent]:
@@ -177,13 +190,22 @@ class Follow:
 
     async def _ask(self) -> list[GatewayEvent]:
         order, worker = self._order, self._worker
+        if order.held is not None and not self._drained and self._drain is not None:
+            # The missing tokens may still be in this ingress, behind what it has yet to read:
+            # they come before the next ask, and the wait for a resend is counted from here.
+            self._drained = True
+            await self._drain()
+            now = self._loop.time()
+            self._held_since, self._next_ask = now, now + GAP_WAIT_S
+            return []
         reply = None
         if worker is not None:
             reply = await self._ask_holder(self._request_id, worker, order.delivered, self.attempt)
         now = self._loop.time()
         if reply is None:
             if self._held_since is not None:
-                if now - self._held_since >= self._rec.completion_wait_s:
+                # Not while arrivals wait to be taken: they may be the missing tokens.
+                if now - self._held_since >= self._rec.completion_wait_s and self._queue.empty():
                     return self._end(order.give_up(self._source))
                 self._next_ask = now + GAP_WAIT_S
                 return []
@@ -233,7 +255,7 @@ class Follow:
         self._order = StreamOrder()
         self._order.delivered, self._order.token_ids = order.delivered, order.token_ids
         now = self._loop.time()
-        self._worker, self._held_since = None, None
+        self._worker, self._held_since, self._drained = None, None, False
         self._unplaced.clear()
         self._heard, self._next_ask = now, now + self._rec.silence_s
         await self._resubmit(

@@ -6,6 +6,7 @@ request's worker again (``lw.resend.<worker>``) and a request whose worker went 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 from nats.errors import Error as NatsError
@@ -102,6 +103,7 @@ class NatsGateway:
                     lambda moved: self._bus.publish(Subjects.request_accepted, moved),
                     self._source,
                     hold=self._lag.hold_s if self._lag is not None else None,
+                    drain=self.drain,
                 )
                 async for event in follow.events():
                     yield event
@@ -125,6 +127,14 @@ class NatsGateway:
             )
         except (NatsError, TimeoutError):
             return None
+
+    async def drain(self) -> None:
+        """Returns once what was on its way to this ingress when called has come in: the server
+        answers a ping after everything it sent this connection before, and the subscriptions
+        take what came in that order (a worker's tokens before its later terminal)."""
+        # When the connection is gone or stopped answering, the wait is counted from then.
+        with contextlib.suppress(NatsError):
+            await self._bus.nc.flush(timeout=self._recovery.drain_s)  # type: ignore[arg-type]
 
     def _too_large(self, accepted: RequestAccepted) -> RequestFailed:
         limit = self._bus.nc.max_payload

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
-from schemas.events import RequestAccepted, RequestPlaced, TokensGenerated
+from schemas.events import (
+    RequestAccepted,
+    RequestFailed,
+    RequestFinished,
+    RequestPlaced,
+    TokensGenerated,
+)
 from schemas.messages import ResendReply
 from services.ingress.follow import Follow, Heard, Recovery
 from services.ingress.gateway import GatewayEvent
@@ -138,3 +144,60 @@ async def _no_resend(_: str, worker: str, index: int, attempt: int) -> ResendRep
 
 async def _no_resubmit(moved: RequestAccepted) -> None:
     return None
+
+
+async def _overtaken(
+    late_after_s: float, *, drain_waits: bool, ask_s: float = 0.0
+) -> list[GatewayEvent]:
+    """Request r1's terminal comes before its batch of tokens 2-5, which reaches the request
+    ``late_after_s`` later (None: never); its worker answers no resend query, each taking
+    ``ask_s``. ``drain_waits``: the ingress's drain returns only once that batch is in (the
+    server's answer to a ping came after it), else at once."""
+    queue: asyncio.Queue[Heard] = asyncio.Queue()
+    accepted = RequestAccepted(source="ingress/t", request_id="r1", spec=request_spec("t"))
+    came = asyncio.Event()
+
+    async def resend(_: str, worker: str, index: int, attempt: int) -> ResendReply | None:
+        await asyncio.sleep(ask_s)
+        return None
+
+    async def drain() -> None:
+        if drain_waits:
+            await came.wait()
+
+    async def later() -> None:
+        await asyncio.sleep(late_after_s)
+        queue.put_nowait(of(batch(2, "cdef"), "w1", 0))
+        came.set()
+
+    for event in (placed("w1", 0), of(batch(0, "ab"), "w1", 0), of(finished(6), "w1", 0)):
+        queue.put_nowait(event)
+    out = Follow(accepted, queue, FAST, resend, _no_resubmit, "ingress/t", drain=drain)
+    feeding = asyncio.create_task(later())
+    try:
+        return await asyncio.wait_for(collect(out.events()), 5)
+    finally:
+        feeding.cancel()
+
+
+async def test_tokens_an_ingress_behind_has_yet_to_read_are_not_declared_lost() -> None:
+    """The ingress is seconds behind its socket: the tokens the terminal counts come long after
+    the completion wait in wall time, but before the server's answer to a ping sent after the
+    terminal; the wait for a resend is counted from then, and the answer is whole."""
+    out = await _overtaken(3 * FAST.completion_wait_s, drain_waits=True)
+    assert text_of(out) == "abcdef" and isinstance(out[-1], RequestFinished)
+
+
+async def test_tokens_that_came_during_a_slow_resend_query_are_taken_before_giving_up() -> None:
+    out = await _overtaken(0.05, drain_waits=False, ask_s=1.5 * FAST.completion_wait_s)
+    assert text_of(out) == "abcdef" and isinstance(out[-1], RequestFinished)
+
+
+async def test_tokens_lost_on_their_way_end_the_request_once_with_an_error() -> None:
+    """Nothing of them is in the ingress once it drained, and nobody resends them: one error
+    after the completion wait, no hang, no answer silently shorter."""
+    out = await _overtaken(60.0, drain_waits=False)
+    assert text_of(out) == "ab"
+    assert [e.type for e in out] == ["TokensGenerated", "RequestFailed"]
+    ended = out[-1]
+    assert isinstance(ended, RequestFailed) and ended.code == "incomplete_stream"
