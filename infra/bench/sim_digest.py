@@ -36,7 +36,7 @@ def digest(result: ReplayResult) -> str:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(["bench", *argv])
+    args = build_parser("bench").parse_args(["bench", *argv])
     args.tiers = tier_settings(args, sum(bench._pools(args)))
     if not args.trace.exists():
         print(f"no trace at {args.trace} (give one with --trace)", file=sys.stderr)
