@@ -23,7 +23,7 @@ from schemas.events import (
     WorkerLoadReported,
 )
 from schemas.messages import ResendQuery
-from services.engine.kv_events import kv_event
+from services.engine.kv_events import coalesced, kv_event
 from services.engine.protocol import EngineLoad, KvChange
 from services.worker.stream import Chunk
 from services.worker.token_log import TokenLog
@@ -130,7 +130,7 @@ class Outputs:
 
     async def kv(self, changes: list[KvChange]) -> None:
         subject = Subjects.kv(self.worker_id)
-        for change in changes:
+        for change in coalesced(changes):
             self._kv_seq += 1
             # Per-worker order is what the index needs; one connection preserves it.
             await self._bus.publish(subject, kv_event(change, self.worker_id, self._kv_seq))

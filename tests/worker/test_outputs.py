@@ -10,11 +10,14 @@ from typing import cast
 from bus.client import Bus
 from bus.topology import Subjects
 from schemas.events import (
+    KvBlocksRemoved,
+    KvEvent,
     RequestCancelled,
     RequestSpec,
     SamplingParams,
     TokenBatch,
 )
+from services.engine.protocol import BlocksRemoved, BlocksStored
 from services.worker.outputs import Background, Outputs
 from services.worker.stream import Chunk
 from tests.worker.fakes import RecordingBus
@@ -77,3 +80,19 @@ async def test_outputs_of_no_engine_step_go_out_by_themselves() -> None:
         while len(bus.published) < 2:
             await asyncio.sleep(0)
     assert [type(e).__name__ for e in bus.published] == ["TokenBatch", "RequestCancelled"]
+
+
+async def test_a_steps_kv_changes_go_coalesced_in_the_workers_order() -> None:
+    bus = RecordingBus()
+    outputs = Outputs(cast(Bus, bus), "w1", Background())
+    await outputs.kv([BlocksRemoved((1,)), BlocksRemoved((2, 3)), BlocksStored((4,), None)])
+    await outputs.kv([BlocksRemoved((4,))])
+    assert {subject for subject, _ in bus.sent} == {Subjects.kv("w1").subject}
+    events = bus.published
+    assert [type(e).__name__ for e in events] == [
+        "KvBlocksRemoved",
+        "KvBlocksStored",
+        "KvBlocksRemoved",
+    ]
+    assert [cast(KvEvent, e).seq for e in events] == [1, 2, 3]
+    assert cast(KvBlocksRemoved, events[0]).block_hashes == (1, 2, 3)

@@ -1,0 +1,101 @@
+"""A step's KV changes as events: neighbours that say one thing go as one event, and folding the
+fewer events leaves the index that folding every change would."""
+
+from __future__ import annotations
+
+import random
+from typing import Literal
+
+from schemas.events import KvBlocksRemoved, KvBlocksStored, KvCleared
+from services.engine.kv_events import coalesced, kv_event
+from services.engine.protocol import BlocksRemoved, BlocksStored, CacheCleared, KvChange
+
+
+def fold(changes: list[KvChange]) -> dict[str, set[int]]:
+    """What each tier holds after the changes, in order (as the indexer folds them)."""
+    tiers: dict[str, set[int]] = {"gpu": set(), "host": set()}
+    for change in changes:
+        if isinstance(change, BlocksStored):
+            tiers[change.tier].update(change.block_hashes)
+        elif isinstance(change, BlocksRemoved):
+            tiers[change.tier].difference_update(change.block_hashes)
+        else:
+            tiers = {"gpu": set(), "host": set()}
+    return tiers
+
+
+def test_a_steps_evictions_in_a_row_are_one_removal() -> None:
+    changes: list[KvChange] = [
+        BlocksRemoved((1, 2)),
+        BlocksRemoved((3,)),
+        BlocksRemoved((4,), "host"),
+        BlocksStored((10, 11), None),
+        BlocksStored((20,), 5),
+    ]
+    assert coalesced(changes) == [
+        BlocksRemoved((1, 2, 3)),
+        BlocksRemoved((4,), "host"),
+        BlocksStored((10, 11), None),
+        BlocksStored((20,), 5),
+    ]
+
+
+def test_a_stored_run_joins_only_the_run_it_continues() -> None:
+    changes: list[KvChange] = [
+        BlocksStored((10, 11), 9),
+        BlocksStored((12,), 11),
+        BlocksStored((13,), 11),
+        BlocksStored((14,), 13, "host"),
+    ]
+    assert coalesced(changes) == [
+        BlocksStored((10, 11, 12), 9),
+        BlocksStored((13,), 11),
+        BlocksStored((14,), 13, "host"),
+    ]
+
+
+def test_nothing_is_merged_across_a_change_of_another_kind() -> None:
+    changes: list[KvChange] = [
+        BlocksRemoved((1,)),
+        BlocksStored((1,), None),
+        BlocksRemoved((1,)),
+        CacheCleared(),
+        BlocksRemoved((2,)),
+    ]
+    assert coalesced(changes) == changes
+
+
+def test_folding_the_merged_changes_leaves_the_same_index() -> None:
+    rnd = random.Random(7)
+    for _ in range(500):
+        changes: list[KvChange] = []
+        for _ in range(rnd.randrange(12)):
+            tier: Literal["gpu", "host"] = rnd.choice(("gpu", "host"))
+            hashes = tuple(rnd.sample(range(12), rnd.randrange(1, 4)))
+            kind = rnd.random()
+            if kind < 0.45:
+                last = changes[-1] if changes else None
+                parent = (
+                    last.block_hashes[-1]
+                    if isinstance(last, BlocksStored) and rnd.random() < 0.5
+                    else rnd.choice((None, 0))
+                )
+                changes.append(BlocksStored(hashes, parent, tier))
+            elif kind < 0.95:
+                changes.append(BlocksRemoved(hashes, tier))
+            else:
+                changes.append(CacheCleared())
+        merged = coalesced(changes)
+        assert fold(merged) == fold(changes)
+        assert len(merged) <= len(changes)
+
+
+def test_events_carry_the_change_and_the_workers_order() -> None:
+    stored = kv_event(BlocksStored((5, 6), 4, "host"), "w1", 3)
+    assert isinstance(stored, KvBlocksStored)
+    assert (stored.source, stored.worker_id, stored.seq) == ("worker/w1", "w1", 3)
+    assert (stored.parent_hash, stored.block_hashes, stored.tier) == (4, (5, 6), "host")
+    removed = kv_event(BlocksRemoved((5,)), "w1", 4)
+    assert isinstance(removed, KvBlocksRemoved) and removed.block_hashes == (5,)
+    assert isinstance(kv_event(CacheCleared(), "w1", 5), KvCleared)
+    assert stored.event_id != removed.event_id
