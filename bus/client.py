@@ -81,6 +81,17 @@ def _for_handler(topic: Topic[E], event: Event, subject: str) -> E | None:
     return None
 
 
+def received(topic: Topic[E], data: bytes, subject: str) -> E | None:
+    """The event a message on ``topic`` carries, if its handler takes it (see _for_handler);
+    None, logged, for one that does not decode."""
+    try:
+        event = decode_event(data)
+    except (ValidationError, ValueError):
+        log.exception("dropping undecodable message on %s", subject)
+        return None
+    return _for_handler(topic, event, subject)
+
+
 async def _log_error(error: Exception) -> None:
     # A permission refused is the server's only answer to a publish or subscription it does not
     # allow (the publisher's request then times out): say which.
@@ -207,12 +218,7 @@ class Bus:
         """Core (non-durable) subscription: lowest latency, for live views of a stream."""
 
         async def on_msg(msg: Msg) -> None:
-            try:
-                event = decode_event(msg.data)
-            except (ValidationError, ValueError):
-                log.exception("dropping undecodable message on %s", msg.subject)
-                return
-            typed = _for_handler(topic, event, msg.subject)
+            typed = received(topic, msg.data, msg.subject)
             if typed is not None:
                 await handler(typed)
 
