@@ -9,11 +9,10 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from schemas.deltas import runs_delta
-from schemas.events import TokenBatch, TokenRun
+from schemas.deltas import Batch, Run, runs_delta
 from services.ingress.follow import Heard
 
-_Run = tuple[TokenBatch, TokenRun]
+_Run = tuple[Batch, Run]
 
 
 class Mailbox:
@@ -30,7 +29,7 @@ class Mailbox:
         self._items.append(event)
         self._wake()
 
-    def put_run(self, batch: TokenBatch, run: TokenRun) -> None:
+    def put_run(self, batch: Batch, run: Run) -> None:
         self._items.append((batch, run))
         self._wake()
 

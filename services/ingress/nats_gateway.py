@@ -9,20 +9,21 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError
 from opentelemetry import trace
 
-from bus.client import Bus
-from bus.topology import Subjects
+from bus.client import Bus, received
+from bus.topology import TOKEN_DELTAS, Subjects
 from observability.tracing import trace_context
 from schemas.codec import encode
+from schemas.deltas import Batch, lean_batch
 from schemas.events import (
     CancellationRequested,
     RequestAccepted,
     RequestFailed,
     RequestSpec,
-    TokenBatch,
     TokensGenerated,
 )
 from schemas.messages import ResendQuery, ResendReply
@@ -42,6 +43,7 @@ class NatsGateway:
         self._tracer = trace.get_tracer("laneway.ingress")
         self._lag: LoopLag | None = None
         self._lag_task: asyncio.Task[None] | None = None
+        self._tokens = Subjects.tokens(instance_id)
 
     def behind(self) -> bool:
         """This ingress's event loop runs late: it takes in and writes out its streams' tokens
@@ -53,7 +55,7 @@ class NatsGateway:
         self._lag_task = asyncio.create_task(self._lag.run(), name="loop-lag")
         # Core subscriptions on this instance's own subjects: set up once, lowest latency.
         await self._bus.subscribe(Subjects.placements(self._instance_id), self._deliver)
-        await self._bus.subscribe(Subjects.tokens(self._instance_id), self._deliver_tokens)
+        await self._bus.subscribe_bytes(self._tokens.subject, self._deliver_tokens)
         await self._bus.subscribe(Subjects.request_terminal(self._instance_id), self._deliver)
 
     async def _deliver(self, event: Heard) -> None:
@@ -61,17 +63,25 @@ class NatsGateway:
         if queue is not None:
             queue.put_nowait(event)
 
-    async def _deliver_tokens(self, event: TokenBatch | TokensGenerated) -> None:
+    async def _deliver_tokens(self, msg: Msg) -> None:
         """A step's batch goes to each of its requests still followed here (a request that
-        ended meanwhile takes nothing)."""
-        if isinstance(event, TokensGenerated):
-            await self._deliver(event)
+        ended meanwhile takes nothing). Read lean when it is a batch from the worker its subject
+        names (what only that worker may publish to); anything else the bus's way, checked and
+        logged as on every subscription."""
+        batch: Batch | None = lean_batch(msg.data)
+        if batch is None or batch.worker_id != TOKEN_DELTAS.key_of(msg.subject):
+            event = received(self._tokens, msg.data, msg.subject)
+            if isinstance(event, TokensGenerated):
+                await self._deliver(event)
+                return
+            batch = event
+        if batch is None:
             return
         streams = self._streams
-        for run in event.runs:
+        for run in batch.runs:
             queue = streams.get(run.request_id)
             if queue is not None:
-                queue.put_run(event, run)
+                queue.put_run(batch, run)
 
     async def submit(
         self, request_id: str, session_id: str | None, spec: RequestSpec
