@@ -62,13 +62,16 @@ class Recovery:
 
 
 class Arrivals(Protocol):
-    """What a request's events come through (an ``asyncio.Queue`` will do)."""
+    """What a request's events come through (:class:`services.ingress.mailbox.Mailbox`)."""
 
     def empty(self) -> bool: ...
 
     def get_nowait(self) -> Heard: ...
 
-    async def get(self) -> Heard: ...
+    async def arrival(self, deadline: float) -> bool:
+        """Waits for an event, at most until the loop's clock reads ``deadline``; whether one
+        came."""
+        ...
 
 
 # (request id, worker asked, first missing token, attempt) → the worker's answer, or None when
@@ -123,17 +126,11 @@ class Follow:
         writes fewer, larger chunks instead of working through a backlog of small ones."""
         queue = self._queue
         while self.ended is None:
-            if queue.empty():
-                try:
-                    async with asyncio.timeout_at(self._next_ask):
-                        event = await queue.get()
-                except TimeoutError:
-                    for out in await self._ask():
-                        yield out
-                    continue
-            else:
-                event = queue.get_nowait()
-            ready = await self._take(event)
+            if not await queue.arrival(self._next_ask):
+                for out in await self._ask():
+                    yield out
+                continue
+            ready = await self._take(queue.get_nowait())
             while self.ended is None and not queue.empty():
                 ready.extend(await self._take(queue.get_nowait()))
             for out in coalesced(ready):

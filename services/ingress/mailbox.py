@@ -40,11 +40,20 @@ class Mailbox:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def get(self) -> Heard:
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        return self.get_nowait()
+    async def arrival(self, deadline: float) -> bool:
+        """Waits for something to take, at most until the loop's clock reads ``deadline``;
+        whether there is. A timer and a future, not ``asyncio.timeout_at``'s cancellation: with
+        2,000 streams that was a tenth of an ingress."""
+        if self._items:
+            return True
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_at(deadline, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+        return bool(self._items)
 
     def get_nowait(self) -> Heard:
         """The next arrival; runs that follow one another (one worker, one attempt, each
@@ -68,3 +77,8 @@ class Mailbox:
             runs.append(next_run)
             end += len(next_run.token_ids)
         return runs_delta(batch, runs)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

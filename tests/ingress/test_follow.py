@@ -16,6 +16,7 @@ from schemas.events import (
 from schemas.messages import ResendReply
 from services.ingress.follow import Follow, Heard, Recovery
 from services.ingress.gateway import GatewayEvent
+from services.ingress.mailbox import Mailbox
 from tests.ingress.helpers import batch, collect, finished, request_spec, text_of
 
 FAST = Recovery(completion_wait_s=0.2, silence_s=0.05, orphan_s=0.3, unrouted_s=0.3)
@@ -38,7 +39,7 @@ async def follow(
 ) -> tuple[list[GatewayEvent], list[RequestAccepted]]:
     """Follow request r1 (max_tokens 6) whose holders answer no resend query; each attempt's
     resubmission puts its events in the queue."""
-    queue: asyncio.Queue[Heard] = asyncio.Queue()
+    queue = Mailbox()
     accepted = RequestAccepted(source="ingress/t", request_id="r1", spec=request_spec("t"))
     resubmitted: list[RequestAccepted] = []
 
@@ -114,7 +115,7 @@ async def test_held_back_a_stream_passes_on_what_came_meanwhile_as_one() -> None
     next; without one each batch goes out as it comes."""
 
     async def run(hold: float) -> list[GatewayEvent]:
-        queue: asyncio.Queue[Heard] = asyncio.Queue()
+        queue = Mailbox()
         accepted = RequestAccepted(source="ingress/t", request_id="r1", spec=request_spec("t"))
         out = Follow(accepted, queue, FAST, _no_resend, _no_resubmit, "ingress/t", lambda: hold)
         queue.put_nowait(placed("w1", 0))
@@ -153,7 +154,7 @@ async def _overtaken(
     ``late_after_s`` later (None: never); its worker answers no resend query, each taking
     ``ask_s``. ``drain_waits``: the ingress's drain returns only once that batch is in (the
     server's answer to a ping came after it), else at once."""
-    queue: asyncio.Queue[Heard] = asyncio.Queue()
+    queue = Mailbox()
     accepted = RequestAccepted(source="ingress/t", request_id="r1", spec=request_spec("t"))
     came = asyncio.Event()
 

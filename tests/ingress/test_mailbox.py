@@ -54,10 +54,29 @@ async def test_runs_one_after_another_of_one_worker_and_attempt_come_as_one() ->
 
 async def test_a_waiting_taker_wakes_at_the_next_arrival() -> None:
     box = Mailbox()
-    waiting = asyncio.create_task(box.get())
+    loop = asyncio.get_running_loop()
+    waiting = asyncio.create_task(box.arrival(loop.time() + 5))
     await asyncio.sleep(0)
     assert not waiting.done()
     batch = step("w1", run(0, "a"))
     box.put_run(batch, batch.runs[0])
-    event = await asyncio.wait_for(waiting, 1)
+    assert await asyncio.wait_for(waiting, 1)
+    event = box.get_nowait()
     assert isinstance(event, TokensGenerated) and event.text == "a"
+    assert await box.arrival(loop.time() - 1) is False  # nothing left: the deadline passed
+
+
+async def test_a_taker_waits_no_longer_than_its_deadline() -> None:
+    box = Mailbox()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await asyncio.wait_for(box.arrival(started + 0.05), 1) is False
+    assert loop.time() - started >= 0.05
+    # A cancelled wait leaves nothing behind: the next arrival still wakes the next taker.
+    cancelled = asyncio.create_task(box.arrival(loop.time() + 5))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    waiting = asyncio.create_task(box.arrival(loop.time() + 5))
+    await asyncio.sleep(0)
+    box.put_nowait(finished(0))
+    assert await asyncio.wait_for(waiting, 1)
