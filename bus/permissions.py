@@ -83,8 +83,11 @@ class NatsPermissions:
 # Beyond the channels: the JetStream state each role keeps. The planner keeps the streams
 # themselves (creates and updates them; others only read their settings).
 _STREAM_KEEPERS: tuple[Role, ...] = ("planner",)
-_REPLAYS = {"kv-indexer": (Subjects.all_kv,)}
+# The planner folds the KV stream too (services/kv_indexer/follow.py): it replays it and
+# reads the indexer's snapshots, but writes none.
+_REPLAYS = {"kv-indexer": (Subjects.all_kv,), "planner": (Subjects.all_kv,)}
 _OBJECT_STORES = {"kv-indexer": (INDEX_SNAPSHOTS,)}
+_OBJECT_READS = {"planner": (INDEX_SNAPSHOTS,)}
 
 
 def _durables(identity: Identity) -> tuple[Consumer[Any], ...]:
@@ -130,6 +133,8 @@ def nats_permissions(identity: Identity) -> NatsPermissions:
         publish += [f"{_JS}.CONSUMER.CREATE.{topic.stream.name}", f"$JS.FC.{topic.stream.name}.>"]
     for bucket in _OBJECT_STORES.get(identity.role, ()):
         publish += _object_store(bucket)
+    for bucket in _OBJECT_READS.get(identity.role, ()):
+        publish += _object_reads(bucket)
     return NatsPermissions(
         tuple(dict.fromkeys(publish)),
         tuple(dict.fromkeys(subscribe)),
@@ -148,6 +153,19 @@ def _object_store(bucket: str) -> list[str]:
         f"{_JS}.STREAM.NAMES",
         f"$JS.FC.{stream}.>",
         f"$O.{bucket}.>",
+    ]
+
+
+def _object_reads(bucket: str) -> list[str]:
+    """Reading one JetStream object store's objects: its stream's settings, an object's
+    description, and an ordered consumer over its chunks (found by subject)."""
+    stream = f"OBJ_{bucket}"
+    return [
+        f"{_JS}.STREAM.INFO.{stream}",
+        f"{_JS}.STREAM.MSG.GET.{stream}",
+        f"{_JS}.STREAM.NAMES",
+        f"{_JS}.CONSUMER.CREATE.{stream}",
+        f"$JS.FC.{stream}.>",
     ]
 
 

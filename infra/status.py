@@ -25,7 +25,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from bus.credentials import split_credentials
+from bus.credentials import inbox_prefix, split_credentials
 from bus.registry import LEADER_KEY, PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
 from bus.topology import KV, LOAD, Subjects, worker_routes
 from infra import status_local
@@ -283,6 +283,7 @@ async def _streams(js: JetStreamContext) -> tuple[list[dict[str, Any]], list[dic
                     "name": c.name,
                     "durable": bool(c.config.durable_name),
                     "filter": c.config.filter_subject,
+                    "deliver": c.config.deliver_subject,
                     # Stored but not yet delivered, then delivered but not yet acked: the lag.
                     "pending": c.num_pending or 0,
                     "ack_pending": c.num_ack_pending or 0,
@@ -332,10 +333,15 @@ def _services(found: dict[str, Any]) -> list[dict[str, Any]]:
     processes running and ready beside that."""
     roles = [w["role"] for w in found["workers"]]
     # The kv-indexer keeps no durable: each replica replays the KV stream on an ordered one.
+    # So may each planner (its own fold); with bus auth its deliveries come to its own inbox,
+    # and it is told apart by that (without, it counts here too).
+    planners = inbox_prefix("planner") + "."
     indexers = [
         c
         for c in found["consumers"]
-        if c["stream"] == KV.name and c["filter"] == Subjects.all_kv.subject
+        if c["stream"] == KV.name
+        and c["filter"] == Subjects.all_kv.subject
+        and not (c["deliver"] or "").startswith(planners)
     ]
     traced: dict[str, tuple[int | None, str]] = {
         "planner": (len(found["planner"]["replicas"]), "etcd presence keys"),

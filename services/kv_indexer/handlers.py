@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import xxhash
 from opentelemetry import trace
 
-from schemas.events import KvEvent, RouteDecided
+from schemas.events import BlockHashes, KvEvent, RouteDecided
 from schemas.messages import (
     IndexState,
     IndexStateQuery,
@@ -105,14 +105,22 @@ class Indexer:
             return OverlapReplies(replies=tuple(self._answer(q, now) for q in batch.queries))
 
     def _answer(self, query: OverlapQuery, now: float) -> OverlapReply:
-        overlaps = self.index.overlaps(query.block_hashes)
-        for worker_id, depth in self.predicted.overlaps(query.block_hashes, now).items():
+        overlaps, host_runs = self.overlaps(query.block_hashes, now)
+        return OverlapReply(overlaps=overlaps, indexed_blocks=self.index.size, host_runs=host_runs)
+
+    def overlaps(
+        self, block_hashes: BlockHashes, now: float
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Per live worker, the prompt's leading blocks it caches on its GPU (known or
+        predicted), and how many more its host tier holds after them."""
+        overlaps = self.index.overlaps(block_hashes)
+        for worker_id, depth in self.predicted.overlaps(block_hashes, now).items():
             overlaps[worker_id] = max(depth, overlaps.get(worker_id, 0))
-        host_runs = self.index.host_runs(query.block_hashes, overlaps)
+        host_runs = self.index.host_runs(block_hashes, overlaps)
         if self._seen_live:
             overlaps = {w: n for w, n in overlaps.items() if w in self._live}
             host_runs = {w: n for w, n in host_runs.items() if w in self._live}
-        return OverlapReply(overlaps=overlaps, indexed_blocks=self.index.size, host_runs=host_runs)
+        return overlaps, host_runs
 
     async def on_state(self, query: IndexStateQuery) -> IndexState:
         pairs = sorted(

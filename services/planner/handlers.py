@@ -26,12 +26,13 @@ from schemas.events import (
     utc_now,
 )
 from schemas.messages import WorkerRegistration
+from services.kv_indexer.follow import KvFollower
 from services.planner.cluster import ClusterView, Routed, migrated_reason
 from services.planner.decision import Decision, DecisionInputs, decide, rebind
 from services.planner.disagg import DisaggSettings
 from services.planner.metrics import PlannerMetrics
 from services.planner.output_length import OutputLengthPredictor
-from services.planner.overlaps import OverlapAsker
+from services.planner.overlaps import OverlapAsker, Overlaps
 from services.planner.policy import Policy, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,11 @@ class Planner:
         no_worker_grace_s: float = 2.0,
         disagg: DisaggSettings | None = None,
         lengths: OutputLengthPredictor | None = None,
+        follower: KvFollower | None = None,
     ) -> None:
         """``lengths``: learns the output length the cost model assumes from finished requests;
-        None, it assumes each request's max_tokens."""
+        None, it assumes each request's max_tokens. ``follower``: the planner's own fold of the
+        KV stream, which answers overlaps while it has caught up; None, the kv-indexer does."""
         self._bus = bus
         self._lengths = lengths
         self._disagg = disagg or DisaggSettings(mode="never")
@@ -69,9 +72,10 @@ class Planner:
         # Requests (id, attempt) being routed now: consumed up to ROUTING_CONCURRENCY at once.
         self._routing: dict[tuple[str, int], asyncio.Event] = {}
         self.metrics = PlannerMetrics(self.cluster)
-        self._overlaps = OverlapAsker(
+        asker = OverlapAsker(
             bus, overlap_timeout_s, self.metrics.overlap_seconds, self.metrics.overlap_failures
         )
+        self._overlaps = Overlaps(asker, follower, self.metrics.overlap_answers)
         self._tracer = trace.get_tracer("laneway.planner")
 
     async def attach(self, on_finished: Callable[[RequestFinished], None] | None = None) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 from importlib.metadata import version
 from typing import Literal
 
+import aetcd
 from pydantic import Field
 
 from bus.client import Bus
@@ -14,12 +16,12 @@ from bus.etcd_space import guard_space
 from bus.registry import LeasedKey, assign_roles, connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.sessions import SessionStore
-from bus.settings import ServiceSettings
 from bus.topology import Subjects
 from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
 from schemas.events import new_id
 from services.common.kv_transfer import KvTransferModel
+from services.kv_indexer.follow import FoldSettings, KvFollower
 from services.planner.capacity import CapacityPlanner, CapacitySettings
 from services.planner.capacity_loop import CapacityLoop
 from services.planner.disagg import DisaggMode, DisaggSettings
@@ -29,17 +31,24 @@ from services.planner.output_length import OutputLengthPredictor
 from services.planner.policies import make_policy
 from services.planner.replay import configured
 
+log = logging.getLogger(__name__)
+
 _KV = KvSettings()
 _DISAGG = DisaggSettings()
 _CAPACITY = CapacitySettings()
 
 
-class PlannerSettings(ServiceSettings):
+class PlannerSettings(FoldSettings):
     instance_id: str = Field(default_factory=new_id)
     # round_robin | random | least_loaded | kv
     policy: str = "kv"
     seed: int = 0
     overlap_timeout_s: float = 0.05
+    # Where overlap answers come from: the planner's own fold of the KV stream (the kv-indexer
+    # asked while that has not caught up), or the kv-indexer always.
+    overlaps: Literal["local", "indexer"] = "local"
+    # How often the planner's fold checks that it has caught up with the stream's head.
+    overlap_check_interval_s: float = Field(default=0.25, gt=0)
     # Seconds a session stays bound to its worker after the binding was last set (kv policy).
     session_ttl_s: int = 600
     # The kv policy's knobs; see services.planner.kv_policy._KV.
@@ -130,6 +139,28 @@ class PlannerSettings(ServiceSettings):
         )
 
 
+async def _fold(bus: Bus, etcd: aetcd.Client, settings: PlannerSettings) -> KvFollower | None:
+    """The planner's own fold of the KV stream, restored and following; None where it keeps
+    none (or cannot start one, say on a bus whose permissions predate it: it asks instead)."""
+    if settings.overlaps != "local":
+        return None
+    follower = KvFollower(bus, etcd, settings.predicted_ttl_s, settings.purge_interval_s)
+    try:
+        await follower.start()
+    except Exception:
+        log.warning("no fold of the KV stream: the kv-indexer answers overlaps", exc_info=True)
+        await follower.close()
+        return None
+    return follower
+
+
+async def _keep_up(follower: KvFollower, interval_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        await follower.tick(loop.time())
+        await asyncio.sleep(interval_s)
+
+
 def main() -> None:
     settings = PlannerSettings()
 
@@ -154,6 +185,7 @@ def main() -> None:
             ),
         )
         sessions = SessionStore(etcd, settings.session_ttl_s) if settings.policy == "kv" else None
+        follower = await _fold(bus, etcd, settings)
         planner = Planner(
             bus,
             policy,
@@ -162,12 +194,15 @@ def main() -> None:
             sessions,
             disagg=settings.disagg_settings(),
             lengths=OutputLengthPredictor() if settings.output_length == "predicted" else None,
+            follower=follower,
         )
         tasks = [
             asyncio.create_task(watch_workers(etcd, planner.on_workers)),
             # etcd past its quota refuses the sessions' writes: every replica watches for it.
             asyncio.create_task(guard_space(etcd)),
         ]
+        if follower is not None:
+            tasks.append(asyncio.create_task(_keep_up(follower, settings.overlap_check_interval_s)))
         if sessions is not None:
             # The owners it routes by while etcd is away.
             tasks.append(asyncio.create_task(sessions.watch()))
@@ -198,6 +233,8 @@ def main() -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if follower is not None:
+            await follower.close()
         await leadership.stop()
         await bus.close()
         await etcd.close()

@@ -71,6 +71,13 @@ class PlannerMetrics:
             "Overlap queries unanswered in time: those requests were routed on load alone.",
             registry=self.registry,
         )
+        self.overlap_answers = Counter(
+            "laneway_planner_overlap_answers",
+            "Overlap answers by where they came from: local (the planner's own fold of the KV "
+            "stream, caught up) or indexer (asked of the kv-indexer).",
+            ["source"],
+            registry=self.registry,
+        )
         self.session_claims = Counter(
             "laneway_planner_session_claims",
             "Session bindings by outcome: claimed (first turn), lost (another replica claimed it "

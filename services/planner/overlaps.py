@@ -1,5 +1,6 @@
-"""The planner's overlap queries to the kv-indexer, those of one turn of its event loop asked in
-one round trip.
+"""Where the planner's overlap answers come from: its own fold of the KV stream where it keeps
+one and that has caught up, else the kv-indexer, the queries of one turn of its event loop asked
+in one round trip.
 
 Requests come to the planner in bursts (a JetStream delivery brings several, each routed in a
 task of its own): at 32 concurrent streams a query had 7 others in its turn on average, at 128
@@ -14,12 +15,14 @@ import asyncio
 import logging
 import time
 
+from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
 from bus.client import Bus
 from bus.topology import Subjects
 from schemas.events import BlockHashes
 from schemas.messages import OVERLAP_BATCH_LIMIT, OverlapQueries, OverlapQuery, OverlapReplies
+from services.kv_indexer.follow import KvFollower
 
 log = logging.getLogger(__name__)
 
@@ -76,3 +79,30 @@ class OverlapAsker:
         for (_, future), answer in zip(batch, answers, strict=True):
             if not future.done():  # its request may have been cancelled meanwhile
                 future.set_result(answer)
+
+
+class Overlaps:
+    """The answer from ``follower``'s fold while it is current, else the indexer's.
+
+    A fold that has not caught up with the stream (restoring and replaying at start, after a
+    reconnect, or lagging a burst) would answer from the past: a prefix cached since looks
+    uncached, one evicted since looks cached. The indexer's fold has kept up meanwhile (or is
+    in the same place, and then the answer is no worse), so it is asked instead."""
+
+    def __init__(self, asker: OverlapAsker, follower: KvFollower | None, answers: Counter) -> None:
+        """``answers`` counts them by where they came from (label ``local`` or ``indexer``)."""
+        self._asker = asker
+        self._follower = follower
+        self._local = answers.labels("local")
+        self._asked = answers.labels("indexer")
+
+    async def ask(self, block_hashes: BlockHashes) -> Overlap:
+        follower = self._follower
+        span = trace.get_current_span()
+        if follower is not None and follower.current():
+            self._local.inc()
+            span.set_attribute("laneway.overlap_source", "local")
+            return follower.indexer.overlaps(block_hashes, time.monotonic())
+        self._asked.inc()
+        span.set_attribute("laneway.overlap_source", "indexer")
+        return await self._asker.ask(block_hashes)

@@ -99,11 +99,19 @@ def _services() -> list[Path]:
     return [p for p in _packages(SERVICES) if p.name not in LIBRARIES]
 
 
+# The one exception, by module: a planner may keep its own fold of the KV stream (no round trip
+# to the kv-indexer per request, issue 14), and it is the kv-indexer's fold, not a copy of it.
+SHARED_MODULES = {"planner": ("services.kv_indexer.follow",)}
+
+
 def _services_imported(path: Path) -> set[str]:
+    shared = SHARED_MODULES.get(path.relative_to(SERVICES).parts[0], ())
     return {
         name.split(".")[1]
         for name in _imports(path)
-        if name.startswith("services.") and (SERVICES / name.split(".")[1]).is_dir()
+        if name.startswith("services.")
+        and (SERVICES / name.split(".")[1]).is_dir()
+        and not any(name == m or name.startswith(m + ".") for m in shared)
     }
 
 

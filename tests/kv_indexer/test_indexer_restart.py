@@ -10,18 +10,12 @@ from pathlib import Path
 from nats.errors import NoRespondersError
 
 from bus.client import Bus
-from bus.topology import Subjects
 from infra.bench.live import replay_live
 from infra.bench.traces import load_trace
-from schemas.messages import IndexState, IndexStateQuery
+from schemas.messages import IndexState
 from tests.helpers import eventually
+from tests.kv_indexer.helpers import index_state
 from tests.live import ClusterFactory
-
-
-async def _state(bus: Bus, instance: str) -> IndexState:
-    return await bus.request(
-        Subjects.index_state(instance), IndexStateQuery(), IndexState, timeout=5
-    )
 
 
 async def test_restarted_indexer_equals_the_one_that_never_stopped(
@@ -39,11 +33,12 @@ async def test_restarted_indexer_equals_the_one_that_never_stopped(
     bus = await Bus.connect(cluster.nats_url, "test-restart")
 
     async def indexed() -> int:
-        return (await _state(bus, "indexer-0")).indexed_blocks
+        return (await index_state(bus, "indexer-0")).indexed_blocks
 
     async def caught_up() -> tuple[IndexState, IndexState] | None:
         try:
-            restarted, steady = await _state(bus, "indexer-0"), await _state(bus, "indexer-1")
+            restarted = await index_state(bus, "indexer-0")
+            steady = await index_state(bus, "indexer-1")
         except NoRespondersError:  # the restarted one still starting (a loaded machine)
             return None
         return (restarted, steady) if restarted.position == steady.position else None

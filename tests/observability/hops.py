@@ -8,8 +8,9 @@ from typing import Any
 Span = dict[str, Any]
 
 # Every prompt prefilled remotely, so that the trace has both sides of a hand-off; a prompt of
-# several KV blocks, so that the planner asks the kv-indexer.
-DISAGG = {"LANEWAY_DISAGG": "always"}
+# several KV blocks, and the planner's overlaps asked of the kv-indexer (not answered by its own
+# fold of the KV stream), so that the planner asks it.
+DISAGG = {"LANEWAY_DISAGG": "always", "LANEWAY_OVERLAPS": "indexer"}
 PROMPT = "a prompt long enough for blocks " * 8
 
 # Each hop's span and the span it is a child of.

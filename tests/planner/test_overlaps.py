@@ -4,14 +4,10 @@ gets its own answer, and a batch the indexer answers wrongly or not at all route
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from bus.client import Bus
-from bus.topology import Subjects
 from schemas.messages import OverlapQueries, OverlapReplies, OverlapReply
-from services.planner.overlaps import OverlapAsker
+from tests.planner.helpers import asker, indexer
 
 
 def answered(batch: OverlapQueries) -> OverlapReplies:
@@ -21,30 +17,6 @@ def answered(batch: OverlapQueries) -> OverlapReplies:
             OverlapReply(overlaps={f"w{q.block_hashes[0]}": 1}, indexed_blocks=1)
             for q in batch.queries
         )
-    )
-
-
-async def indexer(
-    bus: Bus, answer: Callable[[OverlapQueries], OverlapReplies]
-) -> list[OverlapQueries]:
-    """A stand-in kv-indexer on the batch endpoint; the batches it was asked."""
-    asked: list[OverlapQueries] = []
-
-    async def on_queries(batch: OverlapQueries) -> OverlapReplies:
-        asked.append(batch)
-        return answer(batch)
-
-    await bus.serve(Subjects.overlap_queries, OverlapQueries, on_queries, queue="test")
-    return asked
-
-
-def asker(bus: Bus, timeout_s: float = 2.0) -> tuple[OverlapAsker, Callable[[], float | None]]:
-    """The asker, and how many queries it counted failed so far."""
-    registry = CollectorRegistry()
-    failures = Counter("failures", "", registry=registry)
-    seconds = Histogram("seconds", "", registry=registry)
-    return OverlapAsker(bus, timeout_s, seconds, failures), lambda: registry.get_sample_value(
-        "failures_total"
     )
 
 

@@ -24,12 +24,21 @@ from bus.credentials import Credentials, inbox_prefix
 from bus.permissions import Identity
 from bus.registry import WORKERS_PREFIX, EtcdCluster, etcd_endpoints, role_key
 from bus.sessions import SESSIONS_PREFIX
-from bus.topology import KV, REQUESTS, ROUTES, Subjects, worker_routes
+from bus.topology import (
+    INDEX_SNAPSHOT_NAME,
+    INDEX_SNAPSHOTS,
+    KV,
+    REQUESTS,
+    ROUTES,
+    Subjects,
+    worker_routes,
+)
 from infra.cluster_auth import ClusterAuth, secure
 from infra.embedded import EmbeddedServer, start_etcd, start_nats
 from schemas.codec import encode
 from schemas.events import (
     KvBlocksStored,
+    KvEvent,
     RequestAccepted,
     RequestFinished,
     RequestPlaced,
@@ -38,6 +47,8 @@ from schemas.events import (
 )
 from services.ingress.follow import Recovery
 from services.ingress.nats_gateway import NatsGateway
+from services.kv_indexer.follow import restore
+from services.kv_indexer.index import PrefixIndex
 from tests.helpers import eventually, registration
 from tests.ingress.helpers import collect, request_spec
 
@@ -276,6 +287,33 @@ async def test_a_worker_bus_works_within_its_permissions(secured: Secured) -> No
         )
     finally:
         await bus.close()
+
+
+async def test_the_planner_folds_the_kv_stream_but_writes_no_snapshot(secured: Secured) -> None:
+    """Its own fold of the KV stream: the indexer's snapshot read, the stream replayed after it,
+    with no refusal on the way; and the snapshot stays the indexer's to write."""
+    index = PrefixIndex()
+    index.apply(KvBlocksStored(source="t", worker_id="w1", seq=1, block_hashes=(7, 8)))
+    admin = Bus(await secured.nats_as(ADMIN))
+    await admin.ensure_streams()
+    await admin.save_object(INDEX_SNAPSHOTS, INDEX_SNAPSHOT_NAME, index.snapshot(0))
+    worker = await secured.nats_as(WORKER)
+    await worker.jetstream().publish(Subjects.kv("w1").subject, _kv("w1"))
+    refusals: list[str] = []
+    planner = Bus(await secured.nats_as(PLANNER, refusals))
+    restored = await restore(planner)
+    assert restored.overlaps((7, 8)) == {"w1": 2}
+    folded: list[int] = []
+
+    async def on_kv(event: KvEvent, position: int) -> None:
+        folded.append(position)
+
+    await planner.replay(Subjects.all_kv, 0, on_kv)
+    await eventually(lambda: bool(folded), message="the planner's replay got nothing")
+    assert refusals == []
+    with pytest.raises(nats.errors.TimeoutError):
+        await planner.save_object(INDEX_SNAPSHOTS, INDEX_SNAPSHOT_NAME, b"forged")
+    assert (await restore(admin)).overlaps((7, 8)) == {"w1": 2}
 
 
 async def test_an_anonymous_etcd_write_is_refused(secured: Secured) -> None:
