@@ -26,6 +26,7 @@ from opentelemetry import context as otel_context
 from pydantic import BaseModel, ValidationError
 
 from bus.channels import Consumer, Topic, as_declared
+from bus.confirms import Confirmations
 from bus.credentials import NATS_CREDS_ENV, Credentials, inbox_prefix, split_credentials
 from bus.tls import nats_tls_from_env
 from bus.topology import RETIRED_STREAMS, STREAM_SUBJECTS
@@ -102,6 +103,7 @@ class Bus:
     def __init__(self, nc: NatsClient) -> None:
         self._nc = nc
         self._js: JetStreamContext = nc.jetstream()
+        self._confirms = Confirmations(nc)
         self._subs: list[Subscription] = []
         # Handlers of consumed messages running in tasks of their own (``consume``'s
         # concurrency): each acks its message, so closing waits for them.
@@ -192,7 +194,7 @@ class Bus:
         attempts = 0
         while True:
             try:
-                await self._js.publish(subject, data, headers=headers)
+                await self._confirms.publish(subject, data, headers)
                 break
             except (nats.errors.TimeoutError, NoStreamResponseError, ServiceUnavailableError):
                 if loop.time() > started + CONFIRM_WITHIN_S:

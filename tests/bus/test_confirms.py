@@ -1,0 +1,53 @@
+"""Confirmed publishes against a real nats-server: stored when they return, and each way a
+stream does not store one is the error nats-py's JetStream publish raised (what the bus's
+retrying tells apart)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.js.api import StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NoStreamResponseError
+
+from bus.client import Bus
+from bus.confirms import Confirmations
+
+
+async def test_a_confirmed_publish_is_stored_when_it_returns(bus: Bus) -> None:
+    js = bus.nc.jetstream()
+    await js.add_stream(
+        StreamConfig(name="CONFIRMS", subjects=["confirms.>"], storage=StorageType.MEMORY)
+    )
+    try:
+        confirms = Confirmations(bus.nc)
+        await asyncio.gather(
+            *(
+                confirms.publish(f"confirms.{n}", b"%d" % n, {"Nats-Msg-Id": f"c{n}"})
+                for n in range(50)
+            )
+        )
+        info = await js.stream_info("CONFIRMS")
+        assert info.state.messages == 50
+        # The same id again: the stream drops the copy and still confirms it.
+        await confirms.publish("confirms.0", b"0", {"Nats-Msg-Id": "c0"})
+        assert (await js.stream_info("CONFIRMS")).state.messages == 50
+    finally:
+        await js.delete_stream("CONFIRMS")
+
+
+async def test_no_stream_and_a_refusal_are_told_apart(bus: Bus) -> None:
+    js = bus.nc.jetstream()
+    await js.add_stream(
+        StreamConfig(name="REFUSES", subjects=["refuses.>"], storage=StorageType.MEMORY)
+    )
+    try:
+        confirms = Confirmations(bus.nc)
+        with pytest.raises(NoStreamResponseError):
+            await confirms.publish("nostream.here", b"x", {})
+        with pytest.raises(BadRequestError):
+            await confirms.publish("refuses.x", b"x", {"Nats-Expected-Stream": "ANOTHER"})
+        # Neither left a publish waiting.
+        assert not confirms._waiting
+    finally:
+        await js.delete_stream("REFUSES")
