@@ -5,8 +5,11 @@ retrying tells apart)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
+from nats.js import JetStreamContext
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NoStreamResponseError
 
@@ -14,34 +17,31 @@ from bus.client import Bus
 from bus.confirms import Confirmations
 
 
-async def test_a_confirmed_publish_is_stored_when_it_returns(bus: Bus) -> None:
+@contextlib.asynccontextmanager
+async def stream(bus: Bus, name: str) -> AsyncIterator[JetStreamContext]:
     js = bus.nc.jetstream()
-    await js.add_stream(
-        StreamConfig(name="CONFIRMS", subjects=["confirms.>"], storage=StorageType.MEMORY)
-    )
+    subjects = [f"{name.lower()}.>"]
+    await js.add_stream(StreamConfig(name=name, subjects=subjects, storage=StorageType.MEMORY))
     try:
+        yield js
+    finally:
+        await js.delete_stream(name)
+
+
+async def test_a_confirmed_publish_is_stored_when_it_returns(bus: Bus) -> None:
+    async with stream(bus, "CONFIRMS") as js:
         confirms = Confirmations(bus.nc)
         await asyncio.gather(
-            *(
-                confirms.publish(f"confirms.{n}", b"%d" % n, {"Nats-Msg-Id": f"c{n}"})
-                for n in range(50)
-            )
+            *(confirms.publish(f"confirms.{n}", b"x", {"Nats-Msg-Id": f"c{n}"}) for n in range(50))
         )
-        info = await js.stream_info("CONFIRMS")
-        assert info.state.messages == 50
-        # The same id again: the stream drops the copy and still confirms it.
-        await confirms.publish("confirms.0", b"0", {"Nats-Msg-Id": "c0"})
         assert (await js.stream_info("CONFIRMS")).state.messages == 50
-    finally:
-        await js.delete_stream("CONFIRMS")
+        # The same id again: the stream drops the copy and still confirms it.
+        await confirms.publish("confirms.0", b"x", {"Nats-Msg-Id": "c0"})
+        assert (await js.stream_info("CONFIRMS")).state.messages == 50
 
 
 async def test_no_stream_and_a_refusal_are_told_apart(bus: Bus) -> None:
-    js = bus.nc.jetstream()
-    await js.add_stream(
-        StreamConfig(name="REFUSES", subjects=["refuses.>"], storage=StorageType.MEMORY)
-    )
-    try:
+    async with stream(bus, "REFUSES"):
         confirms = Confirmations(bus.nc)
         with pytest.raises(NoStreamResponseError):
             await confirms.publish("nostream.here", b"x", {})
@@ -49,5 +49,3 @@ async def test_no_stream_and_a_refusal_are_told_apart(bus: Bus) -> None:
             await confirms.publish("refuses.x", b"x", {"Nats-Expected-Stream": "ANOTHER"})
         # Neither left a publish waiting.
         assert not confirms._waiting
-    finally:
-        await js.delete_stream("REFUSES")
