@@ -36,6 +36,7 @@ async def test_every_hop_is_one_trace_with_the_right_parents(
     overlap, send = hops["kv_indexer.overlaps"], hops["worker.kv_send"]
     wait, receive = hops["worker.kv_wait"], hops["worker.kv_receive"]
     assert overlap["service"] == "laneway-kv-indexer"
+    assert hops["planner.route"]["attributes"]["laneway.overlap_source"] == "indexer"
     assert overlap["attributes"]["laneway.queries"] == 1  # one request: a batch of one
     assert overlap["attributes"]["laneway.query_blocks"] > 0
     # The receiving side points back at what it received: the sender's span.
