@@ -49,7 +49,7 @@ from infra.bench.live_load import (
     prompt,
     request_body,
 )
-from infra.bench.proc_stats import rss_mb
+from infra.bench.proc_stats import counters, rss_mb
 
 _LOG_SIGNS = re.compile(r"slow consumer|reconnect", re.IGNORECASE)
 
@@ -179,6 +179,24 @@ def probe_figures(probes: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def steady_cpu(
+    start: tuple[dict[str, float] | None, int, float],
+    end: dict[str, float] | None,
+    stats: StreamStats,
+) -> dict[str, float | None] | None:
+    """The ingress's CPU from the ramp's end to the duration's: its share of a core, and per
+    SSE event the clients read then (microseconds, and its write(2) calls)."""
+    before, events_before, since = start
+    if before is None or end is None:
+        return None
+    cpu_s, events = end["cpu_s"] - before["cpu_s"], stats.events - events_before
+    return {
+        "share": round(cpu_s / max(1e-9, time.monotonic() - since), 3),
+        "us_per_event": round(cpu_s / events * 1e6, 1) if events else None,
+        "writes_per_event": round((end["syscw"] - before["syscw"]) / events, 2) if events else None,
+    }
+
+
 def log_signs(logs: Path) -> dict[str, dict[str, Any]]:
     """Per log file: how many lines speak of slow consumers or reconnects, and the first few."""
     found: dict[str, dict[str, Any]] = {}
@@ -214,12 +232,15 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
             if i % max(1, args.streams // max(1, int(args.ramp * 100))) == 0:
                 await asyncio.sleep(0.01)
         ramp_s = time.monotonic() - t0
+        ingress_pid = up.pids.get("ingress")
+        steady = (counters(ingress_pid) if ingress_pid else None, stats.events, time.monotonic())
         stop = asyncio.Event()
         prober = asyncio.create_task(probe_ttft(probe_spec, args.probe_every, t0, stop, probes))
         await asyncio.sleep(max(0.0, args.duration - (time.monotonic() - t0)))
         in_flight = sum(1 for s in streams if not s.done())
         events_at_end = stats.events
         elapsed = time.monotonic() - t0
+        ingress_cpu = steady_cpu(steady, counters(ingress_pid) if ingress_pid else None, stats)
         # No new probe; the one in flight gets its answer under the same load, for a while.
         stop.set()
         with contextlib.suppress(TimeoutError):
@@ -245,6 +266,7 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
         "stream_events_per_s": round(events_at_end / elapsed, 1),
         **stats.figures(),
         "probe_ttft_ms": probe_figures(probes),
+        "ingress_cpu": ingress_cpu,
         "rss_peak_mb": {n: round(mb, 1) for n, mb in sampler.peak_mb.items()},
         "rss_timeline_mb": sampler.timeline,
         "worker_rates": rates(gauges.timeline),

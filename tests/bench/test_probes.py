@@ -26,6 +26,8 @@ def test_streams_probe_reports_streams_probes_memory_and_logs(tmp_path: Path) ->
     assert probes["n"] >= 2 and probes["answered"] == probes["n"] and probes["errors"] == 0
     assert 0 < probes["p50"] < 5000
     assert r["rss_peak_mb"]["nats"] > 5 and r["rss_peak_mb"]["ingress"] > 20
+    cpu = r["ingress_cpu"]
+    assert 0 < cpu["share"] < 2 and cpu["us_per_event"] > 0 and cpu["writes_per_event"] > 0
     assert r["rss_timeline_mb"] and r["log_signs"] == {}
     # Where requests wait and how fast the workers really stepped, from their /metrics.
     assert all(p["ingress"]["capacity"] == 4 * 512 for p in r["gauges"][1:])
