@@ -45,9 +45,10 @@ class FoldSettings(ServiceSettings):
 
 
 class KvFollower:
-    """One fold of the KV stream. :meth:`tick` (about every ``check_interval_s``) does its
-    housekeeping and checks how far behind the stream it is: :meth:`current` says whether its
-    answers are as fresh as the stream's head was at most one check ago."""
+    """One fold of the KV stream. :meth:`tick`, called every so often (the kv-indexer each
+    second, a planner each ``LANEWAY_OVERLAP_CHECK_INTERVAL_S``), does its housekeeping and
+    checks how far behind the stream it is: :meth:`current` says whether the fold reached the
+    head the last check saw before the next check came (so it is at most one check behind)."""
 
     def __init__(
         self, bus: Bus, etcd: aetcd.Client, predicted_ttl_s: float, purge_interval_s: float
@@ -59,7 +60,9 @@ class KvFollower:
         self._next_purge = 0.0
         self._watcher: asyncio.Task[None] | None = None
         self.indexer = Indexer(PrefixIndex())
-        # The last stream position delivered, folded or dropped as implausible.
+        # The last stream position delivered, folded or dropped as implausible. A message the
+        # replay drops before it (undecodable, its worker not its subject's) leaves it behind
+        # until the next event: the fold reads as behind meanwhile, the safe side.
         self._position = 0
         # The stream's head at the last check, while the fold has not reached it yet.
         self._target: int | None = None
@@ -95,10 +98,10 @@ class KvFollower:
         return self._current and self._bus.reconnects == self._reconnects
 
     async def tick(self, now: float) -> None:
+        await self._check()
         # The replay delivers in stream order, so a gap still open now is an event that aged
         # out of the stream (or was lost): waiting for it would stall that worker forever.
         self.indexer.index.skip_gaps()
-        await self._check()
         if now >= self._next_purge:
             self.indexer.purge_unknown()
             self._next_purge = now + self._purge_interval_s

@@ -157,7 +157,10 @@ async def _fold(bus: Bus, etcd: aetcd.Client, settings: PlannerSettings) -> KvFo
 async def _keep_up(follower: KvFollower, interval_s: float) -> None:
     loop = asyncio.get_running_loop()
     while True:
-        await follower.tick(loop.time())
+        try:
+            await follower.tick(loop.time())
+        except Exception:  # checks must go on: without them the fold cannot tell it is behind
+            log.warning("the KV fold's check failed", exc_info=True)
         await asyncio.sleep(interval_s)
 
 
