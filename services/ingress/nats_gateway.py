@@ -141,10 +141,19 @@ class NatsGateway:
     async def drain(self) -> None:
         """Returns once what was on its way to this ingress when called has come in: the server
         answers a ping after everything it sent this connection before, and the subscriptions
-        take what came in that order (a worker's tokens before its later terminal)."""
-        # When the connection is gone or stopped answering, the wait is counted from then.
-        with contextlib.suppress(NatsError):
-            await self._bus.nc.flush(timeout=self._recovery.drain_s)  # type: ignore[arg-type]
+        take what came in that order (a worker's tokens before its later terminal). At most
+        ``Recovery.drain_s``, and at once while the connection is down."""
+        nc = self._bus.nc
+        if not nc.is_connected:
+            return
+        # A future of our own in nats-py's queue of pings, never cancelled: flush() cancels its
+        # own on a timeout or when its caller is (a client gone), and the pong that comes later
+        # then fails nats-py's read loop (InvalidStateError), which stops the whole ingress
+        # hearing the bus. Left unanswered (a reconnect forgets it), it is just dropped.
+        pong: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        await nc._send_ping(pong)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(pong), self._recovery.drain_s)
 
     def _too_large(self, accepted: RequestAccepted) -> RequestFailed:
         limit = self._bus.nc.max_payload

@@ -367,3 +367,19 @@ async def test_one_batch_of_a_step_reaches_each_of_its_requests(bus: Bus) -> Non
     await publishing
     assert [text_of(events) for events in received] == ["abcd", "xyzw"]
     assert all(isinstance(events[-1], RequestFinished) for events in received)
+
+
+async def test_a_drain_its_request_gave_up_on_leaves_the_ingress_hearing_the_bus(bus: Bus) -> None:
+    """A request waiting on a drain is cancelled (its client went) before the server's answer
+    to the ping comes: the answer, when it comes, must not stop the connection's reading (as a
+    cancelled nats-py flush does), so the next request's answer still arrives whole."""
+    gateway = NatsGateway(bus, INGRESS)
+    for _ in range(3):
+        given_up = asyncio.create_task(gateway.drain())
+        await asyncio.sleep(0)
+        given_up.cancel()
+        await asyncio.gather(given_up, return_exceptions=True)
+    await asyncio.wait_for(gateway.drain(), 5)  # answered: the pongs before it came too
+    script: Script = [("tokens", batch(0, "ab", "next")), ("terminal", finished(2, "next"))]
+    received = await answer(bus, "next", script)
+    assert text_of(received) == "ab" and isinstance(received[-1], RequestFinished)
