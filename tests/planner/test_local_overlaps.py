@@ -21,6 +21,7 @@ from bus.registry import LeasedKey, connect_etcd
 from bus.topology import KV, Subjects
 from infra.bench.live import replay_live
 from infra.bench.traces import load_trace
+from infra.cluster_auth import ClusterAuth
 from infra.embedded import EmbeddedServer
 from schemas.block_hash import chain_block_hashes
 from schemas.events import KvBlocksStored, KvEvent, RouteDecided, new_id
@@ -34,7 +35,7 @@ from services.kv_indexer.follow import KvFollower, restore
 from services.planner.overlaps import Overlaps
 from tests.helpers import eventually, registration
 from tests.kv_indexer.helpers import index_state
-from tests.live import ClusterFactory, observe
+from tests.live import ClusterFactory, admin_nats, observe
 from tests.planner.helpers import asker, indexer
 
 BLOCK = 16
@@ -107,6 +108,32 @@ async def test_a_fold_behind_the_stream_asks_the_indexer(
     assert await overlaps.ask(hashes) == ({worker: 3}, {})
     await lease.stop()
     await etcd.close()
+
+
+async def test_a_fold_reads_as_behind_after_a_reconnect_until_a_check(
+    tmp_path: Path, etcd_server: EmbeddedServer
+) -> None:
+    """Events may have gone by while the connection was away: a check must see the fold at the
+    stream's head before its answers count again."""
+    server = admin_nats(ClusterAuth(tmp_path / "auth", []), tmp_path / "nats")
+    etcd = connect_etcd(etcd_server.url)
+    try:
+        bus = await Bus.connect(server.url, "test-reconnect")
+        await bus.ensure_streams()
+        follower = KvFollower(bus, etcd, predicted_ttl_s=300.0, purge_interval_s=10.0)
+        await follower.start()
+        await eventually(lambda: _caught_up(follower), message="the fold never caught up")
+        reconnects = bus.reconnects
+        server.kill()
+        server.restart()
+        await eventually(lambda: bus.reconnects > reconnects, timeout=20, message="no reconnect")
+        assert not follower.current()
+        await eventually(lambda: _caught_up(follower), message="the fold never caught up again")
+        await follower.close()
+        await bus.close()
+    finally:
+        server.stop()
+        await etcd.close()
 
 
 async def test_the_planners_fold_answers_as_the_indexer_does_restored_or_not(
