@@ -12,7 +12,7 @@ from schemas.events import (
     new_id,
     utc_now,
 )
-from services.engine.protocol import BlocksRemoved, BlocksStored, KvChange
+from services.engine.protocol import BlocksRemoved, BlocksStored, CacheCleared, KvChange
 
 
 def coalesced(changes: Sequence[KvChange]) -> list[KvChange]:
@@ -47,6 +47,46 @@ def _joined(last: KvChange, change: KvChange) -> KvChange | None:
     ):
         return BlocksStored(last.block_hashes + change.block_hashes, last.parent_hash, last.tier)
     return None
+
+
+def continued(
+    held: Sequence[KvChange], changes: Sequence[KvChange]
+) -> tuple[list[KvChange], list[KvChange]]:
+    """``held`` (a step's changes, coalesced) with each stored run of ``changes`` (the next
+    step's) that continues one of its runs joined to that run, and what is left of ``changes``.
+    A prompt's blocks are stored by the step that computes them and the block its first answer
+    token completes by the next: the same chain, one event. Folded in order, ``held`` then the
+    rest leave the index that ``held`` then ``changes`` do: a run joins only where no removal
+    of one of its blocks and no clear comes between."""
+    out = list(held)
+    removed = {h for c in out if isinstance(c, BlocksRemoved) for h in c.block_hashes}
+    cleared = any(isinstance(c, CacheCleared) for c in out)
+    # The stored runs of ``held`` by tier and last block: where a run of the next step may join.
+    runs: dict[tuple[str, int | None], int] = {
+        (c.tier, c.block_hashes[-1]): i for i, c in enumerate(out) if isinstance(c, BlocksStored)
+    }
+    rest: list[KvChange] = []
+    for change in changes:
+        if isinstance(change, BlocksStored):
+            at = runs.pop((change.tier, change.parent_hash), None)
+            run = out[at] if at is not None else None
+            if (
+                at is not None
+                and isinstance(run, BlocksStored)
+                and not cleared
+                and removed.isdisjoint(change.block_hashes)
+            ):
+                out[at] = BlocksStored(
+                    run.block_hashes + change.block_hashes, run.parent_hash, run.tier
+                )
+                runs[(run.tier, change.block_hashes[-1])] = at
+                continue
+        elif isinstance(change, BlocksRemoved):
+            removed.update(change.block_hashes)
+        else:
+            cleared = True
+        rest.append(change)
+    return out, rest
 
 
 def kv_event(change: KvChange, worker_id: str, seq: int) -> KvEvent:

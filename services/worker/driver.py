@@ -93,14 +93,19 @@ class EngineDriver:
         self,
         on_step: Callable[[StepResult], Coroutine[object, object, None]],
         on_error: Callable[[Exception], Coroutine[object, object, None]],
+        on_idle: Callable[[], Coroutine[object, object, None]] | None = None,
     ) -> None:
         """Step while there is work, waiting out each step's duration, then hand its result to
-        ``on_step``; a failed step goes to ``on_error`` and stepping goes on."""
+        ``on_step``; a failed step goes to ``on_error`` and stepping goes on. ``on_idle``: called
+        each time the engine runs out of work, before waiting for more."""
         loop = asyncio.get_running_loop()
         while True:
             if not (self._ops or self.engine.has_work()):
                 self._wake.clear()
-                await self._wake.wait()
+                if on_idle is not None:
+                    await on_idle()
+                if not self._wake.is_set():
+                    await self._wake.wait()
                 continue
             started = loop.time()
             try:

@@ -23,7 +23,7 @@ from schemas.events import (
     WorkerLoadReported,
 )
 from schemas.messages import ResendQuery
-from services.engine.kv_events import coalesced, kv_event
+from services.engine.kv_events import coalesced, continued, kv_event
 from services.engine.protocol import EngineLoad, KvChange
 from services.worker.stream import Chunk
 from services.worker.token_log import TokenLog
@@ -54,6 +54,8 @@ class Outputs:
         self.source = f"worker/{worker_id}"
         self._background = background
         self._kv_seq = 0
+        # The last step's KV changes, out with the next step's (see :meth:`kv`).
+        self._held_kv: list[KvChange] = []
         self.kept = TokenLog(self.source, worker_id)
         # Queued since the last flush: token runs by ingress, then terminals (with their
         # ingress), in the order they came.
@@ -129,8 +131,21 @@ class Outputs:
         self._background.spawn(self._bus.publish(Subjects.kv_transferred(self.worker_id), event))
 
     async def kv(self, changes: list[KvChange]) -> None:
+        """Publish a step's KV changes one step late, so that a run the next step continues
+        goes with it as one event (a prompt's blocks and the block its first generated token
+        completes: about one KV event a request fewer, each a stored message that the
+        kv-indexer and every planner fold). What is held goes out when the engine runs out of
+        work (:meth:`kv_held`)."""
+        out, self._held_kv = continued(self._held_kv, coalesced(changes))
+        await self._publish_kv(out)
+
+    async def kv_held(self) -> None:
+        held, self._held_kv = self._held_kv, []
+        await self._publish_kv(held)
+
+    async def _publish_kv(self, changes: list[KvChange]) -> None:
         subject = Subjects.kv(self.worker_id)
-        for change in coalesced(changes):
+        for change in changes:
             self._kv_seq += 1
             # Per-worker order is what the index needs; one connection preserves it.
             await self._bus.publish(subject, kv_event(change, self.worker_id, self._kv_seq))

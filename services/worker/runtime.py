@@ -130,7 +130,10 @@ class Worker:
         await self._bus.consume(worker_routes(self._opt.worker_id), self._handlers.on_route)
         loops = [
             asyncio.create_task(
-                self._driver.run(self._on_step, self._requests.engine_failed), name="engine-steps"
+                self._driver.run(
+                    self._on_step, self._requests.engine_failed, self._outputs.kv_held
+                ),
+                name="engine-steps",
             ),
             asyncio.create_task(self._report_loop(), name="load-reports"),
         ]
@@ -205,7 +208,7 @@ class Worker:
                 output, stalled=result.prefill_tokens > 0, step=self._driver.steps
             )
         await self._outputs.flush()
-        if result.kv_changes and self._opt.kv_events:
+        if self._opt.kv_events:
             await self._outputs.kv(result.kv_changes)
         loop = asyncio.get_running_loop()
         if loop.time() - self._reported_at >= self._opt.busy_report_interval_s:

@@ -7,7 +7,7 @@ import random
 from typing import Literal
 
 from schemas.events import KvBlocksRemoved, KvBlocksStored, KvCleared
-from services.engine.kv_events import coalesced, kv_event
+from services.engine.kv_events import coalesced, continued, kv_event
 from services.engine.protocol import BlocksRemoved, BlocksStored, CacheCleared, KvChange
 
 
@@ -65,29 +65,65 @@ def test_nothing_is_merged_across_a_change_of_another_kind() -> None:
     assert coalesced(changes) == changes
 
 
+def random_step(rnd: random.Random, before: list[KvChange]) -> list[KvChange]:
+    """Up to a dozen changes of a dozen blocks, stored runs often continuing an earlier one."""
+    changes: list[KvChange] = []
+    for _ in range(rnd.randrange(12)):
+        tier: Literal["gpu", "host"] = rnd.choice(("gpu", "host"))
+        hashes = tuple(rnd.sample(range(12), rnd.randrange(1, 4)))
+        kind = rnd.random()
+        if kind < 0.45:
+            stored = [c for c in before + changes if isinstance(c, BlocksStored)]
+            parent = (
+                rnd.choice(stored).block_hashes[-1]
+                if stored and rnd.random() < 0.6
+                else rnd.choice((None, 0))
+            )
+            changes.append(BlocksStored(hashes, parent, tier))
+        elif kind < 0.95:
+            changes.append(BlocksRemoved(hashes, tier))
+        else:
+            changes.append(CacheCleared())
+    return changes
+
+
 def test_folding_the_merged_changes_leaves_the_same_index() -> None:
     rnd = random.Random(7)
     for _ in range(500):
-        changes: list[KvChange] = []
-        for _ in range(rnd.randrange(12)):
-            tier: Literal["gpu", "host"] = rnd.choice(("gpu", "host"))
-            hashes = tuple(rnd.sample(range(12), rnd.randrange(1, 4)))
-            kind = rnd.random()
-            if kind < 0.45:
-                last = changes[-1] if changes else None
-                parent = (
-                    last.block_hashes[-1]
-                    if isinstance(last, BlocksStored) and rnd.random() < 0.5
-                    else rnd.choice((None, 0))
-                )
-                changes.append(BlocksStored(hashes, parent, tier))
-            elif kind < 0.95:
-                changes.append(BlocksRemoved(hashes, tier))
-            else:
-                changes.append(CacheCleared())
+        changes = random_step(rnd, [])
         merged = coalesced(changes)
         assert fold(merged) == fold(changes)
         assert len(merged) <= len(changes)
+
+
+def test_a_run_the_next_step_continues_joins_the_held_step() -> None:
+    held: list[KvChange] = [BlocksStored((1, 2), None), BlocksStored((7,), 3)]
+    out, rest = continued(held, [BlocksStored((4,), 2), BlocksStored((5,), 4), BlocksRemoved((9,))])
+    assert out == [BlocksStored((1, 2, 4, 5), None), BlocksStored((7,), 3)]
+    assert rest == [BlocksRemoved((9,))]
+
+
+def test_a_run_does_not_join_past_a_removal_of_its_blocks_or_a_clear() -> None:
+    held: list[KvChange] = [BlocksStored((1, 2), None), BlocksRemoved((4,))]
+    late: list[KvChange] = [BlocksStored((4,), 2)]
+    assert continued(held, late) == (held, late)
+    removed_first: list[KvChange] = [BlocksRemoved((4,)), BlocksStored((4,), 2)]
+    assert continued(held[:1], removed_first) == (held[:1], removed_first)
+    cleared: list[KvChange] = [CacheCleared(), BlocksStored((3,), 2)]
+    assert continued(held[:1], cleared) == (held[:1], cleared)
+
+
+def test_two_steps_joined_leave_the_index_they_would_one_by_one() -> None:
+    rnd = random.Random(11)
+    joined = 0
+    for _ in range(1000):
+        first = coalesced(random_step(rnd, []))
+        second = coalesced(random_step(rnd, first))
+        out, rest = continued(first, second)
+        assert fold(out + rest) == fold(first + second)
+        assert len(out) == len(first)
+        joined += len(second) - len(rest)
+    assert joined > 100  # the case it is for came up
 
 
 def test_events_carry_the_change_and_the_workers_order() -> None:

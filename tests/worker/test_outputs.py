@@ -11,6 +11,7 @@ from bus.client import Bus
 from bus.topology import Subjects
 from schemas.events import (
     KvBlocksRemoved,
+    KvBlocksStored,
     KvEvent,
     RequestCancelled,
     RequestSpec,
@@ -82,17 +83,21 @@ async def test_outputs_of_no_engine_step_go_out_by_themselves() -> None:
     assert [type(e).__name__ for e in bus.published] == ["TokenBatch", "RequestCancelled"]
 
 
-async def test_a_steps_kv_changes_go_coalesced_in_the_workers_order() -> None:
+async def test_kv_changes_go_a_step_late_joined_to_the_run_the_next_step_continues() -> None:
     bus = RecordingBus()
     outputs = Outputs(cast(Bus, bus), "w1", Background())
-    await outputs.kv([BlocksRemoved((1,)), BlocksRemoved((2, 3)), BlocksStored((4,), None)])
-    await outputs.kv([BlocksRemoved((4,))])
-    assert {subject for subject, _ in bus.sent} == {Subjects.kv("w1").subject}
+    await outputs.kv([BlocksRemoved((1,)), BlocksRemoved((2, 3)), BlocksStored((4, 5), None)])
+    assert bus.sent == []  # held: the next step may continue the run
+    await outputs.kv([BlocksStored((6,), 5), BlocksRemoved((4,))])
+    # The first step's, with the run the second continued, in the worker's order.
     events = bus.published
-    assert [type(e).__name__ for e in events] == [
-        "KvBlocksRemoved",
-        "KvBlocksStored",
-        "KvBlocksRemoved",
-    ]
-    assert [cast(KvEvent, e).seq for e in events] == [1, 2, 3]
+    assert [type(e).__name__ for e in events] == ["KvBlocksRemoved", "KvBlocksStored"]
     assert cast(KvBlocksRemoved, events[0]).block_hashes == (1, 2, 3)
+    assert cast(KvBlocksStored, events[1]).block_hashes == (4, 5, 6)
+    # The engine ran out of work: what is left goes at once.
+    await outputs.kv_held()
+    assert {subject for subject, _ in bus.sent} == {Subjects.kv("w1").subject}
+    assert [cast(KvEvent, e).seq for e in bus.published] == [1, 2, 3]
+    assert cast(KvBlocksRemoved, bus.published[2]).block_hashes == (4,)
+    await outputs.kv_held()
+    assert len(bus.published) == 3
