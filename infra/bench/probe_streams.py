@@ -145,7 +145,8 @@ async def probe_ttft(
         try:
             stdout, _ = await proc.communicate()
         except asyncio.CancelledError:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
+                proc.kill()
             await proc.wait()
             waited = round((time.perf_counter() - started) * 1000, 1)
             out.append({"t": sent_at, "ttft_ms": None, "error": "unanswered", "waited_ms": waited})
