@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from infra import cli
+from infra import cluster as cluster_module
 from infra.cluster import ClusterConfig, LocalCluster
 from tests.live import ClusterFactory
 
@@ -50,7 +51,8 @@ def _up_env(monkeypatch: pytest.MonkeyPatch, *argv: str) -> dict[str, str]:
             seen["env"] = config.env
             raise _Captured
 
-    monkeypatch.setattr(cli, "LocalCluster", Recorder)
+    # `laneway up` imports the cluster when it runs (a command imports its own modules alone).
+    monkeypatch.setattr(cluster_module, "LocalCluster", Recorder)
     with pytest.raises(_Captured):
         cli.main(["up", *argv])
     env: dict[str, str] = seen["env"]
