@@ -62,6 +62,7 @@ def test_order_kept_within_bounds_while_nothing_is_evicted() -> None:
         assert (hits, idle) == (3, 3)
         pool.take_cached(prefix)
     assert len(pool._order) < 10_000
+    assert len(pool._stale) < 10_000  # the places of its stale entries, as bounded
     pool.release(prefix)
     assert pool.allocate(64)
     assert _evicted(pool) == [13, 12, 11]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from heapq import heappop, heappush
 
 from services.engine.protocol import BlocksRemoved, BlocksStored, KvChange
 
@@ -44,6 +45,9 @@ class BlockPool:
         self._base = 0
         self._next = 0
         self._num_idle = 0
+        # Places of the stale entries from `_next` on, a heap: an eviction takes the entries
+        # between them whole, with no check of each.
+        self._stale: list[int] = []
         self._changes: list[KvChange] = []
 
     @property
@@ -94,6 +98,7 @@ class BlockPool:
             held = refs[h]
             if held < 0:  # its entry in the eviction order goes stale
                 self._num_idle -= 1
+                heappush(self._stale, -1 - held)
                 held = 0
             refs[h] = held + 1
 
@@ -114,17 +119,22 @@ class BlockPool:
     def _evict(self, n: int) -> list[int]:
         """Uncache the ``n`` idle blocks released longest ago and return their hashes; a hook for
         a pool that also tracks where each block's contents live."""
-        refs, order, start = self._refs, self._order, self._next
-        stamp = -1 - self._base - start
-        evicted = order[start : start + n]
-        end = start + n
-        if list(map(refs.get, evicted)) != list(range(stamp, stamp - n, -1)):
-            evicted, end, get = [], start, refs.get
-            while len(evicted) < n:  # past stale entries
-                h = order[end]
-                if get(h) == stamp - (end - start):
-                    evicted.append(h)
-                end += 1
+        refs, order, stale, base = self._refs, self._order, self._stale, self._base
+        end = self._next + n
+        if stale and stale[0] < base + end:
+            evicted: list[int] = []
+            end -= n
+            while len(evicted) < n:  # the entries between stale ones, skipping those
+                take = n - len(evicted)
+                if stale and stale[0] - base < end + take:
+                    take = heappop(stale) - base - end
+                    evicted += order[end : end + take]
+                    end += 1
+                else:
+                    evicted += order[end : end + take]
+                end += take
+        else:
+            evicted = order[self._next : end]
         deque(map(refs.__delitem__, evicted), maxlen=0)
         self._next = end
         self._num_idle -= n
@@ -150,7 +160,7 @@ class BlockPool:
         worker whose cache never fills evicts none), and number the rest afresh."""
         refs, order, start, first = self._refs, self._order, self._next, -1 - self._base
         live = [h for k, h in enumerate(order[start:], start) if refs.get(h) == first - k]
-        self._order, self._base, self._next = live, 0, 0
+        self._order, self._base, self._next, self._stale = live, 0, 0, []
         refs.update(zip(live, range(-1, -1 - len(live), -1), strict=True))
 
     def _offload(self, hashes: list[int]) -> None:
@@ -212,8 +222,10 @@ class BlockPool:
         afterwards. ``parent`` is the hash before the first block."""
         refs = self._refs
         for h in hashes:
-            if refs.get(h, 0) < 0:  # touched: evicted after everything older
+            held = refs.get(h, 0)
+            if held < 0:  # touched: evicted after everything older
                 self._num_idle -= 1
+                heappush(self._stale, -1 - held)
                 self._go_idle((h,))
         missing = [h for h in hashes if h not in refs]
         # Evicting must not take the blocks just touched, so they do not count as room.
