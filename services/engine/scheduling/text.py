@@ -14,7 +14,9 @@ _VOCABULARY = (
     "right look think also around another came come work three word must because does part"
 )
 _WORDS = tuple(w.encode() for w in _VOCABULARY.split())
-_SPACE = ord(" ")
+# Each word with the space after it, by the draw that picks it.
+_SPACED = tuple(w + b" " for w in _WORDS)
+_BITS = len(_WORDS).bit_length()
 
 
 class WordStream:
@@ -29,8 +31,17 @@ class WordStream:
     def next_token(self) -> int:
         if not self._pending:
             # Reversed so that pop() hands the bytes out in order.
-            self._pending = list(reversed(self._rng.choice(_WORDS) + b" "))
+            self._pending = list(reversed(_SPACED[self._draw()]))
         return self._pending.pop()
+
+    def _draw(self) -> int:
+        """A word's place in the vocabulary: what ``random.choice`` picks, without its two
+        Python frames (it draws ``_BITS`` bits until they fall inside the vocabulary)."""
+        getrandbits = self._rng.getrandbits
+        r = getrandbits(_BITS)
+        while r >= len(_WORDS):
+            r = getrandbits(_BITS)
+        return r
 
     def take(self, tokens: int) -> list[int]:
         """The next ``tokens`` tokens at once: what as many ``next_token`` calls give."""
@@ -41,10 +52,12 @@ class WordStream:
             del pending[cut:]
             return out
         out = pending[::-1]
-        choice = self._rng.choice
+        getrandbits = self._rng.getrandbits
         while len(out) < tokens:
-            out += choice(_WORDS)
-            out.append(_SPACE)
+            r = getrandbits(_BITS)
+            while r >= len(_WORDS):  # as _draw, inline: a decode run draws millions of words
+                r = getrandbits(_BITS)
+            out += _SPACED[r]
         # What the last word left unsent, reversed so that pop() hands it out in order.
         self._pending = out[tokens:][::-1]
         del out[tokens:]
