@@ -44,18 +44,19 @@ class SimWorker:
     ) -> WorkerView:
         """What the planner knows of it for a prompt of ``hashes`` (``overlaps``: the index's
         answer for them); the host tier is looked up only when ``hashes`` are given."""
-        load = self.engine.load()
+        engine = self.engine
+        running, waiting, waiting_prefill_tokens, used = engine.load_counts()
         cached = overlaps.get(self.worker_id, 0)
         return WorkerView(
             worker_id=self.worker_id,
-            running=load.running,
-            waiting=load.waiting,
-            kv_usage=load.kv_blocks_used / load.kv_blocks_total,
+            running=running,
+            waiting=waiting,
+            kv_usage=used / engine.kv_blocks_total,
             in_flight=self.routed,
             cached_blocks=cached,
-            waiting_prefill_tokens=load.waiting_prefill_tokens,
-            block_size=self.engine.block_size,
-            kv_capacity_tokens=load.kv_blocks_total * self.engine.block_size,
+            waiting_prefill_tokens=waiting_prefill_tokens,
+            block_size=engine.block_size,
+            kv_capacity_tokens=engine.kv_blocks_total * engine.block_size,
             host_blocks=index.host_run(self.worker_id, hashes, cached) if hashes else 0,
             node=self.node,
         )

@@ -113,13 +113,17 @@ class ScheduledEngine:
         return bool(self._requests)
 
     def load(self) -> EngineLoad:
+        return EngineLoad(*self.load_counts(), kv_blocks_total=self.kv_blocks_total)
+
+    def load_counts(self) -> tuple[int, int, int, int]:
+        """:meth:`load`'s running and waiting requests, waiting prefill tokens and KV blocks in
+        use, without the object: an offline replay reads them of every worker at each arrival."""
         scheduler = self._scheduler
-        return EngineLoad(
-            running=len(scheduler.running),
-            waiting=len(scheduler.waiting),
-            waiting_prefill_tokens=scheduler.pending_prefill_tokens,
-            kv_blocks_used=self._pool.num_used,
-            kv_blocks_total=self.kv_blocks_total,
+        return (
+            len(scheduler.running),
+            len(scheduler.waiting),
+            scheduler.pending_prefill_tokens,
+            self._pool.num_used,
         )
 
     @property
