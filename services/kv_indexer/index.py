@@ -171,12 +171,12 @@ class PrefixIndex:
         removed = 0
         for block in block_hashes:
             mask = get(block, 0)
-            if mask & bit:
+            if mask == bit:  # the usual case: this worker alone held it
+                del holders[block]
+                removed += 1
+            elif mask & bit:
                 mask ^= bit
-                if mask:
-                    holders[block] = mask if mask < 256 else intern(mask, mask)
-                else:
-                    del holders[block]
+                holders[block] = mask if mask < 256 else intern(mask, mask)
                 removed += 1
         self._size -= removed
         self._count[slot] -= removed
