@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import uuid
+import os
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -24,7 +24,8 @@ def attempt_field() -> Any:
 
 def new_id() -> str:
     """A 32-hex-digit identifier, safe to use as a NATS subject token."""
-    return uuid.uuid4().hex
+    # Every event takes one: 128 random bits as uuid4's 122, a quarter of its cost.
+    return os.urandom(16).hex()
 
 
 def utc_now() -> datetime:
