@@ -83,7 +83,7 @@ class NatsPermissions:
 # Beyond the channels: the JetStream state each role keeps. The planner keeps the streams
 # themselves (creates and updates them; others only read their settings).
 _STREAM_KEEPERS: tuple[Role, ...] = ("planner",)
-# The planner folds the KV stream too (services/kv_indexer/follow.py): it replays it and
+# The planner folds the KV stream too (bus/kv_follow.py): it replays it and
 # reads the indexer's snapshots, but writes none.
 _REPLAYS = {"kv-indexer": (Subjects.all_kv,), "planner": (Subjects.all_kv,)}
 _OBJECT_STORES = {"kv-indexer": (INDEX_SNAPSHOTS,)}

@@ -9,8 +9,8 @@ from typing import Any
 
 from infra.bench.metrics import WorkerRecord
 from schemas.events import Role
+from services.common.kv_index.index import PrefixIndex
 from services.engine.sim import SimEngine
-from services.kv_indexer.index import PrefixIndex
 from services.planner.policy import WorkerView
 
 

@@ -25,6 +25,7 @@ from infra.bench.sim_worker import SimWorker
 from infra.bench.tiers import OutputLengths
 from infra.bench.traces import TraceRequest
 from schemas.latency import LatencyHistogram
+from services.common.kv_index.index import PrefixIndex, change_of
 from services.engine.kv_events import kv_event
 from services.engine.protocol import (
     BlocksStored,
@@ -34,7 +35,6 @@ from services.engine.protocol import (
     StepResult,
 )
 from services.engine.scheduling.decode_run import DecodeRun
-from services.kv_indexer.index import PrefixIndex, change_of
 
 STEP_END = 1
 # Suffix of the id a request has on the prefill worker that computes its prompt.

@@ -9,6 +9,7 @@ import logging
 from pydantic import Field
 
 from bus.client import Bus
+from bus.kv_follow import FoldSettings, KvFollower
 from bus.registry import connect_etcd
 from bus.runtime import run_service
 from bus.topology import INDEX_SNAPSHOT_NAME, INDEX_SNAPSHOTS, Subjects
@@ -16,8 +17,7 @@ from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
 from schemas.events import new_id
 from schemas.messages import IndexStateQuery, OverlapQueries, OverlapQuery
-from services.kv_indexer.follow import FoldSettings, KvFollower
-from services.kv_indexer.handlers import Indexer
+from services.common.kv_index.indexer import Indexer
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from pydantic import Field
 
 from bus.client import Bus
 from bus.etcd_space import guard_space
+from bus.kv_follow import FoldSettings, KvFollower
 from bus.registry import LeasedKey, assign_roles, connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.sessions import SessionStore
@@ -21,7 +22,6 @@ from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
 from schemas.events import new_id
 from services.common.kv_transfer import KvTransferModel
-from services.kv_indexer.follow import FoldSettings, KvFollower
 from services.planner.capacity import CapacityPlanner, CapacitySettings
 from services.planner.capacity_loop import CapacityLoop
 from services.planner.disagg import DisaggMode, DisaggSettings

@@ -18,12 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ROOT / "services"
 LIBRARIES = frozenset({"engine", "common"})
 BROKER = frozenset({"bus", "nats", "aetcd", "faststream"})
-# The pure cores: policies, decision, capacity planner and cluster view, the prefix index, every
-# engine with its scheduler, the shared libraries, and the event schemas.
+# The pure cores: policies, decision, capacity planner and cluster view, every engine with its
+# scheduler, the shared libraries (the prefix index among them), and the event schemas.
 CORE_FILES = [
     *(f"services/planner/{name}.py" for name in ("policy", "kv_policy", "disagg", "decision")),
     *(f"services/planner/{name}.py" for name in ("capacity", "cluster", "replay", "policies")),
-    "services/kv_indexer/index.py",
 ]
 CORE_TREES = ["services/engine", "services/common", "schemas"]
 MAX_LINES = 400
@@ -99,19 +98,11 @@ def _services() -> list[Path]:
     return [p for p in _packages(SERVICES) if p.name not in LIBRARIES]
 
 
-# The one exception, by module: a planner may keep its own fold of the KV stream (no round trip
-# to the kv-indexer per request, issue 14), and it is the kv-indexer's fold, not a copy of it.
-SHARED_MODULES = {"planner": ("services.kv_indexer.follow",)}
-
-
 def _services_imported(path: Path) -> set[str]:
-    shared = SHARED_MODULES.get(path.relative_to(SERVICES).parts[0], ())
     return {
         name.split(".")[1]
         for name in _imports(path)
-        if name.startswith("services.")
-        and (SERVICES / name.split(".")[1]).is_dir()
-        and not any(name == m or name.startswith(m + ".") for m in shared)
+        if name.startswith("services.") and (SERVICES / name.split(".")[1]).is_dir()
     }
 
 

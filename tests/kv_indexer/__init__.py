@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 
 from schemas.events import KvBlocksRemoved, KvBlocksStored, KvCleared, KvEvent
-from services.kv_indexer.index import PrefixIndex
+from services.common.kv_index.index import PrefixIndex
 
 
 def history(rng: random.Random, workers: int = 4, events: int = 400) -> list[KvEvent]:

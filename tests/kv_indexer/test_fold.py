@@ -7,7 +7,7 @@ import random
 import pytest
 
 from schemas.events import KvBlocksRemoved, KvBlocksStored, KvCleared, KvEvent
-from services.kv_indexer.index import PrefixIndex
+from services.common.kv_index.index import PrefixIndex
 from tests.kv_indexer import fold, history, replay, scramble, state
 
 

@@ -22,7 +22,7 @@ from pytest_benchmark.fixture import BenchmarkFixture
 
 from schemas.codec import decode_event, encode
 from schemas.events import KvBlocksStored
-from services.kv_indexer.index import PrefixIndex
+from services.common.kv_index.index import PrefixIndex
 
 WORKERS = 16
 QUERY_BLOCKS = 8192

@@ -8,10 +8,10 @@ import pytest
 
 from schemas.block_hash import chain_block_hashes
 from schemas.events import SamplingParams
+from services.common.kv_index.index import PrefixIndex
 from services.engine.kv_events import kv_event
 from services.engine.protocol import EngineRequest
 from services.engine.sim import SimConfig, SimEngine
-from services.kv_indexer.index import PrefixIndex
 
 
 def walk(cached: dict[str, set[int]], query: list[int]) -> dict[str, int]:

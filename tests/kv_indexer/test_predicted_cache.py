@@ -8,9 +8,9 @@ from schemas.events import (
     utc_now,
 )
 from schemas.messages import OverlapQueries, OverlapQuery, WorkerRegistration
-from services.kv_indexer.handlers import Indexer
-from services.kv_indexer.index import PrefixIndex
-from services.kv_indexer.predicted import PredictedCache
+from services.common.kv_index.index import PrefixIndex
+from services.common.kv_index.indexer import Indexer
+from services.common.kv_index.predicted import PredictedCache
 from tests.helpers import registration as small_worker
 
 

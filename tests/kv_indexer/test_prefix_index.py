@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from schemas.block_hash import chain_block_hashes
 from schemas.events import KvBlocksRemoved, KvBlocksStored, KvCleared
-from services.kv_indexer.index import PrefixIndex
+from services.common.kv_index.index import PrefixIndex
 
 
 def stored(worker: str, hashes: tuple[int, ...], seq: int = 1) -> KvBlocksStored:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from schemas.events import KvBlocksStored
-from services.kv_indexer.index import PrefixIndex
+from services.common.kv_index.index import PrefixIndex
 from tests.kv_indexer import history, replay, scramble, state
 
 

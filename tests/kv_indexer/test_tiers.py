@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from schemas.events import KvBlocksRemoved, KvBlocksStored, KvCleared, KvTier
-from services.kv_indexer.index import PrefixIndex
+from services.common.kv_index.index import PrefixIndex
 
 
 def stored(seq: int, *blocks: int, tier: KvTier = "gpu") -> KvBlocksStored:

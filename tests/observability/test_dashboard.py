@@ -10,9 +10,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from observability.dashboard import DATASOURCE, PANELS, dashboard, render
+from services.common.kv_index.index import PrefixIndex
+from services.common.kv_index.metrics import IndexerMetrics
 from services.ingress.metrics import IngressMetrics
-from services.kv_indexer.index import PrefixIndex
-from services.kv_indexer.metrics import IndexerMetrics
 from services.planner.cluster import ClusterView
 from services.planner.metrics import PlannerMetrics
 from services.worker.metrics import WorkerMetrics

@@ -1,4 +1,4 @@
-"""The planner's own fold of the KV stream (services/kv_indexer/follow.py) answers its overlaps:
+"""The planner's own fold of the KV stream (bus/kv_follow.py) answers its overlaps:
 the same answers as the kv-indexer's on the same stream, restored from the indexer's snapshot and
 replayed on, rebuilt by a restarted planner, one per replica, and the indexer asked instead while
 the fold is behind the stream."""
@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from bus.client import Bus
+from bus.kv_follow import KvFollower, restore
 from bus.registry import LeasedKey, connect_etcd
 from bus.topology import KV, Subjects
 from infra.bench.live import replay_live
@@ -31,7 +32,6 @@ from schemas.messages import (
     OverlapReplies,
     OverlapReply,
 )
-from services.kv_indexer.follow import KvFollower, restore
 from services.planner.overlaps import Overlaps
 from tests.helpers import eventually, registration
 from tests.kv_indexer.helpers import index_state

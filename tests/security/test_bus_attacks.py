@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 
 from bus.client import Bus
 from bus.credentials import Credentials, inbox_prefix
+from bus.kv_follow import restore
 from bus.permissions import Identity
 from bus.registry import WORKERS_PREFIX, EtcdCluster, etcd_endpoints, role_key
 from bus.sessions import SESSIONS_PREFIX
@@ -45,10 +46,9 @@ from schemas.events import (
     TokensGenerated,
     Usage,
 )
+from services.common.kv_index.index import PrefixIndex
 from services.ingress.follow import Recovery
 from services.ingress.nats_gateway import NatsGateway
-from services.kv_indexer.follow import restore
-from services.kv_indexer.index import PrefixIndex
 from tests.helpers import eventually, registration
 from tests.ingress.helpers import collect, request_spec
 

@@ -5,8 +5,8 @@ worker than its subject's is dropped is the bus's check (tests/bus/test_bus.py).
 from __future__ import annotations
 
 from schemas.events import KvBlocksStored
-from services.kv_indexer.handlers import Indexer
-from services.kv_indexer.index import PrefixIndex
+from services.common.kv_index.index import PrefixIndex
+from services.common.kv_index.indexer import Indexer
 
 
 def _stored(seq: int, block: int) -> KvBlocksStored:

@@ -19,9 +19,9 @@ from schemas.messages import (
     OverlapReply,
     WorkerRegistration,
 )
-from services.kv_indexer.index import PrefixIndex
-from services.kv_indexer.metrics import IndexerMetrics
-from services.kv_indexer.predicted import PredictedCache
+from services.common.kv_index.index import PrefixIndex
+from services.common.kv_index.metrics import IndexerMetrics
+from services.common.kv_index.predicted import PredictedCache
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from bus.registry import watch_workers
 from bus.settings import ServiceSettings
 from bus.topology import INDEX_SNAPSHOT_NAME, INDEX_SNAPSHOTS, Subjects
 from schemas.events import KvEvent, RouteDecided
-from services.kv_indexer.handlers import Indexer
-from services.kv_indexer.index import PrefixIndex
+from services.common.kv_index.index import PrefixIndex
+from services.common.kv_index.indexer import Indexer
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from itertools import accumulate, repeat, takewhile
 from operator import and_, neg
 
 from schemas.events import KvBlocksRemoved, KvBlocksStored, KvEvent
-from services.kv_indexer import snapshot as snap
+from services.common.kv_index import snapshot as snap
 
 _MAX_INTERNED = 1 << 16
 HOST_SUFFIX = " host"
