@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help run test test-pure chaos lint typecheck check gpu-check clean bench-live bench-dynamo profile probe-streams probe-itl bench-sim
+.PHONY: help run test test-pure chaos lint typecheck check gpu-check clean bench-live bench-dynamo profile hops probe-streams probe-itl bench-sim
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -69,6 +69,9 @@ bench-dynamo: $(STAMP) ## the same loads on Dynamo 1.6.1 (DYNLAB) and Laneway in
 
 profile: $(STAMP) ## laneway up under c=32: CPU per request of each process, py-spy stacks of each service (PROFILE_OUT)
 	$(BIN)/python -m infra.bench.profile_live --out $(or $(PROFILE_OUT),/tmp/laneway-profile)
+
+hops: $(STAMP) ## 60 sequential requests against laneway up: each message on the bus, in order, at its median time after the send
+	$(BIN)/python -m infra.bench.hop_timeline
 
 probe-streams: $(STAMP) ## 2,000 streams of 2,000 tokens for 60 s: slow consumers, a new request's TTFT, NATS RSS
 	$(BIN)/python -m infra.bench.probe_streams

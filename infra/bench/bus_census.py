@@ -18,8 +18,8 @@ import nats
 
 from bus.topology import Subjects
 
-# An id in a subject: long, or letters mixed with digits (worker-0, a uuid's hex, a sequence).
-_ID = re.compile(r"^(?=.*\d).{3,}$|^.{20,}$")
+# An id in a subject: long, or holding a digit (worker-0, a uuid's hex, an inbox's counter).
+_ID = re.compile(r"^(?=.*\d).+$|^.{20,}$")
 _PREFIXES = {"_INBOX": 1, "$JS": 3}
 # A request's terminal event, once per finished request: what "per request" counts.
 TERMINALS = Subjects.request_terminal().subject
