@@ -145,6 +145,8 @@ def follow(
             raise RuntimeError("the bus listener did not start")
         samples = asyncio.run(send_one_by_one(base_url, api_key, model, requests, gap_s))
         here.send("stop")
+        if not here.poll(30):
+            raise RuntimeError("the bus listener did not hand over what it heard")
         seen: list[Seen] = here.recv()
     finally:
         listener.join(timeout=10)
