@@ -16,12 +16,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import (
-    BadRequestError,
-    NoStreamResponseError,
-    NotFoundError,
-    ServiceUnavailableError,
-)
+from nats.js.errors import BadRequestError, NotFoundError
 from opentelemetry import context as otel_context
 from pydantic import BaseModel, ValidationError
 
@@ -47,9 +42,6 @@ Q = TypeVar("Q", bound=BaseModel)
 R = TypeVar("R", bound=BaseModel)
 
 MSG_ID_HEADER = "Nats-Msg-Id"
-# How long a confirmed publish waits for a stream to answer: a cluster's new leader for it
-# (a server lost) is elected well within this; past it the publish fails.
-CONFIRM_WITHIN_S = 30.0
 # How long closing waits for handlers still running in tasks; those left are redelivered.
 CLOSE_HANDLERS_WITHIN_S = 5.0
 
@@ -180,32 +172,21 @@ class Bus:
         data = encode(event)
         delivery = topic.delivery
         if delivery == "confirmed":
-            await self._confirm(topic.subject, data, event_headers(event))
+            await self._confirms.stored(topic.subject, data, event_headers(event))
         else:
             headers = event_headers(event, stored=delivery == "stored")
             await self._nc.publish(topic.subject, data, headers=headers or None)
 
-    async def _confirm(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
-        """A stream whose leader was on a server that went answers nothing until its others
-        elect one (seconds): the publish is repeated until then, and the message id has the
-        stream drop a copy it had stored unconfirmed."""
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        attempts = 0
-        while True:
-            try:
-                await self._confirms.publish(subject, data, headers)
-                break
-            except (nats.errors.TimeoutError, NoStreamResponseError, ServiceUnavailableError):
-                if loop.time() > started + CONFIRM_WITHIN_S:
-                    raise
-                attempts += 1
-                await asyncio.sleep(0.1)
-        if attempts:
-            waited = loop.time() - started
-            log.warning(
-                "the stream of %s confirmed after %.1f s (%d tries)", subject, waited, attempts + 1
-            )
+    async def send_confirmed(self, topic: Topic[E], event: E) -> Coroutine[Any, Any, None]:
+        """Publish an event of a confirmed channel now, behind what went before on the
+        connection (so it goes out in one write with what is published next, before the loop
+        turns); returns what waits for (and retries until) the stream's confirmation, which
+        must be awaited, as :meth:`publish` would."""
+        if topic.delivery != "confirmed":
+            raise ValueError(f"{topic.subject} is not a confirmed channel")
+        data, headers = encode(event), event_headers(event)
+        first = await self._confirms.send(topic.subject, data, headers)
+        return self._confirms.stored(topic.subject, data, headers, first)
 
     async def publish_bytes(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         """Core NATS, no stream: bulk data that is not an event (see :mod:`bus.blobs`)."""

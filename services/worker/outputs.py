@@ -81,21 +81,22 @@ class Outputs:
 
     async def flush(self) -> None:
         """Publish what was queued: one batch per ingress, then the terminals, queued on the
-        connection behind them (so a terminal comes after its request's last tokens)."""
+        connection behind them (so a terminal comes after its request's last tokens), all in
+        one write with whatever was published since the last."""
         runs, self._runs = self._runs, {}
         terminals, self._terminals = self._terminals, []
         for reply_to, queued in runs.items():
             batch = TokenBatch(source=self.source, worker_id=self.worker_id, runs=tuple(queued))
             await self._bus.publish(Subjects.tokens(reply_to, self.worker_id), batch)
-        if runs:
+        for reply_to, event in terminals:
+            subject = Subjects.request_terminal(reply_to, self.worker_id)
+            # Sent now; its stream's confirmation, awaited here, would stall every other
+            # request's next step.
+            self._background.spawn(await self._bus.send_confirmed(subject, event))
+        if runs or terminals:
             # The connection writes from a task of its own: let it, before an engine stepped on
             # this thread computes the next step (the batches would wait that long).
             await asyncio.sleep(0)
-        for reply_to, event in terminals:
-            # Awaiting the stream's confirmation here would stall every other request's next
-            # step.
-            subject = Subjects.request_terminal(reply_to, self.worker_id)
-            self._background.spawn(self._bus.publish(subject, event))
 
     def _flush_soon(self) -> None:
         """Outputs of no engine step (a hand-off's first token, a cancellation) go out once the

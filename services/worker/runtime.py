@@ -207,12 +207,14 @@ class Worker:
             await self._requests.output(
                 output, stalled=result.prefill_tokens > 0, step=self._driver.steps
             )
-        await self._outputs.flush()
         if self._opt.kv_events:
             await self._outputs.kv(result.kv_changes)
         loop = asyncio.get_running_loop()
         if loop.time() - self._reported_at >= self._opt.busy_report_interval_s:
             await self._report_load()
+        # Last: everything the step published goes out in one write (a wake-up fewer of the
+        # server and its subscribers, each dear), tokens and terminals behind the KV events.
+        await self._outputs.flush()
 
     async def _report_loop(self) -> None:
         while True:

@@ -9,12 +9,16 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NoStreamResponseError
 
 from bus.client import Bus
 from bus.confirms import Confirmations
+from bus.topology import REQUESTS, Subjects
+from schemas.codec import decode_event
+from schemas.events import RequestCancelled
 
 
 @contextlib.asynccontextmanager
@@ -49,3 +53,27 @@ async def test_no_stream_and_a_refusal_are_told_apart(bus: Bus) -> None:
             await confirms.publish("refuses.x", b"x", {"Nats-Expected-Stream": "ANOTHER"})
         # Neither left a publish waiting.
         assert not confirms._waiting
+
+
+async def test_sent_now_and_stored_once_its_confirmation_is_awaited(bus: Bus) -> None:
+    """`send_confirmed` has the message on the connection when it returns (what is published
+    next goes out behind it); awaiting what it returns waits for the stream to store it."""
+    ended = RequestCancelled(
+        source="worker/w1", request_id="r1", worker_id="w1", reason="client_disconnected"
+    )
+    topic = Subjects.request_terminal("i1", "w1")
+    seen: list[bytes] = []
+
+    async def on_msg(msg: Msg) -> None:
+        seen.append(msg.data)
+
+    await bus.nc.subscribe(topic.subject, cb=on_msg)
+    confirmation = await bus.send_confirmed(topic, ended)
+    await bus.nc.flush()
+    assert seen  # out before its confirmation was awaited
+    await confirmation
+    js = bus.nc.jetstream()
+    stored = await js.get_last_msg(REQUESTS.name, topic.subject)
+    assert decode_event(stored.data) == ended
+    with pytest.raises(ValueError, match="not a confirmed channel"):
+        await bus.send_confirmed(Subjects.placements("i1"), ended)

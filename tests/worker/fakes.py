@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from typing import Any
 
 from bus.channels import Topic
+
+
+async def _confirmed() -> None:
+    return None
 
 
 class RecordingBus:
@@ -17,3 +22,8 @@ class RecordingBus:
 
     async def publish(self, topic: Topic[Any], event: object) -> None:
         self.sent.append((topic.subject, event))
+
+    async def send_confirmed(self, topic: Topic[Any], event: object) -> Coroutine[Any, Any, None]:
+        """Recorded as sent at once; its confirmation waits for nothing."""
+        self.sent.append((topic.subject, event))
+        return _confirmed()

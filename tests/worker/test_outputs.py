@@ -70,6 +70,24 @@ async def test_a_step_is_one_batch_per_ingress_and_the_terminals_come_after_it()
     assert reply is not None and [b.text for b in reply.batches] == ["yz"]
 
 
+async def test_a_steps_terminals_are_sent_with_its_batches_before_the_connection_writes() -> None:
+    """Queued before flush lets the connection's writer run: one write for the step, the
+    terminal's confirmation waited for afterwards."""
+    bus, background = RecordingBus(), Background()
+    outputs = Outputs(cast(Bus, bus), "w1", background)
+    outputs.kept.started("a")
+    outputs.tokens(spec("i1"), "a", Chunk(0, (7,), "x"))
+    outputs.terminal("i1", ended("a"))
+    flushing = asyncio.create_task(outputs.flush())
+    await asyncio.sleep(0)  # flush runs up to its own yield to the writer
+    assert [subject for subject, _ in bus.sent] == [
+        Subjects.tokens("i1", "w1").subject,
+        Subjects.request_terminal("i1", "w1").subject,
+    ]
+    await flushing
+    await background.finish()
+
+
 async def test_outputs_of_no_engine_step_go_out_by_themselves() -> None:
     """A hand-off's first token, or a cancellation, comes between steps: nobody flushes it."""
     bus = RecordingBus()
