@@ -169,13 +169,12 @@ class Bus:
         """Publish an event the way its channel declares: ``confirmed`` returns once the stream
         stored it; ``stored`` and ``core`` return once the connection has it (one connection
         keeps a publisher's order)."""
-        data = encode(event)
         delivery = topic.delivery
         if delivery == "confirmed":
-            await self._confirms.stored(topic.subject, data, event_headers(event))
+            await (await self.send_confirmed(topic, event))
         else:
             headers = event_headers(event, stored=delivery == "stored")
-            await self._nc.publish(topic.subject, data, headers=headers or None)
+            await self._nc.publish(topic.subject, encode(event), headers=headers or None)
 
     async def send_confirmed(self, topic: Topic[E], event: E) -> Coroutine[Any, Any, None]:
         """Publish an event of a confirmed channel now, behind what went before on the

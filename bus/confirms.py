@@ -6,7 +6,8 @@ read into a ``PubAck`` dataclass: 32 at once, that cost the client about 45 us o
 this about 27 (the server the same). Every request is confirmed three times on its way (accepted,
 routed, ended), so that is some 50 us of a request's CPU.
 
-A publish is sent first and confirmed after (:meth:`Confirmations.send`), so that a publisher
+A publish is sent first and confirmed after (:meth:`Confirmations.send`, then
+:meth:`Confirmations.stored`), so that a publisher
 can queue it on the connection with other messages, to go out in one write, and wait for its
 stream's answer elsewhere.
 """
@@ -48,17 +49,14 @@ class Confirmations:
         self._tokens = itertools.count()
         self._waiting: dict[str, asyncio.Future[bytes]] = {}
 
-    async def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
-        """One try: return once a stream has stored the message. Raises as nats-py's JetStream
-        publish does: ``nats.errors.TimeoutError`` (no answer in time), ``NoStreamResponseError``
-        (no stream takes ``subject``), an ``APIError`` (the stream refused it)."""
-        await (await self.send(subject, data, headers))
-
     async def send(
         self, subject: str, data: bytes, headers: dict[str, str]
     ) -> Coroutine[Any, Any, None]:
         """Queue one try on the connection now, behind what was published before; returns what
-        waits for its stream's answer (as :meth:`publish`), which must be awaited."""
+        waits for its stream's answer, which must be awaited: it returns once the stream stored
+        the message, or raises as nats-py's JetStream publish does: ``nats.errors.TimeoutError``
+        (no answer in time), ``NoStreamResponseError`` (no stream takes ``subject``), an
+        ``APIError`` (the stream refused it)."""
         if self._sub is None:
             await self._start()
         token = str(next(self._tokens))
@@ -88,12 +86,13 @@ class Confirmations:
         subject: str,
         data: bytes,
         headers: dict[str, str],
-        sent: Coroutine[Any, Any, None] | None = None,
+        sent: Coroutine[Any, Any, None] | None,
     ) -> None:
-        """Return once a stream has stored the message. A stream whose leader was on a server
-        that went answers nothing until its others elect one (seconds): the publish is repeated
-        until then (``CONFIRM_WITHIN_S``), and the message id has the stream drop a copy it had
-        stored unconfirmed. ``sent``: the first try's answer, where :meth:`send` sent it."""
+        """Return once a stream has stored the message whose first try :meth:`send` sent
+        (``sent``, its answer). A stream whose leader was on a server that went answers nothing
+        until its others elect one (seconds): the publish is repeated until then
+        (``CONFIRM_WITHIN_S``), and the message id has the stream drop a copy it had stored
+        unconfirmed."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         attempts = 0

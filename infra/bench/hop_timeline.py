@@ -29,6 +29,7 @@ import random
 import statistics
 import sys
 import time
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,15 +74,14 @@ def timeline(seen: Sequence[Seen], samples: Sequence[Sample]) -> list[Row]:
     sent, in the order of those medians. Requests that failed are left out."""
     offsets: dict[str, list[float]] = {}
     ordered = sorted(seen)
+    times = [at for at, _ in ordered]
     ok = [s for s in samples if s.error is None and s.first is not None]
-    starts = [s.sent for s in ok]
     for i, sample in enumerate(ok):
-        until = starts[i + 1] if i + 1 < len(ok) else float("inf")
+        until = ok[i + 1].sent if i + 1 < len(ok) else float("inf")
         counts: Counter[str] = Counter()
-        for at, kind in ordered:
-            if sample.sent <= at < until:
-                counts[kind] += 1
-                offsets.setdefault(f"{kind}#{counts[kind]}", []).append(at - sample.sent)
+        for at, kind in ordered[bisect_left(times, sample.sent) : bisect_left(times, until)]:
+            counts[kind] += 1
+            offsets.setdefault(f"{kind}#{counts[kind]}", []).append(at - sample.sent)
         assert sample.first is not None
         offsets.setdefault(CLIENT_FIRST, []).append(sample.first - sample.sent)
         offsets.setdefault(CLIENT_END, []).append(sample.end - sample.sent)
@@ -135,10 +135,9 @@ def follow(
     """The bus's messages and the requests' samples, after ``warmup`` requests not counted."""
     model = asyncio.run(first_model(base_url, api_key))
     asyncio.run(send_one_by_one(base_url, api_key, model, warmup, gap_s))
-    here, there = multiprocessing.get_context("spawn").Pipe()
-    listener = multiprocessing.get_context("spawn").Process(
-        target=_listen, args=(nats_url, there), daemon=True
-    )
+    spawn = multiprocessing.get_context("spawn")
+    here, there = spawn.Pipe()
+    listener = spawn.Process(target=_listen, args=(nats_url, there), daemon=True)
     listener.start()
     try:
         if not here.poll(30) or here.recv() != "ready":

@@ -19,6 +19,12 @@ from bus.confirms import Confirmations
 from bus.topology import REQUESTS, Subjects
 from schemas.codec import decode_event
 from schemas.events import RequestCancelled
+from tests.helpers import eventually
+
+
+async def once(confirms: Confirmations, subject: str, data: bytes, headers: dict[str, str]) -> None:
+    """One try, sent and its answer awaited."""
+    await (await confirms.send(subject, data, headers))
 
 
 @contextlib.asynccontextmanager
@@ -36,11 +42,11 @@ async def test_a_confirmed_publish_is_stored_when_it_returns(bus: Bus) -> None:
     async with stream(bus, "CONFIRMS") as js:
         confirms = Confirmations(bus.nc)
         await asyncio.gather(
-            *(confirms.publish(f"confirms.{n}", b"x", {"Nats-Msg-Id": f"c{n}"}) for n in range(50))
+            *(once(confirms, f"confirms.{n}", b"x", {"Nats-Msg-Id": f"c{n}"}) for n in range(50))
         )
         assert (await js.stream_info("CONFIRMS")).state.messages == 50
         # The same id again: the stream drops the copy and still confirms it.
-        await confirms.publish("confirms.0", b"x", {"Nats-Msg-Id": "c0"})
+        await once(confirms, "confirms.0", b"x", {"Nats-Msg-Id": "c0"})
         assert (await js.stream_info("CONFIRMS")).state.messages == 50
 
 
@@ -48,9 +54,9 @@ async def test_no_stream_and_a_refusal_are_told_apart(bus: Bus) -> None:
     async with stream(bus, "REFUSES"):
         confirms = Confirmations(bus.nc)
         with pytest.raises(NoStreamResponseError):
-            await confirms.publish("nostream.here", b"x", {})
+            await once(confirms, "nostream.here", b"x", {})
         with pytest.raises(BadRequestError):
-            await confirms.publish("refuses.x", b"x", {"Nats-Expected-Stream": "ANOTHER"})
+            await once(confirms, "refuses.x", b"x", {"Nats-Expected-Stream": "ANOTHER"})
         # Neither left a publish waiting.
         assert not confirms._waiting
 
@@ -69,8 +75,8 @@ async def test_sent_now_and_stored_once_its_confirmation_is_awaited(bus: Bus) ->
 
     await bus.nc.subscribe(topic.subject, cb=on_msg)
     confirmation = await bus.send_confirmed(topic, ended)
-    await bus.nc.flush()
-    assert seen  # out before its confirmation was awaited
+    # Out before its confirmation was awaited.
+    await eventually(lambda: bool(seen), message="not sent before its confirmation")
     await confirmation
     js = bus.nc.jetstream()
     stored = await js.get_last_msg(REQUESTS.name, topic.subject)
