@@ -15,7 +15,7 @@ pytestmark = pytest.mark.live  # each starts a cluster
 
 def test_streams_probe_reports_streams_probes_memory_and_logs(tmp_path: Path) -> None:
     out = tmp_path / "streams.json"
-    argv = ["--streams", "20", "--max-tokens", "40", "--speedup", "20", "--duration", "8"]
+    argv = ["--streams", "20", "--max-tokens", "100", "--speedup", "1", "--duration", "8"]
     argv += ["--ramp", "1", "--probe-every", "1", "--state-dir", str(tmp_path / "state")]
     argv += ["--worker-nice", "5"]
     assert probe_streams.main([*argv, "--json", str(out)]) == 0
