@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,11 +45,20 @@ def _unephemeral_ports() -> range | None:
     return range(low - 12_000, low) if low >= 13_024 else None
 
 
+# A port handed out is free when picked but bound later (a server not started yet): without this
+# memory a second pick before that bind (the next service's metrics port, the cluster's HTTP
+# port) could hand it out again.
+_HANDED_OUT: deque[int] = deque(maxlen=4096)
+
+
 def _bind_free(sock: socket.socket, ports: range | None) -> None:
     if ports is not None:
         for _ in range(64):
+            port = random.choice(ports)
+            if port in _HANDED_OUT:
+                continue
             try:
-                sock.bind(("127.0.0.1", random.choice(ports)))
+                sock.bind(("127.0.0.1", port))
                 return
             except OSError:  # in use: another pick
                 continue
@@ -56,14 +66,16 @@ def _bind_free(sock: socket.socket, ports: range | None) -> None:
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports: held together while they are picked, so that none is
-    handed out twice."""
+    """``count`` distinct free ports, none handed out before by this process (of its last 4,096):
+    held together while they are picked, so that none is handed out twice."""
     ports = _unephemeral_ports()
     with contextlib.ExitStack() as held:
         socks = [held.enter_context(socket.socket()) for _ in range(count)]
         for sock in socks:
             _bind_free(sock, ports)
-        return [int(sock.getsockname()[1]) for sock in socks]
+        picked = [int(sock.getsockname()[1]) for sock in socks]
+    _HANDED_OUT.extend(picked)
+    return picked
 
 
 def find_binary(name: str) -> str:

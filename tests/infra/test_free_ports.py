@@ -17,3 +17,9 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> Non
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_a_port_is_not_handed_out_twice_before_its_server_binds_it() -> None:
+    # Each pick is released at once, as before a service starts: later picks must still avoid it.
+    picked = [port for _ in range(300) for port in free_ports(3)]
+    assert len(set(picked)) == len(picked)
