@@ -85,6 +85,15 @@ def received(topic: Topic[E], data: bytes, subject: str) -> E | None:
     return _for_handler(topic, event, subject)
 
 
+async def at_server(nc: NatsClient) -> None:
+    """Returns once the server has read everything sent on ``nc`` so far (its subscriptions
+    included). nats-py's ``flush`` writes its PING at once, ahead of commands still queued for
+    its flusher task, so its PONG can come back before the server has read a SUB or PUB made
+    just before it; by then the flusher has written them, and a second PING goes after them."""
+    await nc.flush()
+    await nc.flush()
+
+
 async def _log_error(error: Exception) -> None:
     # A permission refused is the server's only answer to a publish or subscription it does not
     # allow (the publisher's request then times out): say which.

@@ -37,7 +37,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType
 
 from bus.channels import Channel, Consumer, Stream, Topic
-from bus.client import Bus, event_headers
+from bus.client import Bus, at_server, event_headers
 from infra.embedded import start_nats
 from schemas.codec import encode
 from schemas.events import (
@@ -128,7 +128,7 @@ async def raw_core(url: str, subject: str, counter: Counter) -> Stop:
         counter.hit()
 
     await nc.subscribe(subject, cb=on_msg)
-    await nc.flush()
+    await at_server(nc)
     return nc.close
 
 
@@ -139,7 +139,7 @@ async def bus_core(url: str, subject: str, counter: Counter) -> Stop:
         counter.hit()
 
     await bus.subscribe(Topic(subject, TOKENS.events, (TOKENS,)), on_tokens)
-    await bus.nc.flush()
+    await at_server(bus.nc)
     return bus.close
 
 

@@ -40,6 +40,7 @@ import aiohttp
 import nats
 import orjson
 
+from bus.client import at_server
 from infra.bench.bus_census import subject_kind
 from infra.bench.live_cluster import laneway_up
 from infra.bench.live_load import (
@@ -103,7 +104,7 @@ def _listen(nats_url: str, out: Connection) -> None:
 
         connection = await nats.connect(nats_url, name="laneway-bench-hops")
         await connection.subscribe(">", cb=on_msg, pending_msgs_limit=1_000_000)
-        await connection.flush()
+        await at_server(connection)
         out.send("ready")
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, out.recv)

@@ -16,7 +16,7 @@ from nats.js.errors import NotFoundError
 
 from bus import channels
 from bus.channels import Consumer, Stream
-from bus.client import Bus
+from bus.client import Bus, at_server
 from bus.topology import (
     CHANNELS,
     KV,
@@ -335,7 +335,7 @@ async def test_replicas_starting_together_share_a_queue_consumer(
     try:
         await asyncio.gather(*(r.consume(consumer, handler_of(i)) for i, r in enumerate(replicas)))
         for replica in replicas:  # both subscriptions are at the server before the burst
-            await replica.nc.flush()
+            await at_server(replica.nc)
         for seq in range(1, 41):
             await bus.publish(topic, kv_event("busqueue", seq))
         await eventually(lambda: sum(got.values()) >= 40)

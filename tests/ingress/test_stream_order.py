@@ -9,7 +9,7 @@ import itertools
 import pytest
 from nats.aio.msg import Msg
 
-from bus.client import Bus
+from bus.client import Bus, at_server
 from bus.topology import Subjects
 from schemas.codec import decode_as, encode
 from schemas.events import (
@@ -150,7 +150,7 @@ async def send(bus: Bus, event: GatewayEvent | RequestPlaced) -> None:
     else:
         assert event.worker_id
         await bus.publish(Subjects.request_terminal(INGRESS, event.worker_id), event)
-    await bus.nc.flush()
+    await at_server(bus.nc)
 
 
 def placed(request_id: str, worker_id: str = "w0", attempt: int = 0) -> RequestPlaced:

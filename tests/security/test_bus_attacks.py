@@ -19,7 +19,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from bus.client import Bus
+from bus.client import Bus, at_server
 from bus.credentials import Credentials, inbox_prefix
 from bus.kv_follow import restore
 from bus.permissions import Identity
@@ -118,7 +118,7 @@ async def secured(servers: Secured) -> AsyncIterator[Secured]:
 
 async def _refused(nc: NatsClient, refusals: list[str], subject: str) -> None:
     """The server said no to ``subject`` (its only answer to a refused publish/subscribe)."""
-    await nc.flush()
+    await at_server(nc)
     await eventually(
         lambda: any("permissions violation" in r.lower() and subject in r for r in refusals),
         timeout=3,
@@ -138,9 +138,9 @@ async def _received(
         got.append(msg)
 
     await admin.subscribe(subject, cb=on_msg)
-    await admin.flush()
+    await at_server(admin)
     await publish.publish(subject, data)
-    await publish.flush()
+    await at_server(publish)
     if expected:
         await eventually(lambda: bool(got), timeout=20, message=f"nothing on {subject}")
     else:
@@ -437,7 +437,7 @@ async def test_a_forged_answer_to_a_request_on_another_worker_is_dropped(
         async def serve(event: RequestAccepted) -> None:
             placed = RequestPlaced(source="planner/t", request_id="victim", worker_id="w2")
             await planner.publish(Subjects.placements("i1"), placed)
-            await planner.nc.flush()
+            await at_server(planner.nc)
             await attacker.publish(Subjects.tokens("i1", "w1"), _batch("w1", 0, "EVIL"))
             await attacker.publish(Subjects.request_terminal("i1", "w1"), _finished("w1", 4))
             await attacker.publish(Subjects.tokens("i1", "w1"), _batch("w2", 0, "EVIL"))
@@ -453,7 +453,7 @@ async def test_a_forged_answer_to_a_request_on_another_worker_is_dropped(
             await victim.publish(Subjects.request_terminal("i1", "w2"), _finished("w2", 4))
 
         await planner.subscribe(Subjects.request_accepted, serve)
-        await planner.nc.flush()
+        await at_server(planner.nc)
         events = gateway.submit("victim", None, request_spec("i1", max_tokens=4))
         received = await asyncio.wait_for(collect(events), 10)
         assert "".join(e.text for e in received if isinstance(e, TokensGenerated)) == "abcd"

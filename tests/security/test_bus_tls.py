@@ -10,7 +10,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from bus.client import Bus
+from bus.client import Bus, at_server
 from bus.tls import TlsFiles
 from bus.topology import Subjects
 from infra.cluster_auth import ClusterAuth
@@ -41,7 +41,7 @@ async def _round_trip(bus: Bus) -> None:
 
     topic = Subjects.tokens("tls", "w")
     await bus.subscribe(topic, on_tokens)
-    await bus.nc.flush()
+    await at_server(bus.nc)
     event = TokensGenerated(
         source="t", request_id="r", worker_id="w", index=0, token_ids=(1,), text="a"
     )
