@@ -11,7 +11,6 @@ import contextlib
 import ctypes
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -19,63 +18,16 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from infra.ports import free_port, free_ports
 from infra.startup import StartupError, log_cause
 
 _PR_SET_PDEATHSIG = 1
 # Loaded here, not in the forked child, where loading a library is not safe.
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-# Ports come from just below the kernel's ephemeral range: one from inside it (what binding port 0
-# gives) can be taken by an outgoing connection before its server binds it.
-def _unephemeral_ports() -> range | None:
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return range(low - 12_000, low) if low >= 13_024 else None
-
-
-# A port handed out is free when picked but bound later (a server not started yet): without this
-# memory a second pick before that bind (the next service's metrics port, the cluster's HTTP
-# port) could hand it out again.
-_HANDED_OUT: deque[int] = deque(maxlen=4096)
-
-
-def _bind_free(sock: socket.socket, ports: range | None) -> None:
-    if ports is not None:
-        for _ in range(64):
-            port = random.choice(ports)
-            if port in _HANDED_OUT:
-                continue
-            try:
-                sock.bind(("127.0.0.1", port))
-                return
-            except OSError:  # in use: another pick
-                continue
-    sock.bind(("127.0.0.1", 0))
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports, none handed out before by this process (of its last 4,096):
-    held together while they are picked, so that none is handed out twice."""
-    ports = _unephemeral_ports()
-    with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            _bind_free(sock, ports)
-        picked = [int(sock.getsockname()[1]) for sock in socks]
-    _HANDED_OUT.extend(picked)
-    return picked
 
 
 def find_binary(name: str) -> str:

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import orjson
 
-from infra.embedded import free_port
+from infra.ports import free_port
 
 
 class _Service(Protocol):

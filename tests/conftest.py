@@ -23,7 +23,8 @@ import pytest
 from bus.client import Bus
 from infra.cluster import ClusterConfig, LocalCluster
 from infra.cluster_auth import ClusterAuth, secure
-from infra.embedded import EmbeddedServer, free_port, start_etcd, start_nats
+from infra.embedded import EmbeddedServer, start_etcd, start_nats
+from infra.ports import free_port
 from tests.live import ClusterFactory
 
 # The fixtures that start real servers; a test using any of them, directly or through another

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from infra.cluster import ClusterConfig, LocalCluster
-from infra.embedded import free_port
+from infra.ports import free_port
 
 MODEL = "laneway-sim"
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.embedded import free_port
+from infra.ports import free_port
 
 _SERVING = re.compile(r"serving the OpenAI API at (\S+)")
 _KEY = re.compile(r"API key of this run: (\S+)")

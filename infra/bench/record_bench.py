@@ -45,7 +45,7 @@ from bus.channels import Stream
 from bus.client import Bus
 from bus.topology import Subjects
 from infra.cluster import ClusterConfig, LocalCluster
-from infra.embedded import free_port
+from infra.ports import free_port
 from schemas.codec import decode_event, encode
 from schemas.events import Event, PlannerConfigured, PrefillPlacement, RouteCandidate, RouteDecided
 from services.planner.replay import redecide, settings_of

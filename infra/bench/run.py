@@ -272,7 +272,7 @@ def _live(
 
     from infra.bench.live import replay_live
     from infra.cluster import ClusterConfig, LocalCluster
-    from infra.embedded import free_port
+    from infra.ports import free_port
 
     prefill, decode = _pools(args)
     with tempfile.TemporaryDirectory(prefix="laneway-bench-") as state:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from infra.embedded import free_port
+from infra.ports import free_port
 
 pytestmark = pytest.mark.live  # starts a service process
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infra.embedded import free_port
+from infra.ports import free_port
 from tests.chaos.load import HEADER, Row, closed_loop, health_trace
 from tests.e2e.exact import answers
 from tests.helpers import eventually

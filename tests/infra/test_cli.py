@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from infra.embedded import free_port
+from infra.ports import free_port
 from tests.infra.laneway_up import alive, api_key, launch, survivors, wait_serving
 
 pytestmark = pytest.mark.live  # starts `laneway up` and its services

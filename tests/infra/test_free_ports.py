@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from infra.embedded import free_ports
+from infra.ports import free_ports
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:

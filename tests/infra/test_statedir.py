@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.embedded import find_binary, free_port, wait_for_port
+from infra.embedded import find_binary, wait_for_port
+from infra.ports import free_port
 from infra.startup import StartupError
 from infra.statedir import StateDir
 from tests.infra.laneway_up import alive

@@ -15,7 +15,7 @@ import pytest
 from bus.topology import STREAM_SUBJECTS
 from infra.cli import main
 from infra.cluster import LocalCluster
-from infra.embedded import free_port
+from infra.ports import free_port
 from tests.live import ClusterFactory
 
 

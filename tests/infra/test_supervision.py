@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from infra.cluster import LocalCluster
-from infra.embedded import free_port
+from infra.ports import free_port
 from infra.supervisor import GaveUp, RestartPolicy, RestartTracker
 from tests.helpers import eventually
 from tests.infra.laneway_up import (

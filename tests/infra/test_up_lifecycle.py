@@ -17,7 +17,7 @@ import pytest
 
 from bus.runtime import FATAL_PREFIX
 from infra.cluster import ClusterConfig, LocalCluster
-from infra.embedded import free_port
+from infra.ports import free_port
 from infra.startup import StartupError
 from tests.infra.laneway_up import (
     alive,

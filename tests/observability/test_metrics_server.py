@@ -7,7 +7,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from infra.embedded import free_port
+from infra.ports import free_port
 from observability.metrics import MetricsServer
 
 

@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from infra.embedded import die_with_parent, free_port, stop_process, wait_for_port
+from infra.embedded import die_with_parent, stop_process, wait_for_port
+from infra.ports import free_port
 from tests.helpers import eventually
 from tests.live import ClusterFactory
 from tests.observability.hops import DISAGG, PROMPT, check_hops, request_trace

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from infra.cluster import LocalCluster
-from infra.embedded import free_port
+from infra.ports import free_port
 from observability.dashboard import PANELS, RATE
 from tests.live import ClusterFactory
 

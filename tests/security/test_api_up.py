@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infra.embedded import free_port
 from infra.keys import STARTUP_KEY_FILE
+from infra.ports import free_port
 from tests.infra.laneway_up import api_headers, launch, wait_serving
 
 pytestmark = pytest.mark.live  # starts `laneway up`, its servers and services

@@ -18,7 +18,7 @@ import pytest
 from bus.credentials import Credentials
 from bus.etcd_tls import TlsClient
 from bus.tls import TlsFiles
-from infra.embedded import free_port
+from infra.ports import free_port
 from tests.infra.laneway_up import api_headers, launch, wait_serving
 from tests.security.certificates import make_certificates
 
