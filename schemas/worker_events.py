@@ -105,7 +105,8 @@ class RequestPlaced(Envelope):
 
 
 class TokenRun(Frozen):
-    """One request's tokens of one engine step, in a :class:`TokenBatch`."""
+    """One request's tokens of one engine step, in a :class:`TokenBatch` (which holds several
+    of a request's where steps came faster than the worker's token interval)."""
 
     request_id: str = Field(max_length=64)
     attempt: int = attempt_field()
@@ -115,8 +116,9 @@ class TokenRun(Frozen):
 
 
 class TokenBatch(Envelope):
-    """One engine step's new tokens for every request of one ingress on one worker: one message
-    per step per ingress instead of one per request (the ingress hands each run to its
+    """One engine step's new tokens for every request of one ingress on one worker (steps
+    faster than the worker's token interval: those since its last batch): one message per step
+    per ingress instead of one per request (the ingress hands each run to its
     request as a ``TokensGenerated``)."""
 
     type: Literal["TokenBatch"] = "TokenBatch"

@@ -48,11 +48,20 @@ class Background:
 
 
 class Outputs:
-    def __init__(self, bus: Bus, worker_id: str, background: Background) -> None:
+    def __init__(
+        self, bus: Bus, worker_id: str, background: Background, token_interval_s: float = 0.0
+    ) -> None:
         self._bus = bus
         self.worker_id = worker_id
         self.source = f"worker/{worker_id}"
         self._background = background
+        # Steps faster than a message's cost to the bus and the ingress (a sim at a high
+        # speed-up, a small model): a step's tokens wait for the next step's while its ingress
+        # had a batch less than this long ago. A slower engine's steps each go out at their end.
+        self._token_interval_s = token_interval_s
+        self._batch_sent: dict[str, float] = {}  # by ingress, within the interval
+        self._urgent: set[str] = set()  # ingresses a request's first tokens go to
+        self._held: dict[str, list[TokenRun]] = {}  # by ingress, for the next step's batch
         self._kv_seq = 0
         # The last step's KV changes, out with the next step's (see :meth:`kv`).
         self._held_kv: list[KvChange] = []
@@ -77,14 +86,18 @@ class Outputs:
         if runs is None:
             runs = self._runs[spec.reply_to] = []
         runs.append(run)
+        if chunk.position == spec.sampling.offset:  # what its client waits for: its TTFT
+            self._urgent.add(spec.reply_to)
         self._flush_soon()
 
-    async def flush(self) -> None:
+    async def flush(self, step_end: bool = False) -> None:
         """Publish what was queued: one batch per ingress, then the terminals, queued on the
         connection behind them (so a terminal comes after its request's last tokens), all in
-        one write with whatever was published since the last."""
-        runs, self._runs = self._runs, {}
+        one write with whatever was published since the last. At a step's end (``step_end``)
+        an ingress sent a batch less than the token interval ago waits for the next step's,
+        unless a request's first tokens or a terminal go to it."""
         terminals, self._terminals = self._terminals, []
+        runs = self._due(step_end, {reply_to for reply_to, _ in terminals})
         for reply_to, queued in runs.items():
             batch = TokenBatch(source=self.source, worker_id=self.worker_id, runs=tuple(queued))
             await self._bus.publish(Subjects.tokens(reply_to, self.worker_id), batch)
@@ -97,6 +110,25 @@ class Outputs:
             # The connection writes from a task of its own: let it, before an engine stepped on
             # this thread computes the next step (the batches would wait that long).
             await asyncio.sleep(0)
+
+    def _due(self, step_end: bool, ending: set[str]) -> dict[str, list[TokenRun]]:
+        """The runs to publish now, by ingress, taken from the queue; the rest held."""
+        queued, self._runs = self._held, self._runs
+        for reply_to, runs in self._runs.items():
+            queued.setdefault(reply_to, []).extend(runs)
+        self._runs, self._held = {}, {}
+        urgent, self._urgent = self._urgent, set()
+        if not self._token_interval_s:
+            return queued
+        now = asyncio.get_running_loop().time()
+        interval = self._token_interval_s
+        sent = {r: at for r, at in self._batch_sent.items() if now - at < interval}
+        due: dict[str, list[TokenRun]] = {}
+        for reply_to, runs in queued.items():
+            held = step_end and reply_to in sent and reply_to not in urgent | ending
+            (self._held if held else due)[reply_to] = runs
+        self._batch_sent = {**sent, **dict.fromkeys(due, now)}
+        return due
 
     def _flush_soon(self) -> None:
         """Outputs of no engine step (a hand-off's first token, a cancellation) go out once the
@@ -136,13 +168,16 @@ class Outputs:
         goes with it as one event (a prompt's blocks and the block its first generated token
         completes: about one KV event a request fewer, each a stored message that the
         kv-indexer and every planner fold). What is held goes out when the engine runs out of
-        work (:meth:`kv_held`)."""
+        work (:meth:`idle`)."""
         out, self._held_kv = continued(self._held_kv, coalesced(changes))
         await self._publish_kv(out)
 
-    async def kv_held(self) -> None:
+    async def idle(self) -> None:
+        """The engine ran out of work: what was held for its next step goes now."""
         held, self._held_kv = self._held_kv, []
         await self._publish_kv(held)
+        if self._held:
+            await self.flush()
 
     async def _publish_kv(self, changes: list[KvChange]) -> None:
         subject = Subjects.kv(self.worker_id)

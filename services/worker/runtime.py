@@ -47,7 +47,7 @@ class Worker:
         self._background = Background()
         self._driver = EngineDriver(engine, options.speedup)
         self.metrics = WorkerMetrics(lambda: self._driver.busy_s)
-        self._outputs = Outputs(bus, options.worker_id, self._background)
+        self._outputs = Outputs(bus, options.worker_id, self._background, options.token_interval_s)
         self._receiver = KvReceiver(
             engine.block_size,
             options.kv_transfer,
@@ -130,9 +130,7 @@ class Worker:
         await self._bus.consume(worker_routes(self._opt.worker_id), self._handlers.on_route)
         loops = [
             asyncio.create_task(
-                self._driver.run(
-                    self._on_step, self._requests.engine_failed, self._outputs.kv_held
-                ),
+                self._driver.run(self._on_step, self._requests.engine_failed, self._outputs.idle),
                 name="engine-steps",
             ),
             asyncio.create_task(self._report_loop(), name="load-reports"),
@@ -214,7 +212,7 @@ class Worker:
             await self._report_load()
         # Last: everything the step published goes out in one write (a wake-up fewer of the
         # server and its subscribers, each dear), tokens and terminals behind the KV events.
-        await self._outputs.flush()
+        await self._outputs.flush(step_end=True)
 
     async def _report_loop(self) -> None:
         while True:

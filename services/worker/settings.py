@@ -36,6 +36,9 @@ class WorkerOptions:
     # While busy, a report at most this often (seconds): the planner's queue estimates are only
     # as fresh as the last report.
     busy_report_interval_s: float = 0.05
+    # An ingress gets at most one token batch this often (seconds) while steps come faster; a
+    # request's first tokens and its end go out at once. 0: every step's tokens at its end.
+    token_interval_s: float = 0.001
     # What a sim decode worker waits out for a hand-off's KV (a real engine's bytes take what
     # they take).
     kv_transfer: KvTransferModel = field(default_factory=KvTransferModel)
@@ -82,6 +85,7 @@ class WorkerSettings(ServiceSettings):
     lease_ttl_s: int = Field(default=5, ge=1, le=10)
     load_report_interval_s: float = 0.5
     busy_report_interval_s: float = 0.05
+    token_interval_ms: float = Field(default=1.0, ge=0, le=50)
     drain_timeout_s: float = 5.0
     # The link a sim decode worker models for a hand-off's KV (see KvTransferModel).
     kv_bytes_per_token: int = _LINK.kv_bytes_per_token
@@ -162,6 +166,7 @@ def worker_options(settings: WorkerSettings, engine: Engine) -> WorkerOptions:
         lease_ttl_s=settings.lease_ttl_s,
         load_report_interval_s=settings.load_report_interval_s,
         busy_report_interval_s=settings.busy_report_interval_s,
+        token_interval_s=settings.token_interval_ms / 1000,
         drain_timeout_s=settings.drain_timeout_s,
         kv_events=settings.kv_events and engine.capabilities.kv_events,
         max_model_len=_max_model_len(settings, engine),

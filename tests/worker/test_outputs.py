@@ -7,6 +7,8 @@ import asyncio
 from datetime import UTC, datetime
 from typing import cast
 
+import pytest
+
 from bus.client import Bus
 from bus.topology import Subjects
 from schemas.events import (
@@ -113,9 +115,76 @@ async def test_kv_changes_go_a_step_late_joined_to_the_run_the_next_step_continu
     assert cast(KvBlocksRemoved, events[0]).block_hashes == (1, 2, 3)
     assert cast(KvBlocksStored, events[1]).block_hashes == (4, 5, 6)
     # The engine ran out of work: what is left goes at once.
-    await outputs.kv_held()
+    await outputs.idle()
     assert {subject for subject, _ in bus.sent} == {Subjects.kv("w1").subject}
     assert [cast(KvEvent, e).seq for e in bus.published] == [1, 2, 3]
     assert cast(KvBlocksRemoved, bus.published[2]).block_hashes == (4,)
-    await outputs.kv_held()
+    await outputs.idle()
     assert len(bus.published) == 3
+
+
+def _runs(bus: RecordingBus) -> list[list[tuple[str, int, tuple[int, ...], str]]]:
+    return [
+        [(r.request_id, r.index, r.token_ids, r.text) for r in e.runs]
+        for e in bus.published
+        if isinstance(e, TokenBatch)
+    ]
+
+
+async def test_steps_faster_than_the_token_interval_go_out_together() -> None:
+    """A request's first tokens go at once; the steps after them, within the interval of that
+    batch, wait for the next step's and go in its batch; a terminal takes what is held with it."""
+    bus, background = RecordingBus(), Background()
+    outputs = Outputs(cast(Bus, bus), "w1", background, token_interval_s=60)
+    for request_id in ("a", "b"):
+        outputs.kept.started(request_id)
+    outputs.tokens(spec("i1"), "a", Chunk(0, (1,), "p"))
+    await outputs.flush(step_end=True)
+    assert _runs(bus) == [[("a", 0, (1,), "p")]]
+    outputs.tokens(spec("i1"), "a", Chunk(1, (2,), "q"))
+    await outputs.flush(step_end=True)
+    await asyncio.sleep(0.01)  # nothing else takes them out meanwhile
+    outputs.tokens(spec("i1"), "a", Chunk(2, (3,), "r"))
+    outputs.tokens(spec("i2"), "b", Chunk(4, (9,), "z"))  # another ingress: not held by i1's
+    await outputs.flush(step_end=True)
+    assert _runs(bus)[1:] == [[("b", 4, (9,), "z")]]
+    outputs.terminal("i1", ended("a"))
+    await outputs.flush(step_end=True)
+    await background.finish()
+    assert _runs(bus)[2:] == [[("a", 1, (2,), "q"), ("a", 2, (3,), "r")]]
+    assert type(bus.published[-1]).__name__ == "RequestCancelled"
+    # Kept for resends as the steps made them.
+    reply = outputs.kept.reply("a", 1)
+    assert reply is not None and [b.text for b in reply.batches] == ["q", "r"]
+
+
+@pytest.mark.parametrize("then", ["idle", "interval"])
+async def test_held_tokens_go_when_the_engine_idles_or_a_step_ends_after_the_interval(
+    then: str,
+) -> None:
+    bus = RecordingBus()
+    outputs = Outputs(cast(Bus, bus), "w1", Background(), token_interval_s=0.05)
+    outputs.kept.started("a")
+    outputs.tokens(spec("i1"), "a", Chunk(0, (1,), "p"))
+    await outputs.flush(step_end=True)
+    outputs.tokens(spec("i1"), "a", Chunk(1, (2,), "q"))
+    await outputs.flush(step_end=True)
+    assert len(_runs(bus)) == 1
+    if then == "idle":
+        await outputs.idle()
+        assert _runs(bus)[1:] == [[("a", 1, (2,), "q")]]
+    else:
+        await asyncio.sleep(0.06)
+        outputs.tokens(spec("i1"), "a", Chunk(2, (3,), "r"))
+        await outputs.flush(step_end=True)
+        assert _runs(bus)[1:] == [[("a", 1, (2,), "q"), ("a", 2, (3,), "r")]]
+
+
+async def test_without_a_token_interval_every_step_goes_at_its_end() -> None:
+    bus = RecordingBus()
+    outputs = Outputs(cast(Bus, bus), "w1", Background())
+    outputs.kept.started("a")
+    for position in range(3):
+        outputs.tokens(spec("i1"), "a", Chunk(position, (position,), "x"))
+        await outputs.flush(step_end=True)
+    assert [len(runs) for runs in _runs(bus)] == [1, 1, 1]
