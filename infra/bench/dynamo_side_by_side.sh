@@ -17,7 +17,7 @@ ROUNDS=${ROUNDS:-1}; WORKERS=${WORKERS:-4}; SPEEDUP=${SPEEDUP:-1000}
 PY=.venv/bin/python
 [ -x "$PY" ] || { echo "run from a Laneway checkout with .venv (make run installs it)" >&2; exit 2; }
 read -r NATS_PORT NATS_MON ETCD_PORT ETCD_PEER ETCD_METRICS HTTP_PORT < <($PY -c \
-  'from infra.embedded import free_ports; print(*free_ports(6))')
+  'from infra.ports import free_ports; print(*free_ports(6))')
 
 PIDS=()
 stop_dynamo() {  # frontend and mockers first, then their servers; each by its own pid
