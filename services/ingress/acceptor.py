@@ -16,8 +16,11 @@ import functools
 import logging
 import socket
 import ssl
+from collections.abc import Callable
 
 import uvicorn
+
+from services.ingress.coalesce import coalesced
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ class _Acceptor:
     def __init__(
         self,
         sock: socket.socket,
-        factory: functools.partial[asyncio.Protocol],
+        factory: Callable[[], asyncio.Protocol],
         ssl_context: ssl.SSLContext | None,
     ) -> None:
         self._sock = sock
@@ -105,7 +108,7 @@ class EagerAcceptServer(uvicorn.Server):
             # uvicorn's backlog, as its own server sets it on a socket given (a burst larger
             # than the socket's default of 128 would have its handshakes dropped and retried).
             sock.listen(config.backlog)
-        self._acceptors = [_Acceptor(sock, factory, config.ssl) for sock in sockets]
+        self._acceptors = [_Acceptor(sock, coalesced(factory), config.ssl) for sock in sockets]
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for acceptor in getattr(self, "_acceptors", ()):
