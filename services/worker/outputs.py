@@ -113,7 +113,7 @@ class Outputs:
 
     def _due(self, step_end: bool, ending: set[str]) -> dict[str, list[TokenRun]]:
         """The runs to publish now, by ingress, taken from the queue; the rest held."""
-        queued, self._runs = self._held, self._runs
+        queued = self._held  # earlier steps' runs first
         for reply_to, runs in self._runs.items():
             queued.setdefault(reply_to, []).extend(runs)
         self._runs, self._held = {}, {}
