@@ -86,7 +86,7 @@ class Confirmations:
         subject: str,
         data: bytes,
         headers: dict[str, str],
-        sent: Coroutine[Any, Any, None] | None,
+        sent: Coroutine[Any, Any, None],
     ) -> None:
         """Return once a stream has stored the message whose first try :meth:`send` sent
         (``sent``, its answer). A stream whose leader was on a server that went answers nothing
@@ -96,14 +96,15 @@ class Confirmations:
         loop = asyncio.get_running_loop()
         started = loop.time()
         attempts = 0
+        attempt: Coroutine[Any, Any, None] | None = sent
         while True:
             try:
-                await (sent or await self.send(subject, data, headers))
+                await (attempt or await self.send(subject, data, headers))
                 break
             except _RETRIED:
                 if loop.time() > started + CONFIRM_WITHIN_S:
                     raise
-                sent = None
+                attempt = None
                 attempts += 1
                 await asyncio.sleep(0.1)
         if attempts:

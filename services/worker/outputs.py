@@ -123,9 +123,10 @@ class Outputs:
         now = asyncio.get_running_loop().time()
         interval = self._token_interval_s
         sent = {r: at for r, at in self._batch_sent.items() if now - at < interval}
+        at_once = urgent | ending
         due: dict[str, list[TokenRun]] = {}
         for reply_to, runs in queued.items():
-            held = step_end and reply_to in sent and reply_to not in urgent | ending
+            held = step_end and reply_to in sent and reply_to not in at_once
             (self._held if held else due)[reply_to] = runs
         self._batch_sent = {**sent, **dict.fromkeys(due, now)}
         return due
