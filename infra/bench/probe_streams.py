@@ -12,11 +12,13 @@ stream's ITL is that), 512 sequences and an H200's KV per worker. 2,000 such str
 small machine. ``worker_rates`` says what the workers really stepped (tokens and steps a second,
 the share of wall time in steps), ``gauges`` where requests waited (admission, engine queues).
 
-Bounded: the streams open over ``--ramp`` seconds, are read for ``--duration`` seconds in all,
-then closed (a stream not finished by then is no error), and the cluster is stopped. Meanwhile
-a short request every ``--probe-every`` seconds measures TTFT; the one in flight at the end may
-take ``--probe-wait`` seconds more under the same load, and one still unanswered then counts with
-how long it waited. Afterwards every service log is searched for slow-consumer and reconnect
+Bounded: the streams open over ``--ramp`` seconds (longer when the client is starved: 2,000
+streams once took 54 s to open), are read for ``--duration`` seconds in all and at least
+``--steady`` seconds after the last one opened, then closed (a stream not finished by then is no
+error), and the cluster is stopped. From the start a short request every ``--probe-every``
+seconds measures TTFT; those sent once every stream was open are the acceptance's (``steady``).
+The one in flight at the end may take ``--probe-wait`` seconds more under the same load, and one
+still unanswered then counts with how long it waited. Afterwards every service log is searched for slow-consumer and reconnect
 lines.
 """
 
@@ -160,13 +162,18 @@ async def probe_ttft(
             await asyncio.wait_for(stop.wait(), every_s)
 
 
-def probe_figures(probes: list[dict[str, Any]]) -> dict[str, Any]:
+def probe_figures(probes: list[dict[str, Any]], steady_from: float | None = None) -> dict[str, Any]:
     """Every probe counts: one unanswered when the probe ended had waited at least its
     ``waited_ms`` (its TTFT is no less), so it is in ``max`` and in ``over_1s`` if it waited
-    that long."""
+    that long. ``steady_from``: the figures of the probes sent from then on (every stream open)
+    as ``steady`` besides."""
     ttfts = [p["ttft_ms"] for p in probes if p["ttft_ms"] is not None and p["error"] is None]
     unanswered = [p["waited_ms"] for p in probes if p["error"] == "unanswered"]
     bounds = ttfts + unanswered
+    steady = {}
+    if steady_from is not None:
+        later = probe_figures([p for p in probes if p["t"] >= steady_from])
+        steady = {"steady": {k: v for k, v in later.items() if k != "all"}}
     return {
         "n": len(probes),
         "answered": len(ttfts),
@@ -177,6 +184,7 @@ def probe_figures(probes: list[dict[str, Any]]) -> dict[str, Any]:
         "over_1s": sum(1 for ms in bounds if ms >= 1000),
         "error_kinds": dict(Counter(p["error"][:60] for p in probes if p["error"])),
         "all": probes,
+        **steady,
     }
 
 
@@ -223,6 +231,8 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         background = [asyncio.create_task(sampler.run(t0)), asyncio.create_task(gauges.run(t0))]
+        stop = asyncio.Event()
+        prober = asyncio.create_task(probe_ttft(probe_spec, args.probe_every, t0, stop, probes))
         streams = []
         rng = random.Random(0)
         for i in range(args.streams):
@@ -235,9 +245,7 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
         ramp_s = time.monotonic() - t0
         ingress_pid = up.pids.get("ingress")
         steady = (counters(ingress_pid) if ingress_pid else None, stats.events, time.monotonic())
-        stop = asyncio.Event()
-        prober = asyncio.create_task(probe_ttft(probe_spec, args.probe_every, t0, stop, probes))
-        await asyncio.sleep(max(0.0, args.duration - (time.monotonic() - t0)))
+        await asyncio.sleep(max(args.steady, args.duration - ramp_s))
         in_flight = sum(1 for s in streams if not s.done())
         events_at_end = stats.events
         elapsed = time.monotonic() - t0
@@ -266,7 +274,7 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
         - sum(stats.broken.values()),
         "stream_events_per_s": round(events_at_end / elapsed, 1),
         **stats.figures(),
-        "probe_ttft_ms": probe_figures(probes),
+        "probe_ttft_ms": probe_figures(probes, ramp_s),
         "ingress_cpu": ingress_cpu,
         "rss_peak_mb": {n: round(mb, 1) for n, mb in sampler.peak_mb.items()},
         "rss_timeline_mb": sampler.timeline,
@@ -301,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the sim workers' niceness: on one machine their steps (a GPU's work in a real "
         "deployment, on hosts of their own) take CPU the serving layer would not share",
     )
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds in all")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds in all, at least")
+    parser.add_argument(
+        "--steady", type=float, default=20.0, help="seconds at least after the last stream opened"
+    )
     parser.add_argument("--ramp", type=float, default=10.0, help="seconds to open the streams")
     parser.add_argument("--probe-every", type=float, default=2.0, help="seconds between probes")
     parser.add_argument(

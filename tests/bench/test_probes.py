@@ -16,6 +16,7 @@ pytestmark = pytest.mark.live  # each starts a cluster
 def test_streams_probe_reports_streams_probes_memory_and_logs(tmp_path: Path) -> None:
     out = tmp_path / "streams.json"
     argv = ["--streams", "20", "--max-tokens", "100", "--speedup", "1", "--duration", "8"]
+    argv += ["--steady", "4"]
     argv += ["--ramp", "1", "--probe-every", "1", "--state-dir", str(tmp_path / "state")]
     argv += ["--worker-nice", "5"]
     assert probe_streams.main([*argv, "--json", str(out)]) == 0
@@ -25,6 +26,8 @@ def test_streams_probe_reports_streams_probes_memory_and_logs(tmp_path: Path) ->
     probes = r["probe_ttft_ms"]
     assert probes["n"] >= 2 and probes["answered"] == probes["n"] and probes["errors"] == 0
     assert 0 < probes["p50"] < 5000
+    # Probed from the start, and after the ramp (every stream open) apart.
+    assert probes["all"][0]["t"] < r["ramp_s"] and 1 <= probes["steady"]["n"] < probes["n"]
     assert r["rss_peak_mb"]["nats"] > 5 and r["rss_peak_mb"]["ingress"] > 20
     cpu = r["ingress_cpu"]
     assert 0 < cpu["share"] < 2 and cpu["us_per_event"] > 0 and cpu["writes_per_event"] > 0
@@ -86,7 +89,9 @@ def test_probe_figures_count_the_unanswered_as_at_least_their_wait() -> None:
         {"t": 14.0, "ttft_ms": 900.0, "error": None},
         {"t": 16.0, "ttft_ms": None, "error": "unanswered", "waited_ms": 10_000.0},
     ]
-    figures = probe_streams.probe_figures(probes)
+    figures = probe_streams.probe_figures(probes, steady_from=13.0)
+    assert figures["steady"]["n"] == 2 and figures["steady"]["answered"] == 1
+    assert figures["steady"]["max"] == 10_000.0 and "all" not in figures["steady"]
     assert figures["n"] == 4 and figures["answered"] == 2 and figures["unanswered"] == 1
     assert figures["errors"] == 2 and figures["over_1s"] == 1
     assert figures["max"] == 10_000.0 and 300 <= figures["p50"] <= 900
