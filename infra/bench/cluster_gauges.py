@@ -20,6 +20,9 @@ _KEPT = {
         "laneway_ingress_admission_queue_depth": "admission_queue",
         "laneway_ingress_admission_in_cluster": "in_cluster",
         "laneway_ingress_admission_capacity": "capacity",
+        "laneway_ingress_loop_late_seconds_sum": "late_s",
+        "laneway_ingress_loop_late_seconds_count": "ticks",
+        'laneway_ingress_loop_late_seconds_bucket{le="0.2"}': "ticks_under_busy",
     },
     "worker": {
         "laneway_worker_running": "running",
@@ -102,3 +105,23 @@ def rates(timeline: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             "busy_share": round(delta["busy_s"] / span, 2),
         }
     return out
+
+
+def loop_late(timeline: list[dict[str, Any]], since: float = 0.0) -> dict[str, float] | None:
+    """The ingress's event loop from the last sample at or before ``since`` (seconds into the
+    timeline) to the end: how late its clock's ticks came on average (ms) and the share that
+    came 0.2 s late or more (the lateness that makes it hold its streams' writes back)."""
+    points = [(p["t"], p["ingress"]) for p in timeline if isinstance(p.get("ingress"), dict)]
+    points = [(t, p) for t, p in points if "ticks" in p]
+    start = max((i for i, (t, _) in enumerate(points) if t <= since), default=0)
+    if len(points) - start < 2:
+        return None
+    first, last = points[start][1], points[-1][1]
+    ticks = last["ticks"] - first["ticks"]
+    if ticks <= 0:
+        return None
+    busy = ticks - (last["ticks_under_busy"] - first["ticks_under_busy"])
+    return {
+        "mean_ms": round(1000 * (last["late_s"] - first["late_s"]) / ticks, 1),
+        "busy_share": round(busy / ticks, 3),
+    }

@@ -18,8 +18,10 @@ streams once took 54 s to open), are read for ``--duration`` seconds in all and 
 error), and the cluster is stopped. From the start a short request every ``--probe-every``
 seconds measures TTFT; those sent once every stream was open are the acceptance's (``steady``).
 The one in flight at the end may take ``--probe-wait`` seconds more under the same load, and one
-still unanswered then counts with how long it waited. Afterwards every service log is searched for slow-consumer and reconnect
-lines.
+still unanswered then counts with how long it waited. Afterwards every service log is searched
+for slow-consumer and reconnect lines. Over the steady window, ``steady_processes`` gives each
+process's share of a core running and waiting for one, and ``ingress_loop_late`` how late the
+ingress's event loop ran.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from infra.bench.cluster_gauges import GaugeSampler, rates, targets
+from infra.bench.cluster_gauges import GaugeSampler, loop_late, rates, targets
 from infra.bench.live_cluster import RunningUp, laneway_up
 from infra.bench.live_load import (
     LoadSpec,
@@ -51,7 +53,7 @@ from infra.bench.live_load import (
     prompt,
     request_body,
 )
-from infra.bench.proc_stats import counters, rss_mb
+from infra.bench.proc_stats import counters, growth, rss_mb, snapshot
 
 _LOG_SIGNS = re.compile(r"slow consumer|reconnect", re.IGNORECASE)
 
@@ -245,11 +247,15 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
         ramp_s = time.monotonic() - t0
         ingress_pid = up.pids.get("ingress")
         steady = (counters(ingress_pid) if ingress_pid else None, stats.events, time.monotonic())
+        processes = {**up.pids, "load-client": os.getpid()}
+        processes_before = snapshot(processes)
         await asyncio.sleep(max(args.steady, args.duration - ramp_s))
         in_flight = sum(1 for s in streams if not s.done())
         events_at_end = stats.events
         elapsed = time.monotonic() - t0
         ingress_cpu = steady_cpu(steady, counters(ingress_pid) if ingress_pid else None, stats)
+        steady_s = time.monotonic() - steady[2]
+        grown = growth(processes_before, snapshot(processes))
         # No new probe; the one in flight gets its answer under the same load, for a while.
         stop.set()
         with contextlib.suppress(TimeoutError):
@@ -276,6 +282,15 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
         **stats.figures(),
         "probe_ttft_ms": probe_figures(probes, ramp_s),
         "ingress_cpu": ingress_cpu,
+        "ingress_loop_late": loop_late(gauges.timeline, ramp_s),
+        # After the ramp, each process's share of a core running and waiting for one.
+        "steady_processes": {
+            name: {
+                "cpu": round(g["cpu_s"] / steady_s, 3),
+                "waiting": round(g["wait_s"] / steady_s, 3),
+            }
+            for name, g in sorted(grown.items())
+        },
         "rss_peak_mb": {n: round(mb, 1) for n, mb in sampler.peak_mb.items()},
         "rss_timeline_mb": sampler.timeline,
         "worker_rates": rates(gauges.timeline),

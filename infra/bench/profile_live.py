@@ -4,7 +4,8 @@ Starts `laneway up --workers 4 --speedup 1000` and a closed loop of 32 streams a
 load client in a process of its own), then, after a warm-up:
 
 1. a quiet window: every process's CPU seconds from /proc (the services, nats-server, etcd and
-   the client), as a share of a core and as CPU milliseconds per request, and its read and write
+   the client), as a share of a core and as CPU milliseconds per request, the share of the window
+   it waited for a CPU (/proc/PID/task/*/schedstat: ready, but every core taken), its read and write
    system calls per request (/proc/PID/io counts read(2)/write(2): uvloop's and nats-server's
    socket I/O; the standard loop's recv/send, as the client's, show as none). Requests: those
    whose terminal event came in the window;
@@ -76,6 +77,8 @@ def cpu_table(
             "process": name,
             "cpu_s": round(c["cpu_s"], 3),
             "core_share": round(c["cpu_s"] / window_s, 3),
+            # Ready to run, no CPU free: above core_share, the process waited more than it ran.
+            "wait_share": round(c["wait_s"] / window_s, 3),
             "cpu_ms_per_request": per(1000 * c["cpu_s"]),
             "reads_per_request": per(c["syscr"]),
             "writes_per_request": per(c["syscw"]),
@@ -88,11 +91,14 @@ def cpu_table(
 
 def print_table(table: list[dict[str, Any]]) -> None:
     head = ("ms/req", "reads/req", "writes/req")
-    print(f"{'process':<18}{'cpu s':>8}{'cores':>7}" + "".join(f"{h:>11}" for h in head))
+    print(
+        f"{'process':<18}{'cpu s':>8}{'cores':>7}{'waiting':>9}" + "".join(f"{h:>11}" for h in head)
+    )
     for r in table:
         per = [r[k] for k in ("cpu_ms_per_request", "reads_per_request", "writes_per_request")]
         cells = "".join(f"{v:>11.3f}" if v is not None else f"{'-':>11}" for v in per)
-        print(f"{r['process']:<18}{r['cpu_s']:>8.2f}{r['core_share']:>7.2f}{cells}")
+        share = f"{r['cpu_s']:>8.2f}{r['core_share']:>7.2f}{r['wait_share']:>9.2f}"
+        print(f"{r['process']:<18}{share}{cells}")
 
 
 def main(argv: list[str] | None = None) -> int:

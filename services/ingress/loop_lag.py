@@ -15,6 +15,7 @@ row are still early enough to push back.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 # Beyond this a tick counts as late; well under nats-server's write deadline (10 s), and above
 # the lateness of a busy but keeping-up loop (a few tens of milliseconds).
@@ -31,13 +32,19 @@ MAX_HOLD_S = 0.8
 
 class LoopLag:
     def __init__(
-        self, interval_s: float = 0.05, behind_s: float = BEHIND_S, streak: int = STREAK
+        self,
+        interval_s: float = 0.05,
+        behind_s: float = BEHIND_S,
+        streak: int = STREAK,
+        on_tick: Callable[[float], None] | None = None,
     ) -> None:
+        """``on_tick``: hears each tick's lateness (seconds), e.g. a histogram's ``observe``."""
         if streak < 1:
             raise ValueError("streak must be at least 1")
         self._interval_s = interval_s
         self._behind_s = behind_s
         self._streak = streak
+        self._on_tick = on_tick
         self._loop = asyncio.get_running_loop()
         self._due = self._loop.time() + interval_s
         self.late_s = 0.0
@@ -55,6 +62,8 @@ class LoopLag:
             self.late_ticks = self.late_ticks + 1 if self.late_s >= self._behind_s else 0
             self.busy_ticks = self.busy_ticks + 1 if self.late_s >= BUSY_S else 0
             self._due = now + self._interval_s
+            if self._on_tick is not None:
+                self._on_tick(self.late_s)
 
     def behind(self) -> bool:
         """The latest ``streak`` ticks came late, the one overdue by now (the loop has not got

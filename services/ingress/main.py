@@ -118,11 +118,11 @@ def main() -> None:
         gateway = NatsGateway(
             bus, settings.instance_id, Recovery(migration_limit=settings.migration_limit)
         )
-        await gateway.start()
+        metrics = IngressMetrics()
+        await gateway.start(metrics.loop_late.observe)
         etcd = connect_etcd(settings.etcd_endpoints)
         limit = WorkerContextLimit()
         readiness = Readiness(lambda: bus.nc.is_connected)
-        metrics = IngressMetrics()
         admission = Admission(settings.admission(), metrics, pressure=gateway.behind)
 
         async def on_workers(workers: dict[str, WorkerRegistration]) -> None:

@@ -15,6 +15,9 @@ CLIENT_CLOSED_STATUS = 499
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0)
+# A loop that keeps up is late by a turn's length (a few ms); 0.2 s makes it busy and 0.5 s
+# behind (services/ingress/loop_lag.py).
+_LATE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -89,6 +92,14 @@ class IngressMetrics:
             "(E2E − TTFT) / (completion tokens − 1), seconds.",
             ["endpoint"],
             buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.loop_late = Histogram(
+            "laneway_ingress_loop_late_seconds",
+            "How late each 50 ms tick of the event loop's clock came, seconds: the wait of "
+            "everything the ingress does (a request read, a token written) for the work "
+            "queued ahead of it, CPU starvation included.",
+            buckets=_LATE_BUCKETS,
             registry=self.registry,
         )
         self._prompt_tokens = Counter(

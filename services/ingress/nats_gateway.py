@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
@@ -50,8 +50,9 @@ class NatsGateway:
         late (admission takes no new request meanwhile)."""
         return self._lag is not None and self._lag.behind()
 
-    async def start(self) -> None:
-        self._lag = LoopLag()
+    async def start(self, on_tick: Callable[[float], None] | None = None) -> None:
+        """``on_tick``: hears how late each tick of the loop-lag clock came (seconds)."""
+        self._lag = LoopLag(on_tick=on_tick)
         self._lag_task = asyncio.create_task(self._lag.run(), name="loop-lag")
         # Core subscriptions on this instance's own subjects: set up once, lowest latency.
         await self._bus.subscribe(Subjects.placements(self._instance_id), self._deliver)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from infra.bench import probe_itl, probe_streams
-from infra.bench.cluster_gauges import kept, rates
+from infra.bench.cluster_gauges import kept, loop_late, rates
 
 pytestmark = pytest.mark.live  # each starts a cluster
 
@@ -31,6 +32,11 @@ def test_streams_probe_reports_streams_probes_memory_and_logs(tmp_path: Path) ->
     assert r["rss_peak_mb"]["nats"] > 5 and r["rss_peak_mb"]["ingress"] > 20
     cpu = r["ingress_cpu"]
     assert 0 < cpu["share"] < 2 and cpu["us_per_event"] > 0 and cpu["writes_per_event"] > 0
+    procs = r["steady_processes"]
+    assert {"ingress", "planner", "nats", "load-client"} <= procs.keys()
+    assert procs["ingress"]["cpu"] > 0 and all(p["waiting"] >= 0 for p in procs.values())
+    late = r["ingress_loop_late"]
+    assert late is not None and late["mean_ms"] >= 0 and 0 <= late["busy_share"] <= 1
     assert r["rss_timeline_mb"] and r["log_signs"] == {}
     # Where requests wait and how fast the workers really stepped, from their /metrics.
     assert all(p["ingress"]["capacity"] == 4 * 512 for p in r["gauges"][1:])
@@ -96,3 +102,14 @@ def test_probe_figures_count_the_unanswered_as_at_least_their_wait() -> None:
     assert figures["errors"] == 2 and figures["over_1s"] == 1
     assert figures["max"] == 10_000.0 and 300 <= figures["p50"] <= 900
     assert figures["error_kinds"] == {"HTTP 429: busy": 1, "unanswered": 1}
+
+
+def test_loop_lateness_is_taken_from_the_sample_before_the_window() -> None:
+    def at(t: float, late_s: float, ticks: float, under: float) -> dict[str, Any]:
+        return {"t": t, "ingress": {"late_s": late_s, "ticks": ticks, "ticks_under_busy": under}}
+
+    timeline = [at(0.0, 0.0, 0, 0), at(5.0, 1.0, 100, 100), at(10.0, 31.0, 200, 150)]
+    # From the sample at 5 s: 100 ticks, 30 s late in all, 50 of them 0.2 s late or more.
+    assert loop_late(timeline, since=7.0) == {"mean_ms": 300.0, "busy_share": 0.5}
+    assert loop_late(timeline) == {"mean_ms": 155.0, "busy_share": 0.25}
+    assert loop_late(timeline[:1]) is None and loop_late([{"t": 0.0, "ingress": "down"}]) is None

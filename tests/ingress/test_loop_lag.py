@@ -74,3 +74,17 @@ async def test_a_busy_loop_holds_streams_back_and_a_keeping_up_one_does_not() ->
         assert lag.hold_s() == 0.0
     finally:
         ticking.cancel()
+
+
+async def test_each_tick_is_told_how_late_it_came() -> None:
+    heard: list[float] = []
+    lag = LoopLag(interval_s=0.01, on_tick=heard.append)
+    ticking = asyncio.create_task(lag.run())
+    try:
+        await asyncio.sleep(0.05)
+        await _turn(0.2)
+        await asyncio.sleep(0.03)
+    finally:
+        ticking.cancel()
+    assert len(heard) >= 4 and heard[-1] < 0.1
+    assert max(heard) == pytest.approx(0.2, abs=0.05) and max(heard) >= 0.15
