@@ -48,6 +48,12 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="workers that decode (aggregated without a prefill pool)",
     )
     up.add_argument("--prefill-workers", type=int, default=0, help="prefill-only workers")
+    up.add_argument(
+        "--ingresses",
+        type=int,
+        default=1,
+        help="ingress processes sharing the API port (SO_REUSEPORT): one is one core's work",
+    )
     bench.add_disagg_argument(up)
     up.add_argument(
         "--autoscale", action="store_true", help="capacity loop: move workers between the pools"
@@ -165,6 +171,8 @@ def _up(args: argparse.Namespace) -> int:
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("laneway up: --tls-cert and --tls-key go together")
+    if args.ingresses < 1:
+        raise SystemExit("laneway up: --ingresses must be at least 1")
     tls = (args.tls_cert.resolve(), args.tls_key.resolve()) if args.tls_cert else None
     cluster = LocalCluster(
         ClusterConfig(
@@ -178,6 +186,7 @@ def _up(args: argparse.Namespace) -> int:
             ha=args.ha,
             workers=args.workers,
             prefill_workers=args.prefill_workers,
+            ingresses=args.ingresses,
             policy=args.policy,
             api_auth=not args.no_auth,
             auth=not args.no_bus_auth,

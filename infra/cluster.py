@@ -51,6 +51,9 @@ class ClusterConfig:
     prefill_workers: int = 0
     planners: int = 1
     indexers: int = 1
+    # Ingress processes, all on the API's port (SO_REUSEPORT): more than one core's worth of
+    # HTTP and streams.
+    ingresses: int = 1
     policy: str = "kv"
     # A 3-node JetStream cluster and a 3-member etcd cluster instead of single nodes (those not
     # given by URL), every stream on 3 of the servers.
@@ -230,18 +233,20 @@ class LocalCluster:
             )
             for i in range(cfg.prefill_workers)
         ]
-        self.services.append(
+        self.services += [
             Service(
-                "ingress",
+                "ingress" if cfg.ingresses == 1 else f"ingress-{i}",
                 "services.ingress",
                 {
                     **common,
                     "LANEWAY_HOST": cfg.http_host,
                     "LANEWAY_PORT": str(cfg.http_port),
+                    "LANEWAY_REUSE_PORT": str(cfg.ingresses > 1).lower(),
                     "LANEWAY_INSTANCE_ID": new_id(),
                 },
             )
-        )
+            for i in range(cfg.ingresses)
+        ]
 
     def spawn(self, service: Service) -> None:
         service.log_file = self.logs / f"{service.name}.log"
@@ -291,6 +296,9 @@ class LocalCluster:
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
 
+    def ingresses(self) -> list[Service]:
+        return [s for s in self.services if s.module == "services.ingress"]
+
     def wait_ready(self, timeout: float) -> None:
         """Ready when the API answers, every worker holds a lease in etcd and every planner
         replica consumes requests."""
@@ -330,12 +338,16 @@ class LocalCluster:
     def _guard_api(self) -> None:
         """Once etcd is up: the API's keys, with one made for this run, and HTTPS, as set."""
         cfg = self.config
-        env = self.service("ingress").env
         if cfg.api_auth:
             self.api_key = startup_key(self.etcd_endpoints, cfg.state_dir)
-            env["LANEWAY_API_AUTH"] = "true"
-        if cfg.api_tls is not None:
-            env["LANEWAY_API_TLS_CERTFILE"], env["LANEWAY_API_TLS_KEYFILE"] = map(str, cfg.api_tls)
+        for ingress in self.ingresses():
+            env = ingress.env
+            if cfg.api_auth:
+                env["LANEWAY_API_AUTH"] = "true"
+            if cfg.api_tls is not None:
+                env["LANEWAY_API_TLS_CERTFILE"], env["LANEWAY_API_TLS_KEYFILE"] = map(
+                    str, cfg.api_tls
+                )
 
     @property
     def api_headers(self) -> dict[str, str]:

@@ -43,7 +43,7 @@ def targets(state_dir: Path) -> dict[str, str]:
 
 def kept(service: str, text: str) -> dict[str, float]:
     """The series of ``_KEPT`` for ``service``'s kind found in an exposition ``text``."""
-    kind = "worker" if "worker" in service else service
+    kind = "worker" if "worker" in service else service.partition("-")[0]
     wanted = _KEPT.get(kind, {})
     found: dict[str, float] = {}
     for line in text.splitlines():
@@ -57,7 +57,7 @@ class GaugeSampler:
     """Every ``every_s`` seconds, the kept series of every ingress and worker."""
 
     def __init__(self, urls: dict[str, str], every_s: float = 5.0) -> None:
-        self._urls = {n: u for n, u in urls.items() if n == "ingress" or "worker" in n}
+        self._urls = {n: u for n, u in urls.items() if is_ingress(n) or "worker" in n}
         self._every_s = every_s
         self.timeline: list[dict[str, Any]] = []
 
@@ -107,11 +107,18 @@ def rates(timeline: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def loop_late(timeline: list[dict[str, Any]], since: float = 0.0) -> dict[str, float] | None:
-    """The ingress's event loop from the last sample at or before ``since`` (seconds into the
+def is_ingress(service: str) -> bool:
+    """``laneway up`` names its one ingress ``ingress``, several ``ingress-0``, ``ingress-1``, …"""
+    return service == "ingress" or service.startswith("ingress-")
+
+
+def loop_late(
+    timeline: list[dict[str, Any]], since: float = 0.0, ingress: str = "ingress"
+) -> dict[str, float] | None:
+    """An ingress's event loop from the last sample at or before ``since`` (seconds into the
     timeline) to the end: how late its clock's ticks came on average (ms) and the share that
     came 0.2 s late or more (the lateness that makes it hold its streams' writes back)."""
-    points = [(p["t"], p["ingress"]) for p in timeline if isinstance(p.get("ingress"), dict)]
+    points = [(p["t"], p[ingress]) for p in timeline if isinstance(p.get(ingress), dict)]
     points = [(t, p) for t, p in points if "ticks" in p]
     start = max((i for i, (t, _) in enumerate(points) if t <= since), default=0)
     if len(points) - start < 2:

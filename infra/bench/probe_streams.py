@@ -43,7 +43,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from infra.bench.cluster_gauges import GaugeSampler, loop_late, rates, targets
+from infra.bench.cluster_gauges import GaugeSampler, is_ingress, loop_late, rates, targets
 from infra.bench.live_cluster import RunningUp, laneway_up
 from infra.bench.live_load import (
     LoadSpec,
@@ -53,7 +53,7 @@ from infra.bench.live_load import (
     prompt,
     request_body,
 )
-from infra.bench.proc_stats import counters, growth, rss_mb, snapshot
+from infra.bench.proc_stats import COUNTERS, counters, growth, rss_mb, snapshot
 
 _LOG_SIGNS = re.compile(r"slow consumer|reconnect", re.IGNORECASE)
 
@@ -195,8 +195,8 @@ def steady_cpu(
     end: dict[str, float] | None,
     stats: StreamStats,
 ) -> dict[str, float | None] | None:
-    """The ingress's CPU from the ramp's end to the duration's: its share of a core, and per
-    SSE event the clients read then (microseconds, and its write(2) calls)."""
+    """The ingresses' CPU from the ramp's end to the duration's: their share of a core, and per
+    SSE event the clients read then (microseconds, and their write(2) calls)."""
     before, events_before, since = start
     if before is None or end is None:
         return None
@@ -206,6 +206,14 @@ def steady_cpu(
         "us_per_event": round(cpu_s / events * 1e6, 1) if events else None,
         "writes_per_event": round((end["syscw"] - before["syscw"]) / events, 2) if events else None,
     }
+
+
+def _summed(pids: dict[str, int]) -> dict[str, float] | None:
+    """The processes' counters added up; None if one is gone (or none is given)."""
+    each = [counters(pid) for pid in pids.values()]
+    if not each or any(c is None for c in each):
+        return None
+    return {k: sum(c[k] for c in each if c is not None) for k in COUNTERS}
 
 
 def log_signs(logs: Path) -> dict[str, dict[str, Any]]:
@@ -226,7 +234,8 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
     probe_spec = LoadSpec(up.base_url, model, up.api_key, max_tokens=8)
     stats = StreamStats()
     probes: list[dict[str, Any]] = []
-    sampler = RssSampler({n: up.pids[n] for n in ("nats", "ingress") if n in up.pids})
+    ingresses = {n: pid for n, pid in up.pids.items() if is_ingress(n)}
+    sampler = RssSampler({n: up.pids[n] for n in ("nats", *ingresses) if n in up.pids})
     gauges = GaugeSampler(targets(up.state_dir))
     url, hdrs = chat_url(up.base_url), headers(up.api_key)
     t0 = time.monotonic()
@@ -245,15 +254,14 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
             if i % max(1, args.streams // max(1, int(args.ramp * 100))) == 0:
                 await asyncio.sleep(0.01)
         ramp_s = time.monotonic() - t0
-        ingress_pid = up.pids.get("ingress")
-        steady = (counters(ingress_pid) if ingress_pid else None, stats.events, time.monotonic())
+        steady = (_summed(ingresses), stats.events, time.monotonic())
         processes = {**up.pids, "load-client": os.getpid()}
         processes_before = snapshot(processes)
         await asyncio.sleep(max(args.steady, args.duration - ramp_s))
         in_flight = sum(1 for s in streams if not s.done())
         events_at_end = stats.events
         elapsed = time.monotonic() - t0
-        ingress_cpu = steady_cpu(steady, counters(ingress_pid) if ingress_pid else None, stats)
+        ingress_cpu = steady_cpu(steady, _summed(ingresses), stats)
         steady_s = time.monotonic() - steady[2]
         grown = growth(processes_before, snapshot(processes))
         # No new probe; the one in flight gets its answer under the same load, for a while.
@@ -282,7 +290,7 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
         **stats.figures(),
         "probe_ttft_ms": probe_figures(probes, ramp_s),
         "ingress_cpu": ingress_cpu,
-        "ingress_loop_late": loop_late(gauges.timeline, ramp_s),
+        "ingress_loop_late": {n: loop_late(gauges.timeline, ramp_s, n) for n in ingresses},
         # After the ramp, each process's share of a core running and waiting for one.
         "steady_processes": {
             name: {

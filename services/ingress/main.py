@@ -46,6 +46,9 @@ class IngressSettings(ServiceSettings):
     instance_id: str = Field(default_factory=new_id)
     host: str = "127.0.0.1"
     port: int = 8000
+    # Several ingress processes on one port (SO_REUSEPORT; the kernel spreads connections over
+    # them): an event loop is one core at most, and a busy one delays every stream it holds.
+    reuse_port: bool = False
     served_model_names: tuple[str, ...] = _API.served_model_names
     # The served model's folder, for its tokenizer and chat template; unset: the sim's bytes.
     model_dir: Path | None = None
@@ -95,12 +98,14 @@ def _tokenizer(model_dir: Path | None) -> Tokenizer:
     return HfTokenizer(model_dir)
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def _listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     # Bound here, before anything else, so that a port in use fails at once as one clear error
     # rather than as uvicorn's exit after the bus is up.
     try:
         return socket.create_server(
-            (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+            (host, port),
+            family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+            reuse_port=reuse_port,
         )
     except OSError as exc:
         cause = os.strerror(exc.errno) if exc.errno else str(exc)
@@ -111,7 +116,7 @@ def main() -> None:
     settings = IngressSettings()
 
     async def serve(stop: asyncio.Event) -> None:
-        listener = _listen(settings.host, settings.port)
+        listener = _listen(settings.host, settings.port, settings.reuse_port)
         setup_tracing("laneway-ingress", settings.instance_id, settings.trace_exporter)
         bus = await Bus.connect(settings.nats_url, f"ingress-{settings.instance_id}")
         await bus.ensure_streams(settings.stream_replicas)

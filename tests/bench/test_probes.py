@@ -35,7 +35,7 @@ def test_streams_probe_reports_streams_probes_memory_and_logs(tmp_path: Path) ->
     procs = r["steady_processes"]
     assert {"ingress", "planner", "nats", "load-client"} <= procs.keys()
     assert procs["ingress"]["cpu"] > 0 and all(p["waiting"] >= 0 for p in procs.values())
-    late = r["ingress_loop_late"]
+    late = r["ingress_loop_late"]["ingress"]
     assert late is not None and late["mean_ms"] >= 0 and 0 <= late["busy_share"] <= 1
     assert r["rss_timeline_mb"] and r["log_signs"] == {}
     # Where requests wait and how fast the workers really stepped, from their /metrics.
