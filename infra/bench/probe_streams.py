@@ -12,10 +12,10 @@ stream's ITL is that), 512 sequences and an H200's KV per worker. 2,000 such str
 small machine. ``worker_rates`` says what the workers really stepped (tokens and steps a second,
 the share of wall time in steps), ``gauges`` where requests waited (admission, engine queues).
 
-Bounded: the streams open over ``--ramp`` seconds (longer when the client is starved: 2,000
-streams once took 54 s to open), are read for ``--duration`` seconds in all and at least
-``--steady`` seconds after the last one opened, then closed (a stream not finished by then is no
-error), and the cluster is stopped. From the start a short request every ``--probe-every``
+Bounded: the streams open over ``--ramp`` seconds (at each 10 ms step those due by then, so a
+client busy reading opens more at once rather than taking minutes), are read for ``--duration``
+seconds in all and at least ``--steady`` seconds after the last one opened, then closed (a
+stream not finished by then is no error), and the cluster is stopped. From the start a short request every ``--probe-every``
 seconds measures TTFT; those sent once every stream was open are the acceptance's (``steady``).
 The one in flight at the end may take ``--probe-wait`` seconds more under the same load, and one
 still unanswered then counts with how long it waited. Afterwards every service log is searched
@@ -246,13 +246,15 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
         prober = asyncio.create_task(probe_ttft(probe_spec, args.probe_every, t0, stop, probes))
         streams = []
         rng = random.Random(0)
-        for i in range(args.streams):
-            body = request_body(spec, prompt(rng, spec.prompt_chars))
-            body["ignore_eos"] = True
-            streams.append(asyncio.create_task(hold(session, url, hdrs, body, stats)))
-            # Spread over the ramp, a batch every 10 ms.
-            if i % max(1, args.streams // max(1, int(args.ramp * 100))) == 0:
-                await asyncio.sleep(0.01)
+        while len(streams) < args.streams:
+            # Every 10 ms, the streams due by then: a loop busy reading (each sleep long) opens
+            # more at once, so the ramp keeps to its time.
+            due = args.streams * (time.monotonic() - t0) / max(args.ramp, 1e-3)
+            while len(streams) < min(args.streams, max(1, int(due))):
+                body = request_body(spec, prompt(rng, spec.prompt_chars))
+                body["ignore_eos"] = True
+                streams.append(asyncio.create_task(hold(session, url, hdrs, body, stats)))
+            await asyncio.sleep(0.01)
         ramp_s = time.monotonic() - t0
         steady = (_summed(ingresses), stats.events, time.monotonic())
         processes = {**up.pids, "load-client": os.getpid()}
