@@ -12,17 +12,16 @@ stream's ITL is that), 512 sequences and an H200's KV per worker. 2,000 such str
 small machine. ``worker_rates`` says what the workers really stepped (tokens and steps a second,
 the share of wall time in steps), ``gauges`` where requests waited (admission, engine queues).
 
-Bounded: the streams open over ``--ramp`` seconds (at each 10 ms step those due by then, so a
-client busy reading opens more at once rather than taking minutes), are read for ``--duration``
-seconds in all and at least ``--steady`` seconds after the last one opened, then closed (a
-stream not finished by then is no error), and the cluster is stopped. From the start a short request every ``--probe-every``
-seconds measures TTFT; those sent once every stream was open are the acceptance's (``steady``).
-The one in flight at the end may take ``--probe-wait`` seconds more under the same load, and one
-still unanswered then counts with how long it waited. Afterwards every service log is searched
-for slow-consumer and reconnect lines. Over the steady window, ``steady_processes`` gives each
-process's share of a core running and waiting for one, and ``ingress_loop_late`` how late the
-ingress's event loop ran.
-"""
+Bounded: the streams open over ``--ramp`` seconds (at each 10 ms step those due by then, so a client
+busy reading opens more at once rather than taking minutes), are read for ``--duration`` seconds in
+all and at least ``--steady`` seconds after the last one opened, then closed (a stream not finished
+by then is no error), and the cluster is stopped. From the start a short request every
+``--probe-every`` seconds measures TTFT; those sent once every stream was open are the acceptance's
+(``steady``). The one in flight at the end may take ``--probe-wait`` seconds more under the same
+load, and one still unanswered then counts with how long it waited. Afterwards every service log is
+searched for slow-consumer and reconnect lines. Over the steady window, ``steady_processes`` gives
+each process's share of a core running and waiting for one, and ``ingress_loop_late`` how late the
+ingress's event loop ran."""
 
 from __future__ import annotations
 
@@ -244,7 +243,7 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
         background = [asyncio.create_task(sampler.run(t0)), asyncio.create_task(gauges.run(t0))]
         stop = asyncio.Event()
         prober = asyncio.create_task(probe_ttft(probe_spec, args.probe_every, t0, stop, probes))
-        streams = []
+        streams: list[asyncio.Task[None]] = []
         rng = random.Random(0)
         while len(streams) < args.streams:
             # Every 10 ms, the streams due by then: a loop busy reading (each sleep long) opens
