@@ -165,7 +165,8 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from infra.cluster import ClusterConfig, LocalCluster
+    from infra.cluster import LocalCluster
+    from infra.cluster_plan import ClusterConfig
     from infra.startup import StartupError
     from infra.supervisor import GaveUp
 

@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -27,69 +26,16 @@ from bus.registry import PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
 from bus.tls import BusTlsDir
 from infra.bus_servers import bus_tls, embedded_etcd, embedded_nats
 from infra.cluster_auth import ClusterAuth, identity_of, secure
+from infra.cluster_plan import ClusterConfig, Service, plan_services
 from infra.embedded import EmbeddedServer, die_with_parent, is_nats
 from infra.keys import STARTUP_KEY_FILE, startup_key
 from infra.metrics_targets import assign_metrics_ports
 from infra.startup import StartupError, check_port_free, check_reachable, log_cause
 from infra.statedir import StateDir
-from infra.supervisor import Child, RestartPolicy, Supervisor
+from infra.supervisor import Child, Supervisor
 from schemas.events import new_id
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ClusterConfig:
-    state_dir: Path
-    http_host: str = "127.0.0.1"
-    http_port: int = 8000
-    nats_url: str | None = None
-    etcd_endpoints: str | None = None
-    nats_port: int | None = None
-    etcd_port: int | None = None
-    workers: int = 2
-    prefill_workers: int = 0
-    planners: int = 1
-    indexers: int = 1
-    # Ingress processes, all on the API's port (SO_REUSEPORT): more than one core's worth of
-    # HTTP and streams.
-    ingresses: int = 1
-    policy: str = "kv"
-    # A 3-node JetStream cluster and a 3-member etcd cluster instead of single nodes (those not
-    # given by URL), every stream on 3 of the servers.
-    ha: bool = False
-    # Extra LANEWAY_* settings for every service (perf model, speed-up, lease TTL, tracing, …).
-    env: dict[str, str] = field(default_factory=dict)
-    # Every API request but /health needs a key: one is made at each start (``api_key``, and
-    # STATE_DIR/api-key while it runs); False for experiments.
-    api_auth: bool = True
-    # The API over HTTPS, with this PEM certificate (chain) and its private key.
-    api_tls: tuple[Path, Path] | None = None
-    # NATS and etcd over TLS (``bus.tls.BusTlsDir``): the embedded servers serve its server
-    # certificate, and require its client certificate where it has one; services connect with
-    # its CA (and client certificate), to servers given by URL too.
-    bus_tls: Path | None = None
-    # A NATS user per service with only its subjects, and etcd auth, on the embedded servers
-    # (servers given by URL are their operator's to secure); False for experiments.
-    auth: bool = True
-    # How `supervise` restarts a child that exits.
-    restart: RestartPolicy = field(default_factory=RestartPolicy)
-
-    @property
-    def base_url(self) -> str:
-        scheme = "http" if self.api_tls is None else "https"
-        return f"{scheme}://{self.http_host}:{self.http_port}/v1"
-
-
-@dataclass
-class Service:
-    name: str
-    module: str
-    env: dict[str, str]
-    proc: subprocess.Popen[bytes] | None = None
-    # Where its /metrics, /healthz and /readyz answer (observability.metrics).
-    metrics_port: int = 0
-    log_file: Path | None = None
 
 
 class LocalCluster:
@@ -127,7 +73,7 @@ class LocalCluster:
             tls = bus_tls(cfg.bus_tls)
             self.logs.mkdir(parents=True, exist_ok=True)
             # Planned first: the embedded servers' users are the services' identities.
-            self._plan_services()
+            self.services = plan_services(cfg)
             self._auth = auth = (
                 ClusterAuth(cfg.state_dir / "auth", [identity_of(s) for s in self.services])
                 if cfg.auth
@@ -193,60 +139,6 @@ class LocalCluster:
             service.env.update(common)
             if auth is not None:
                 service.env.update(auth.env(identity_of(service)))
-
-    def _plan_services(self) -> None:
-        cfg = self.config
-        common = {**cfg.env, **({"LANEWAY_STREAM_REPLICAS": "3"} if cfg.ha else {})}
-        self.services = [
-            Service(
-                "kv-indexer" if cfg.indexers == 1 else f"kv-indexer-{i}",
-                "services.kv_indexer",
-                {**common, "LANEWAY_INSTANCE_ID": f"indexer-{i}"},
-            )
-            for i in range(cfg.indexers)
-        ]
-        self.services += [
-            Service(
-                "planner" if cfg.planners == 1 else f"planner-{i}",
-                "services.planner",
-                {**common, "LANEWAY_POLICY": cfg.policy},
-            )
-            for i in range(cfg.planners)
-        ]
-        # Beside a prefill pool the others decode (the decode worker's own role); alone they
-        # serve requests end to end.
-        role = {} if cfg.prefill_workers else {"LANEWAY_ROLE": "both"}
-        # Ids given here, so that each has its own credentials (see infra.cluster_auth).
-        self.services += [
-            Service(
-                f"decode-worker-{i}",
-                "services.worker.decode_worker",
-                {**role, **common, "LANEWAY_WORKER_ID": new_id()},
-            )
-            for i in range(cfg.workers)
-        ]
-        self.services += [
-            Service(
-                f"prefill-worker-{i}",
-                "services.worker.prefill_worker",
-                {**common, "LANEWAY_WORKER_ID": new_id()},
-            )
-            for i in range(cfg.prefill_workers)
-        ]
-        self.services += [
-            Service(
-                "ingress" if cfg.ingresses == 1 else f"ingress-{i}",
-                "services.ingress",
-                {
-                    **common,
-                    "LANEWAY_HOST": cfg.http_host,
-                    "LANEWAY_PORT": str(cfg.http_port),
-                    "LANEWAY_REUSE_PORT": str(cfg.ingresses > 1).lower(),
-                    "LANEWAY_INSTANCE_ID": new_id(),
-                },
-            )
-            for i in range(cfg.ingresses)
-        ]
 
     def spawn(self, service: Service) -> None:
         service.log_file = self.logs / f"{service.name}.log"

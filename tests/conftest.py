@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 
 from bus.client import Bus
-from infra.cluster import ClusterConfig, LocalCluster
+from infra.cluster import LocalCluster
 from infra.cluster_auth import ClusterAuth, secure
+from infra.cluster_plan import ClusterConfig
 from infra.embedded import EmbeddedServer, start_etcd, start_nats
 from infra.ports import free_port
 from tests.live import ClusterFactory

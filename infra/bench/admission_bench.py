@@ -21,7 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from infra.cluster import ClusterConfig, LocalCluster
+from infra.cluster import LocalCluster
+from infra.cluster_plan import ClusterConfig
 from infra.ports import free_port
 
 MODEL = "laneway-sim"

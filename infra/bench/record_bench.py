@@ -44,7 +44,8 @@ from pydantic import BaseModel, create_model
 from bus.channels import Stream
 from bus.client import Bus
 from bus.topology import Subjects
-from infra.cluster import ClusterConfig, LocalCluster
+from infra.cluster import LocalCluster
+from infra.cluster_plan import ClusterConfig
 from infra.ports import free_port
 from schemas.codec import decode_event, encode
 from schemas.events import Event, PlannerConfigured, PrefillPlacement, RouteCandidate, RouteDecided

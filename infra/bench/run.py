@@ -271,7 +271,8 @@ def _live(
     import asyncio
 
     from infra.bench.live import replay_live
-    from infra.cluster import ClusterConfig, LocalCluster
+    from infra.cluster import LocalCluster
+    from infra.cluster_plan import ClusterConfig
     from infra.ports import free_port
 
     prefill, decode = _pools(args)

@@ -10,7 +10,8 @@ import pytest
 
 from infra import cli
 from infra import cluster as cluster_module
-from infra.cluster import ClusterConfig, LocalCluster
+from infra.cluster import LocalCluster
+from infra.cluster_plan import ClusterConfig
 from tests.live import ClusterFactory
 
 MODEL = "laneway-sim"

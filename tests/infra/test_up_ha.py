@@ -11,7 +11,8 @@ import pytest
 from bus.client import Bus
 from bus.topology import STREAM_SUBJECTS
 from infra.cli import build_parser
-from infra.cluster import ClusterConfig, LocalCluster
+from infra.cluster import LocalCluster
+from infra.cluster_plan import ClusterConfig
 from infra.startup import StartupError
 from tests.live import ClusterFactory, registrations
 

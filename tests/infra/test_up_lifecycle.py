@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from bus.runtime import FATAL_PREFIX
-from infra.cluster import ClusterConfig, LocalCluster
+from infra.cluster import LocalCluster
+from infra.cluster_plan import ClusterConfig
 from infra.ports import free_port
 from infra.startup import StartupError
 from tests.infra.laneway_up import (
