@@ -43,7 +43,7 @@ def targets(state_dir: Path) -> dict[str, str]:
 
 def kept(service: str, text: str) -> dict[str, float]:
     """The series of ``_KEPT`` for ``service``'s kind found in an exposition ``text``."""
-    kind = "worker" if "worker" in service else service.partition("-")[0]
+    kind = "worker" if "worker" in service else "ingress" if is_ingress(service) else service
     wanted = _KEPT.get(kind, {})
     found: dict[str, float] = {}
     for line in text.splitlines():
@@ -117,7 +117,7 @@ def loop_late(
 ) -> dict[str, float] | None:
     """An ingress's event loop from the last sample at or before ``since`` (seconds into the
     timeline) to the end: how late its clock's ticks came on average (ms) and the share that
-    came 0.2 s late or more (the lateness that makes it hold its streams' writes back)."""
+    came more than 0.2 s late (the lateness that makes it hold its streams' writes back)."""
     points = [(p["t"], p[ingress]) for p in timeline if isinstance(p.get(ingress), dict)]
     points = [(t, p) for t, p in points if "ticks" in p]
     start = max((i for i, (t, _) in enumerate(points) if t <= since), default=0)

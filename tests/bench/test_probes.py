@@ -109,7 +109,7 @@ def test_loop_lateness_is_taken_from_the_sample_before_the_window() -> None:
         return {"t": t, "ingress": {"late_s": late_s, "ticks": ticks, "ticks_under_busy": under}}
 
     timeline = [at(0.0, 0.0, 0, 0), at(5.0, 1.0, 100, 100), at(10.0, 31.0, 200, 150)]
-    # From the sample at 5 s: 100 ticks, 30 s late in all, 50 of them 0.2 s late or more.
+    # From the sample at 5 s: 100 ticks, 30 s late in all, 50 of them over 0.2 s late.
     assert loop_late(timeline, since=7.0) == {"mean_ms": 300.0, "busy_share": 0.5}
     assert loop_late(timeline) == {"mean_ms": 155.0, "busy_share": 0.25}
     assert loop_late(timeline[:1]) is None and loop_late([{"t": 0.0, "ingress": "down"}]) is None
