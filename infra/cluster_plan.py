@@ -70,7 +70,7 @@ def plan_services(cfg: ClusterConfig) -> list[Service]:
     common = {**cfg.env, **({"LANEWAY_STREAM_REPLICAS": "3"} if cfg.ha else {})}
     services = [
         Service(
-            "kv-indexer" if cfg.indexers == 1 else f"kv-indexer-{i}",
+            _name("kv-indexer", i, cfg.indexers),
             "services.kv_indexer",
             {**common, "LANEWAY_INSTANCE_ID": f"indexer-{i}"},
         )
@@ -78,7 +78,7 @@ def plan_services(cfg: ClusterConfig) -> list[Service]:
     ]
     services += [
         Service(
-            "planner" if cfg.planners == 1 else f"planner-{i}",
+            _name("planner", i, cfg.planners),
             "services.planner",
             {**common, "LANEWAY_POLICY": cfg.policy},
         )
@@ -106,7 +106,7 @@ def plan_services(cfg: ClusterConfig) -> list[Service]:
     ]
     services += [
         Service(
-            "ingress" if cfg.ingresses == 1 else f"ingress-{i}",
+            _name("ingress", i, cfg.ingresses),
             "services.ingress",
             {
                 **common,
@@ -119,3 +119,8 @@ def plan_services(cfg: ClusterConfig) -> list[Service]:
         for i in range(cfg.ingresses)
     ]
     return services
+
+
+def _name(kind: str, i: int, count: int) -> str:
+    """A replica's service name: the kind alone when it is the only one."""
+    return kind if count == 1 else f"{kind}-{i}"

@@ -52,7 +52,7 @@ from infra.bench.live_load import (
     prompt,
     request_body,
 )
-from infra.bench.proc_stats import COUNTERS, counters, growth, rss_mb, snapshot
+from infra.bench.proc_stats import growth, rss_mb, snapshot
 
 _LOG_SIGNS = re.compile(r"slow consumer|reconnect", re.IGNORECASE)
 
@@ -190,29 +190,20 @@ def probe_figures(probes: list[dict[str, Any]], steady_from: float | None = None
 
 
 def steady_cpu(
-    start: tuple[dict[str, float] | None, int, float],
-    end: dict[str, float] | None,
-    stats: StreamStats,
+    grown: dict[str, dict[str, float]], ingresses: dict[str, int], events: int, seconds: float
 ) -> dict[str, float | None] | None:
-    """The ingresses' CPU from the ramp's end to the duration's: their share of a core, and per
-    SSE event the clients read then (microseconds, and their write(2) calls)."""
-    before, events_before, since = start
-    if before is None or end is None:
+    """The ingresses' CPU over the steady window (``grown``: every process's counters' growth
+    there): their share of a core, and per SSE event the clients read then (microseconds, and
+    their write(2) calls)."""
+    if not ingresses or any(name not in grown for name in ingresses):
         return None
-    cpu_s, events = end["cpu_s"] - before["cpu_s"], stats.events - events_before
+    cpu_s = sum(grown[name]["cpu_s"] for name in ingresses)
+    writes = sum(grown[name]["syscw"] for name in ingresses)
     return {
-        "share": round(cpu_s / max(1e-9, time.monotonic() - since), 3),
+        "share": round(cpu_s / max(1e-9, seconds), 3),
         "us_per_event": round(cpu_s / events * 1e6, 1) if events else None,
-        "writes_per_event": round((end["syscw"] - before["syscw"]) / events, 2) if events else None,
+        "writes_per_event": round(writes / events, 2) if events else None,
     }
-
-
-def _summed(pids: dict[str, int]) -> dict[str, float] | None:
-    """The processes' counters added up; None if one is gone (or none is given)."""
-    each = [counters(pid) for pid in pids.values()]
-    if not each or any(c is None for c in each):
-        return None
-    return {k: sum(c[k] for c in each if c is not None) for k in COUNTERS}
 
 
 def log_signs(logs: Path) -> dict[str, dict[str, Any]]:
@@ -255,16 +246,16 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
                 streams.append(asyncio.create_task(hold(session, url, hdrs, body, stats)))
             await asyncio.sleep(0.01)
         ramp_s = time.monotonic() - t0
-        steady = (_summed(ingresses), stats.events, time.monotonic())
         processes = {**up.pids, "load-client": os.getpid()}
+        events_before, steady_from = stats.events, time.monotonic()
         processes_before = snapshot(processes)
         await asyncio.sleep(max(args.steady, args.duration - ramp_s))
         in_flight = sum(1 for s in streams if not s.done())
         events_at_end = stats.events
         elapsed = time.monotonic() - t0
-        ingress_cpu = steady_cpu(steady, _summed(ingresses), stats)
-        steady_s = time.monotonic() - steady[2]
         grown = growth(processes_before, snapshot(processes))
+        steady_s = time.monotonic() - steady_from
+        ingress_cpu = steady_cpu(grown, ingresses, stats.events - events_before, steady_s)
         # No new probe; the one in flight gets its answer under the same load, for a while.
         stop.set()
         with contextlib.suppress(TimeoutError):
