@@ -2,7 +2,8 @@
 only its keys (``bus.permissions.etcd_grants``), the root user for this bootstrap alone.
 
 Runs again on an etcd that has auth on already (a restart on the same data), as root then:
-roles and users are added where missing, passwords set to those given.
+roles and users are added where missing, passwords set to those given. :func:`disable_auth`
+turns it off again, for a cluster started on that data without auth.
 """
 
 from __future__ import annotations
@@ -53,6 +54,38 @@ async def enable_auth(
             await client.connect()
             enabled = False
         await _Bootstrap(client).run(root, users, enable=not enabled)
+    finally:
+        await client.close()
+
+
+async def disable_auth(
+    endpoints: str, root: Credentials | None, timeout: int = 5, tls: TlsFiles | None = None
+) -> None:
+    """Auth off, as ``root`` (None: its credentials are gone); nothing to do where it is off.
+    An etcd with auth on answers an anonymous call "user name is empty", which told nobody that
+    its data came from a run with auth."""
+    tls = tls or TlsFiles.from_env("ETCD")
+    host, port = etcd_endpoints(endpoints)[0]
+    login = {"username": root.user, "password": root.password} if root is not None else {}
+    client = TlsClient(host=host, port=port, timeout=timeout, tls=tls, **login)
+    try:
+        try:
+            await client.connect()
+        except aetcd.exceptions.ClientError as exc:
+            if "authentication is not enabled" in str(exc):
+                return
+            raise
+        if root is None:
+            try:
+                await client.get(b"/")
+            except aetcd.exceptions.InvalidArgumentError as exc:
+                raise PermissionError(
+                    "etcd has auth on (its data is from a run with auth) and its root's "
+                    "credentials are gone"
+                ) from exc
+            return
+        stub = rpc.AuthStub(client.channel)
+        await stub.AuthDisable(rpc.AuthDisableRequest(), timeout=timeout, metadata=client.metadata)
     finally:
         await client.close()
 

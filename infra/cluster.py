@@ -25,7 +25,7 @@ import httpx
 from bus.registry import PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
 from bus.tls import BusTlsDir
 from infra.bus_servers import bus_tls, embedded_etcd, embedded_nats
-from infra.cluster_auth import ClusterAuth, identity_of, secure
+from infra.cluster_auth import ClusterAuth, identity_of, open_etcd, secure
 from infra.cluster_plan import ClusterConfig, Service, plan_services
 from infra.embedded import EmbeddedServer, die_with_parent, is_nats
 from infra.keys import STARTUP_KEY_FILE, startup_key
@@ -135,6 +135,14 @@ class LocalCluster:
             self.nats_url, self.etcd_endpoints = secure(
                 auth, self.nats_url, self.etcd_endpoints, 3 if cfg.ha else 1, nats, etcd
             )
+        elif not cfg.etcd_endpoints:
+            try:
+                open_etcd(cfg.state_dir / "auth", self.etcd_endpoints)
+            except PermissionError as exc:
+                raise StartupError(
+                    f"{exc}: remove {cfg.state_dir}/etcd* (worker leases and session owners "
+                    "only) or start without --no-bus-auth"
+                ) from None
         for service in self.services:
             service.env.update(common)
             if auth is not None:

@@ -16,7 +16,7 @@ import nats
 
 from bus.client import Bus
 from bus.credentials import ETCD_CREDS_ENV, NATS_CREDS_ENV, Credentials
-from bus.etcd_auth import ROOT, enable_auth
+from bus.etcd_auth import ROOT, disable_auth, enable_auth
 from bus.permissions import Identity, nats_permissions
 from bus.tls import nats_tls_from_env
 from infra.embedded import EmbeddedServer, reload_nats
@@ -101,6 +101,16 @@ def secure(
         auth.admin("nats").within(nats_url) if nats else nats_url,
         auth.admin("etcd").within(etcd_endpoints) if etcd else etcd_endpoints,
     )
+
+
+def open_etcd(folder: Path, etcd_endpoints: str) -> None:
+    """An embedded etcd for a cluster without auth: its data may be from a run with auth (the
+    same state dir), which left auth on; off again, as the root whose credentials ``folder``
+    kept (a ``ClusterAuth`` folder). Where those are gone, PermissionError."""
+    path = folder / "etcd" / f"{ROOT}.json"
+    root = Credentials.read(path) if path.exists() else None
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, disable_auth(etcd_endpoints, root)).result()
 
 
 class ClusterAuth:
