@@ -203,7 +203,11 @@ def faststream_variant(path: Literal["core", "push", "pull"]) -> Variant | None:
                 warnings.simplefilter("ignore", RuntimeWarning)
                 broker.subscriber(subject, **durable)(on_request)
         await broker.start()
-        return broker.stop
+
+        async def stop() -> None:
+            await broker.stop()
+
+        return stop
 
     return start
 
