@@ -38,12 +38,21 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, messages: Sequence[ChatMessage]) -> str: ...
 
 
+def _bytes(token_ids: Sequence[int]) -> bytes:
+    """The byte tokens of ``token_ids``, without the end-of-sequence id (256) or any above it."""
+    try:
+        # Every id a byte, as a step's one token nearly always is: no generator, half the time.
+        return bytes(token_ids)
+    except ValueError:
+        return bytes(t for t in token_ids if t < 256)
+
+
 class _Utf8StreamDecoder:
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._decoder.decode(bytes(t for t in token_ids if t < 256))
+        return self._decoder.decode(_bytes(token_ids))
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
@@ -59,7 +68,7 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+        return _bytes(token_ids).decode("utf-8", errors="replace")
 
     def stream_decoder(self) -> StreamDecoder:
         return _Utf8StreamDecoder()
@@ -86,6 +95,8 @@ class IncrementalDetokenizer:
         """Text that is final after these tokens; sets ``stopped`` when a stop string appeared."""
         if self.stopped:
             return ""
+        if not self._stop:  # nothing to hold back: every step's text goes out as it comes
+            return self._decoder.decode(token_ids)
         self._pending += self._decoder.decode(token_ids)
         for stop in self._stop:
             at = self._pending.find(stop)

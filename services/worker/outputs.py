@@ -23,6 +23,7 @@ from schemas.events import (
     WorkerLoadReported,
 )
 from schemas.messages import ResendQuery
+from schemas.trusted import trusted
 from services.engine.kv_events import coalesced, continued, kv_event
 from services.engine.protocol import EngineLoad, KvChange
 from services.worker.stream import Chunk
@@ -74,13 +75,11 @@ class Outputs:
 
     def tokens(self, spec: RequestSpec, request_id: str, chunk: Chunk) -> None:
         """Queue a request's new tokens for the step's batch to its ingress (:meth:`flush`)."""
-        run = TokenRun(
-            request_id=request_id,
-            attempt=spec.attempt,
-            index=chunk.position,
-            token_ids=chunk.token_ids,
-            text=chunk.text,
-        )
+        # Of a validated route and the engine's own tokens: nothing a validation would refuse.
+        run = trusted(TokenRun, {
+            "request_id": request_id, "attempt": spec.attempt, "index": chunk.position,
+            "token_ids": chunk.token_ids, "text": chunk.text,
+        })  # fmt: skip
         self.kept.published(run)
         runs = self._runs.get(spec.reply_to)
         if runs is None:

@@ -11,6 +11,7 @@ import pytest
 
 from bus.client import Bus
 from bus.topology import Subjects
+from schemas.codec import encode
 from schemas.events import (
     KvBlocksRemoved,
     KvBlocksStored,
@@ -19,6 +20,7 @@ from schemas.events import (
     RequestSpec,
     SamplingParams,
     TokenBatch,
+    TokenRun,
 )
 from services.engine.protocol import BlocksRemoved, BlocksStored
 from services.worker.outputs import Background, Outputs
@@ -67,6 +69,10 @@ async def test_a_step_is_one_batch_per_ingress_and_the_terminals_come_after_it()
         ("c", 2, (5,)),
     ]
     assert [(r.request_id, r.text) for r in second.runs] == [("b", "yz")]
+    # Built unvalidated (schemas.trusted), each run is what validation makes of the same values.
+    checked = TokenRun(request_id="b", attempt=0, index=4, token_ids=(8, 9), text="yz")
+    assert second.runs == (checked,) and encode(second.runs[0]) == encode(checked)
+    assert encode(second) == encode(TokenBatch.model_validate_json(encode(second)))
     # What went out is kept for resend queries, as the publisher's own batches.
     reply = outputs.kept.reply("b", 4)
     assert reply is not None and [b.text for b in reply.batches] == ["yz"]

@@ -44,3 +44,15 @@ def test_a_replay_may_keep_the_gaps_itself() -> None:
     assert stream.last_gap_ms is None
     stream.push(out(2), 0.3)
     assert stream.last_gap_ms == pytest.approx(200) and stream.token_gaps.total() == 0
+
+
+def test_byte_tokens_decode_to_text_without_the_end_of_sequence_id() -> None:
+    """Ids past the bytes (256, end of sequence) give no text, whether alone, among bytes, or
+    the end of a character split across steps."""
+    tokenizer = ByteTokenizer()
+    assert tokenizer.decode([104, 105, 256]) == tokenizer.decode(b"hi") == "hi"
+    detok = IncrementalDetokenizer(tokenizer)
+    parts = [detok.push(ids) for ids in ([104], [0xC3], [0xA9, 256], [256], [])]
+    assert parts == ["h", "", "é", "", ""] and detok.flush() == ""
+    with pytest.raises(ValueError):
+        tokenizer.decode([-1])
