@@ -74,19 +74,25 @@ async def test_without_the_roots_credentials_it_says_so(
 
 
 def test_up_without_bus_auth_on_a_state_dir_a_run_with_it_used(tmp_path: Path) -> None:
-    """The whole path: a cluster with bus auth stopped, then one without on its data serves."""
-    for auth in (True, False):
-        cluster = LocalCluster(
-            ClusterConfig(state_dir=tmp_path, http_port=free_port(), workers=1, auth=auth)
+    """The whole path: etcd's data as a run with bus auth leaves it (auth on, the root's
+    credentials in the state dir), then a cluster without bus auth on that data serves."""
+    etcd = start_etcd(tmp_path)  # where the cluster keeps its embedded etcd's data
+    try:
+        auth = ClusterAuth(tmp_path / "auth", [Identity("planner")])
+        secure(auth, "", _endpoint(etcd), 1, nats=False, etcd=True)
+    finally:
+        etcd.stop()
+    cluster = LocalCluster(
+        ClusterConfig(state_dir=tmp_path, http_port=free_port(), workers=1, auth=False)
+    )
+    try:
+        cluster.start()
+        reply = httpx.post(
+            f"{cluster.config.base_url}/completions",
+            json={"model": "laneway-sim", "prompt": "hi", "max_tokens": 2},
+            headers=cluster.api_headers,
+            timeout=30,
         )
-        try:
-            cluster.start()
-            reply = httpx.post(
-                f"{cluster.config.base_url}/completions",
-                json={"model": "laneway-sim", "prompt": "hi", "max_tokens": 2},
-                headers=cluster.api_headers,
-                timeout=30,
-            )
-            assert reply.status_code == 200, reply.text
-        finally:
-            cluster.stop()
+        assert reply.status_code == 200, reply.text
+    finally:
+        cluster.stop()
