@@ -1,3 +1,7 @@
-from services.planner.main import main
+from bus.runtime import without_websockets
+
+without_websockets()
+
+from services.planner.main import main  # noqa: E402 - after the call above
 
 main()
