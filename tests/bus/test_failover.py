@@ -182,6 +182,19 @@ def _cancel(request_id: str) -> CancellationRequested:
     return CancellationRequested(source="test/failover", request_id=request_id, reason="timeout")
 
 
+def _stopped(pid: int) -> bool:
+    """Every thread of ``pid`` stopped by a signal (state T in /proc); one that ended meanwhile
+    runs no more either."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            state = (task / "stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if state != "T":
+            return False
+    return True
+
+
 def _port(bus: Bus) -> int | None:
     return bus.nc.connected_url.port if bus.nc.connected_url else None
 
@@ -199,6 +212,9 @@ async def test_bus_leaves_a_server_that_stops_answering(nats_nodes: list[Embedde
     await eventually(streams_answer, timeout=30.0, message="the cluster's streams never answered")
     victim = next(node for node in nats_nodes if node.port == _port(bus))
     victim.proc.send_signal(signal.SIGSTOP)  # a partitioned server: up, but silent
+    # The kernel stops each of its threads as it gets to them: one still running could take the
+    # publish below and answer it (seen once on a loaded machine).
+    await eventually(lambda: _stopped(victim.proc.pid), message="the server never stopped")
     started = time.monotonic()
     try:
         await bus.publish(CANCELS.subject, _cancel("after-freeze"))
