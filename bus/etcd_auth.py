@@ -36,23 +36,8 @@ async def enable_auth(
     """TLS from ``tls`` or else the ``LANEWAY_ETCD_TLS_*`` settings, as every service's."""
     if root.user != ROOT:
         raise ValueError(f"etcd's bootstrap user is {ROOT}, not {root.user}")
-    tls = tls or TlsFiles.from_env("ETCD")
-    host, port = etcd_endpoints(endpoints)[0]
-    # As root where auth is on already; etcd refuses the login where it is not.
-    client = TlsClient(
-        host=host, port=port, timeout=timeout, username=root.user, password=root.password, tls=tls
-    )
-    enabled = True
+    client, enabled = await _as_root(endpoints, root, timeout, tls)
     try:
-        try:
-            await client.connect()
-        except aetcd.exceptions.ClientError as exc:
-            if "authentication is not enabled" not in str(exc):
-                raise
-            await client.close()
-            client = TlsClient(host=host, port=port, timeout=timeout, tls=tls)
-            await client.connect()
-            enabled = False
         await _Bootstrap(client).run(root, users, enable=not enabled)
     finally:
         await client.close()
@@ -64,30 +49,56 @@ async def disable_auth(
     """Auth off, as ``root`` (None: its credentials are gone); nothing to do where it is off.
     An etcd with auth on answers an anonymous call "user name is empty", which told nobody that
     its data came from a run with auth."""
-    tls = tls or TlsFiles.from_env("ETCD")
-    host, port = etcd_endpoints(endpoints)[0]
-    login = {"username": root.user, "password": root.password} if root is not None else {}
-    client = TlsClient(host=host, port=port, timeout=timeout, tls=tls, **login)
-    try:
+    if root is None:
+        client = _client(endpoints, timeout, tls)
         try:
             await client.connect()
-        except aetcd.exceptions.ClientError as exc:
-            if "authentication is not enabled" in str(exc):
-                return
-            raise
-        if root is None:
-            try:
-                await client.get(b"/")
-            except aetcd.exceptions.InvalidArgumentError as exc:
-                raise PermissionError(
-                    "etcd has auth on (its data is from a run with auth) and its root's "
-                    "credentials are gone"
-                ) from exc
-            return
-        stub = rpc.AuthStub(client.channel)
-        await stub.AuthDisable(rpc.AuthDisableRequest(), timeout=timeout, metadata=client.metadata)
+            await client.get(b"/")
+        except aetcd.exceptions.InvalidArgumentError as exc:
+            raise PermissionError(
+                "etcd has auth on (its data is from a run with auth) and its root's "
+                "credentials are gone"
+            ) from exc
+        finally:
+            await client.close()
+        return
+    client, enabled = await _as_root(endpoints, root, timeout, tls)
+    try:
+        if enabled:
+            stub = rpc.AuthStub(client.channel)
+            await stub.AuthDisable(
+                rpc.AuthDisableRequest(), timeout=timeout, metadata=client.metadata
+            )
     finally:
         await client.close()
+
+
+def _client(
+    endpoints: str, timeout: int, tls: TlsFiles | None, root: Credentials | None = None
+) -> TlsClient:
+    host, port = etcd_endpoints(endpoints)[0]
+    login = {"username": root.user, "password": root.password} if root is not None else {}
+    return TlsClient(
+        host=host, port=port, timeout=timeout, tls=tls or TlsFiles.from_env("ETCD"), **login
+    )
+
+
+async def _as_root(
+    endpoints: str, root: Credentials, timeout: int, tls: TlsFiles | None
+) -> tuple[TlsClient, bool]:
+    """A client logged in as root and True where auth is on; where it is not (etcd refuses the
+    login there), an anonymous one and False."""
+    client = _client(endpoints, timeout, tls, root)
+    try:
+        await client.connect()
+    except aetcd.exceptions.ClientError as exc:
+        await client.close()
+        if "authentication is not enabled" not in str(exc):
+            raise
+        client = _client(endpoints, timeout, tls)
+        await client.connect()
+        return client, False
+    return client, True
 
 
 class _Bootstrap:
