@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help run test test-pure chaos lint typecheck check gpu-check clean bench-live bench-dynamo profile hops probe-streams probe-itl bench-sim
+.PHONY: help run test test-pure test-slow chaos lint typecheck check gpu-check clean bench-live bench-dynamo profile hops probe-streams probe-itl bench-sim
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -39,10 +39,13 @@ run: $(STAMP) ## install and start the whole local cluster on http://127.0.0.1:8
 	$(BIN)/laneway up
 
 test: $(STAMP) $(PHOENIX) $(PROMETHEUS) ## install and run the test suite (starts its own NATS, etcd, OTLP backend, Prometheus)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2
 
 chaos: $(STAMP) ## faults under load: node loss on 3+3 NATS/etcd, then each service and single server killed under laneway up (about 7 min)
 	$(BIN)/pytest -q -s -m chaos tests/chaos/test_node_loss.py tests/chaos/test_faults.py
+
+test-slow: $(STAMP) ## the long tests the suite leaves out: 3,000 exact streams, 4x-capacity admission, key cost, 1M-block index, Mooncake replay vs Dynamo's figures
+	$(BIN)/pytest -q -m slow
 
 test-pure: $(STAMP) ## only the tests that start no servers or processes
 	$(BIN)/pytest -q -m "not live"
