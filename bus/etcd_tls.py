@@ -27,6 +27,8 @@ class TlsClient(aetcd.Client):  # type: ignore[misc] # aetcd has no types
         self.tls = tls
         self._opening = asyncio.Lock()
         self._relogin = asyncio.Lock()
+        # Channels closed by ``reconnect``: gRPC cancels the calls in flight on each.
+        self.reconnects = 0
 
     async def connect(self) -> None:
         if self.tls is None:
@@ -49,6 +51,7 @@ class TlsClient(aetcd.Client):  # type: ignore[misc] # aetcd has no types
         member that cannot log in now (one without a leader) leaves the client unconnected,
         for the next call to connect again, and raises."""
         channel, watcher = self.channel, self._watcher
+        self.reconnects += 1
         self._init_channel_attrs()
         self._connected.clear()
         try:

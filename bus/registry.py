@@ -120,9 +120,17 @@ def _failing_over(call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitabl
         deadline = loop.time() + self._failover_s
         tried = 0
         while True:
-            at, token = self.at, self.metadata
+            at, token, reconnects = self.at, self.metadata, self.reconnects
             try:
                 return await call(self, *args, **kwargs)
+            except asyncio.CancelledError:
+                # Another call's reconnect closed the channel this call was on, and gRPC
+                # cancels what is in flight there; that is no cancel of this task (which goes up).
+                task = asyncio.current_task()
+                if self.reconnects == reconnects or (task is not None and task.cancelling()):
+                    raise
+                if loop.time() > deadline:
+                    raise aetcd.exceptions.ConnectionFailedError("cut off by reconnects") from None
             except aetcd.exceptions.UnauthenticatedError as exc:
                 # A token etcd forgot (restarted) or let lapse: log in again, once per token.
                 if "invalid auth token" not in str(exc) or loop.time() > deadline:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -12,11 +13,13 @@ from bus.registry import (
     assign_roles,
     connect_etcd,
     role_key,
+    watch_records,
     watch_role,
     watch_workers,
 )
 from bus.sessions import SessionRefused, SessionStore
-from infra.embedded import EmbeddedServer
+from infra.embedded import EmbeddedServer, start_etcd
+from infra.ports import free_port
 from schemas.events import Role
 from schemas.messages import WorkerRegistration
 from tests.helpers import eventually, registration
@@ -157,3 +160,36 @@ async def test_a_session_key_etcd_refuses_is_refused_not_retried(
     finally:
         await client.delete(SessionStore.key("mangled"))
         await client.close()
+
+
+@pytest.mark.live  # starts an etcd of its own
+async def test_watches_waiting_for_an_etcd_that_comes_up_all_begin(tmp_path: Path) -> None:
+    # Each watcher's failed call reconnects the one client, and a reconnect cancels the calls
+    # in flight on the channel it closes: those must be retried, not end their watcher.
+    port = free_port()
+    client = connect_etcd(f"127.0.0.1:{port}")
+    seen: set[bytes] = set()
+
+    def watching(prefix: bytes) -> asyncio.Task[None]:
+        async def on_change(records: dict[bytes, bytes]) -> None:
+            seen.add(prefix)
+
+        return asyncio.create_task(watch_records(client, prefix, "test", _raw, on_change))
+
+    prefixes = [b"/laneway/test/a/", b"/laneway/test/b/", b"/laneway/test/c/", b"/laneway/test/d/"]
+    watchers = [watching(prefix) for prefix in prefixes]
+    await asyncio.sleep(2)  # every one of them failing and reconnecting
+    etcd = await asyncio.to_thread(start_etcd, tmp_path / "etcd", port)
+    try:
+        await eventually(lambda: seen == set(prefixes), timeout=20, message="a watch never began")
+        assert not any(w.done() for w in watchers)
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        await client.close()
+        etcd.stop()
+
+
+def _raw(key: bytes, value: bytes) -> bytes:
+    return value
