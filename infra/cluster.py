@@ -200,8 +200,8 @@ class LocalCluster:
         return [s for s in self.services if s.module == "services.ingress"]
 
     def wait_ready(self, timeout: float) -> None:
-        """Ready when the API answers, every worker holds a lease in etcd and every planner
-        replica consumes requests."""
+        """Ready when the API answers, every service's ``/readyz`` says ready, every worker
+        holds a lease in etcd and every planner replica consumes requests."""
         deadline = time.monotonic() + timeout
         workers = self.config.workers + self.config.prefill_workers
         missing = ""
@@ -217,6 +217,10 @@ class LocalCluster:
         """What the cluster still waits for, in words; empty once it is ready."""
         if not self._api_up():
             return f"the API at {self.config.base_url} does not answer"
+        # Each process, not only the one that answered: replicas share the API's port.
+        starting = [s.name for s in self.services if s.metrics_port and not _ready(s)]
+        if starting:
+            return "not ready yet: " + ", ".join(starting)
         registered = self._count_keys(WORKERS_PREFIX)
         if registered < workers:
             return f"{registered} of {workers} workers registered"
@@ -309,3 +313,12 @@ class LocalCluster:
         pids = {f"{s.name} (embedded)": s.proc.pid for s in self.servers}
         pids.update({s.name: s.proc.pid for s in self.services if s.proc is not None})
         return pids
+
+
+def _ready(service: Service) -> bool:
+    """Whether the service's own ``/readyz`` says it is ready."""
+    try:
+        reply = httpx.get(f"http://127.0.0.1:{service.metrics_port}/readyz", timeout=1.0)
+    except httpx.HTTPError:
+        return False
+    return reply.status_code == 200

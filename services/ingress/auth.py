@@ -9,6 +9,8 @@ as the watch delivers it (milliseconds).
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -34,7 +36,7 @@ class KeyBook:
 
     def __init__(self, gate: TenantGate | None = None) -> None:
         self.gate = gate or TenantGate()
-        self.loaded = False
+        self._loaded = asyncio.Event()
         self._by_hash: dict[str, ApiKeyRecord] = {}
 
     async def on_keys(self, records: list[ApiKeyRecord]) -> None:
@@ -43,7 +45,14 @@ class KeyBook:
         self.gate.set_limits(
             {r.tenant: TenantLimits(r.rate_per_s, r.max_concurrency) for r in newest}
         )
-        self.loaded = True
+        self._loaded.set()
+
+    @property
+    def loaded(self) -> bool:
+        return self._loaded.is_set()
+
+    async def wait_loaded(self) -> None:
+        await self._loaded.wait()
 
     def find(self, key: str) -> ApiKeyRecord | None:
         """The live key's record; None for one unknown, revoked or expired."""

@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Iterator
+from asyncio import FIRST_COMPLETED
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import fields
 from pathlib import Path
 
@@ -98,25 +99,48 @@ def _tokenizer(model_dir: Path | None) -> Tokenizer:
     return HfTokenizer(model_dir)
 
 
-def _listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     # Bound here, before anything else, so that a port in use fails at once as one clear error
-    # rather than as uvicorn's exit after the bus is up.
+    # rather than as uvicorn's exit after the bus is up. Not listened on yet: where the port is
+    # shared (reuse_port), a listening socket is handed connections at once, and this replica
+    # cannot answer them until it has read etcd (the server listens when it starts).
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        return socket.create_server(
-            (host, port),
-            family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-            reuse_port=reuse_port,
-        )
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
     except OSError as exc:
+        sock.close()
         cause = os.strerror(exc.errno) if exc.errno else str(exc)
         raise OSError(f"cannot listen on {host}:{port}: {cause}") from None
+    return sock
+
+
+async def _until_all(stop: asyncio.Event, awaited: Sequence[Awaitable[object]]) -> bool:
+    """Whether every one of ``awaited`` finished before ``stop`` was set."""
+    tasks = [asyncio.ensure_future(a) for a in awaited]
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        for task in tasks:
+            await asyncio.wait([task, stopping], return_when=FIRST_COMPLETED)
+            if not task.done():
+                return False
+        return True
+    finally:
+        stopping.cancel()
+        for task in tasks:
+            task.cancel()
 
 
 def main() -> None:
     settings = IngressSettings()
 
     async def serve(stop: asyncio.Event) -> None:
-        listener = _listen(settings.host, settings.port, settings.reuse_port)
+        listener = _bind(settings.host, settings.port, settings.reuse_port)
         setup_tracing("laneway-ingress", settings.instance_id, settings.trace_exporter)
         bus = await Bus.connect(settings.nats_url, f"ingress-{settings.instance_id}")
         await bus.ensure_streams(settings.stream_replicas)
@@ -130,10 +154,13 @@ def main() -> None:
         readiness = Readiness(lambda: bus.nc.is_connected)
         admission = Admission(settings.admission(), metrics, pressure=gateway.behind)
 
+        workers_read = asyncio.Event()
+
         async def on_workers(workers: dict[str, WorkerRegistration]) -> None:
             await limit.on_workers(workers)
             await readiness.on_workers(workers)
             await admission.on_workers(workers)
+            workers_read.set()
 
         watching = [
             asyncio.create_task(watch_workers(etcd, on_workers), name="worker-watch"),
@@ -172,10 +199,16 @@ def main() -> None:
                 ssl_keyfile=settings.api_tls_keyfile,
             )
         )
-        serving = asyncio.create_task(server.serve(sockets=[listener]))
-        await stop.wait()
-        server.should_exit = True
-        await serving
+        probes.ready_when("listening", lambda: server.started)
+        # Serving once this replica answers as the others do: its context limit and admission
+        # known, and, where keys are asked for, the keys (else every request would get 503).
+        read = [workers_read.wait(), *([keys.wait_loaded()] if keys is not None else [])]
+        if await _until_all(stop, read):
+            serving = asyncio.create_task(server.serve(sockets=[listener]))
+            await stop.wait()
+            server.should_exit = True
+            await serving
+        listener.close()
         await probes.close()
         for task in watching:
             task.cancel()
