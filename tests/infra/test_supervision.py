@@ -105,12 +105,16 @@ def test_a_child_dying_past_its_budget_ends_the_supervision(
     thread = threading.Thread(target=supervise)
     thread.start()
     try:
+        killed: set[int] = set()
         for _ in range(2):
-            proc = cluster.service("kv-indexer").proc
-            assert proc is not None
+            # The respawned process, not the one just killed (a loaded machine respawns late).
+            deadline = time.monotonic() + 10
+            while (proc := cluster.service("kv-indexer").proc) is None or proc.pid in killed:
+                assert time.monotonic() < deadline, "the kv-indexer was not respawned"
+                time.sleep(0.05)
             proc.kill()
             proc.wait()
-            time.sleep(0.5)
+            killed.add(proc.pid)
         thread.join(10)
     finally:
         stop.set()
