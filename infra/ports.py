@@ -43,6 +43,11 @@ def _bind_free(sock: socket.socket, ports: range | None) -> None:
     sock.bind(("127.0.0.1", 0))
 
 
+def keep_clear(port: int) -> None:
+    """A port someone chose (the user's HTTP port) that a server binds later: never picked."""
+    _HANDED_OUT.append(port)
+
+
 def free_ports(count: int) -> list[int]:
     """``count`` distinct free ports, none handed out before by this process (of its last 4,096):
     held together while they are picked, so that none is handed out twice."""

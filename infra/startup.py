@@ -12,6 +12,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from bus.runtime import FATAL_PREFIX
+from infra.ports import keep_clear
 
 # A cause longer than this is cut: it has to fit one line of a terminal or so.
 _MAX_CAUSE = 300
@@ -33,6 +34,9 @@ def check_port_free(host: str, port: int, what: str, flag: str) -> None:
                 f"cannot listen on the {what} port {host}:{port} ({exc.strerror or exc}): "
                 f"{hint}pass another {flag}"
             ) from None
+    # Free now, bound only once its server starts: until then a pick for another server (the
+    # embedded NATS, a metrics port) would find it free too, and one of the two binds would fail.
+    keep_clear(port)
 
 
 def check_reachable(addresses: str, default_port: int, what: str, flag: str) -> None:

@@ -6,7 +6,11 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import pytest
+
+import infra.ports
 from infra.ports import free_ports
+from infra.startup import check_port_free
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
@@ -23,3 +27,16 @@ def test_a_port_is_not_handed_out_twice_before_its_server_binds_it() -> None:
     # Each pick is released at once, as before a service starts: later picks must still avoid it.
     picked = [port for _ in range(300) for port in free_ports(3)]
     assert len(set(picked)) == len(picked)
+
+
+def test_a_port_checked_free_for_a_server_is_never_picked_for_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `laneway up` checks the user's HTTP port, then picks ports for NATS, etcd and every
+    # service's metrics before the ingress binds it: none of those picks may be that port.
+    with socket.socket() as sock:  # not from free_ports, which keeps its own picks clear
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    check_port_free("127.0.0.1", port, "HTTP", "--port")
+    monkeypatch.setattr(infra.ports, "_unephemeral_ports", lambda: range(port, port + 1))
+    assert port not in free_ports(4)
