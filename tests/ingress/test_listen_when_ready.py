@@ -62,7 +62,7 @@ async def test_an_ingress_takes_no_connection_until_it_has_read_etcd(
     ingress: tuple[int, int, int, Path],
 ) -> None:
     api, metrics, etcd_port, folder = ingress
-    reply = await eventually(lambda: _readyz(metrics), timeout=30, message="no /readyz")
+    await eventually(lambda: _readyz(metrics), timeout=30, message="no /readyz")
     await asyncio.sleep(2)  # well into its etcd retries
     reply = _readyz(metrics)
     assert reply is not None and reply.status_code == 503, reply
