@@ -249,6 +249,9 @@ async def test_a_request_whose_worker_is_lost_continues_from_the_delivered_token
     gateway = NatsGateway(bus, INGRESS, Recovery(completion_wait_s=0.3))
     await gateway.start()
     attempts: list[RequestSpec] = []
+    # Its last sleep outlasts the stream: were the test to end first, the bus would drain
+    # while the script's flush waits, until that flush times out (10 s).
+    scripted = asyncio.Event()
 
     def of(event: TokensGenerated | RequestFinished, attempt: int) -> GatewayEvent:
         return event.model_copy(update={"attempt": attempt})
@@ -277,10 +280,13 @@ async def test_a_request_whose_worker_is_lost_continues_from_the_delivered_token
         for item in script:
             await send(bus, item)
             await asyncio.sleep(0.05)
+        if event.spec.attempt:
+            scripted.set()
 
     await bus.subscribe(Subjects.request_accepted, worker)
     events = gateway.submit("moved", None, request_spec(INGRESS))
     received = await asyncio.wait_for(collect(events), 5)
+    await asyncio.wait_for(scripted.wait(), 5)
     assert text_of(received) == "abcdef"
     assert isinstance(received[-1], RequestFinished)
     moved = attempts[-1]
