@@ -11,7 +11,7 @@ and router, which every other path takes: the hottest path pays for none of thos
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,13 +30,14 @@ from services.ingress.admission import Admission, AdmissionSettings
 from services.ingress.auth import TENANT, AuthGate, KeyBook, capped
 from services.ingress.body import read_json_body, request_headers
 from services.ingress.context_limit import WorkerContextLimit
-from services.ingress.errors import ApiError, internal_error
+from services.ingress.errors import ApiError, internal_error, model_not_found
 from services.ingress.exchange import Endpoint, Exchange
 from services.ingress.gateway import Gateway
 from services.ingress.health import Readiness
 from services.ingress.intake import Intake
 from services.ingress.metrics import CLIENT_CLOSED_STATUS, CONTENT_TYPE, IngressMetrics
 from services.ingress.openai_models import (
+    MAX_MODEL_CHARS,
     ParsedRequest,
     parse_chat_request,
     parse_completion_request,
@@ -94,6 +95,7 @@ def create_app(
         # Reached only by a method other than POST (405) or a path under a root_path.
         *(Route(path, endpoint, methods=["POST"]) for path, endpoint in completions.items()),
         Route("/v1/models", endpoints.models),
+        Route("/v1/models/{model:path}", endpoints.model),
         Route("/openapi.json", openapi),
         Route("/health", endpoints.health),
         Route("/metrics", endpoints.metrics),
@@ -163,21 +165,28 @@ class _Endpoints:
         self, settings: IngressApiSettings, metrics: IngressMetrics, readiness: Readiness | None
     ) -> None:
         created = int(time.time())
-        self._models = orjson.dumps(
-            {
-                "object": "list",
-                "data": [
-                    {"id": name, "object": "model", "created": created, "owned_by": "laneway"}
-                    for name in settings.served_model_names
-                ],
-            }
-        )
+        models = {
+            name: {"id": name, "object": "model", "created": created, "owned_by": "laneway"}
+            for name in settings.served_model_names
+        }
+        self._models = orjson.dumps({"object": "list", "data": list(models.values())})
+        self._model = {name: orjson.dumps(model) for name, model in models.items()}
         self._metrics = metrics
         # None: an app with no cluster behind it to speak of (tests of the API alone).
         self._readiness = readiness
 
     async def models(self, request: Request) -> Response:
         return Response(self._models, media_type=_JSON)
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{model}`` (the SDK's ``models.retrieve``)."""
+        name = request.path_params["model"]
+        body = self._model.get(name)
+        if body is None:
+            error = model_not_found(name[:MAX_MODEL_CHARS])
+            log_request(request.scope, error.status)
+            return _error_response(error)
+        return Response(body, media_type=_JSON)
 
     async def health(self, request: Request) -> Response:
         if self._readiness is None:
@@ -248,14 +257,15 @@ class _CompletionEndpoint:
         )
 
 
-def _error_response(error: ApiError) -> Response:
-    return Response(error.body(), status_code=error.status, media_type=_JSON)
+def _error_response(error: ApiError, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(error.body(), status_code=error.status, headers=headers, media_type=_JSON)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     log_request(request.scope, exc.status_code)
-    return _error_response(ApiError(exc.status_code, exc.detail))
+    # A 405 says which methods the path takes (Allow), as RFC 9110 has it.
+    return _error_response(ApiError(exc.status_code, exc.detail), exc.headers)
 
 
 async def _unhandled_error(request: Request, exc: Exception) -> Response:

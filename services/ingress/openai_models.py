@@ -3,7 +3,8 @@
 Checked by hand rather than by pydantic: these run once per request on the hot path, and plain
 checks cost a fraction of model validation while naming the offending field just as precisely.
 Fields we do not know are ignored, as OpenAI does; fields we know but cannot honour (``n`` > 1,
-``logprobs``, ``echo``, ``best_of`` > 1) are refused rather than silently answered wrongly.
+``logprobs``, ``echo``, ``best_of`` > 1, ``suffix``, tools, a JSON ``response_format``) are refused
+rather than silently answered wrongly.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ MAX_MESSAGES = 2048
 # Far more than any model's special tokens; the list travels with the request to its worker.
 MAX_STOP_TOKEN_IDS = 1024
 _EXACT_DOUBLE = 2.0**53
+# A 64-bit signed seed, as vLLM takes it.
+_SEEDS = (-(2**63), 2**63 - 1)
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -79,6 +82,7 @@ ParsedRequest = ChatRequest | CompletionRequest
 def parse_chat_request(body: bytes) -> ChatRequest:
     data = _json_object(body)
     messages = _messages(_required(data, "messages"))
+    _refuse_chat_features(data)
     # max_completion_tokens replaced max_tokens in OpenAI's chat API; the newer name wins.
     max_tokens = _optional_int(data, "max_completion_tokens", minimum=1)
     if max_tokens is None:
@@ -91,6 +95,11 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
     prompt = _prompt(_required(data, "prompt"))
     if data.get("echo"):
         raise InvalidRequest("'echo' is not supported.", "echo")
+    # An integer here, where 0 asks for the sampled tokens' own log probabilities.
+    if data.get("logprobs") is not None and data["logprobs"] is not False:
+        raise InvalidRequest("'logprobs' is not supported.", "logprobs")
+    if data.get("suffix"):
+        raise InvalidRequest("'suffix' is not supported.", "suffix")
     best_of = _optional_int(data, "best_of", minimum=1)
     if best_of not in (None, 1):
         raise InvalidRequest("Only best_of=1 is supported.", "best_of")
@@ -131,8 +140,6 @@ def _params(data: dict[str, Any], max_tokens: int | None) -> Params:
     n = _optional_int(data, "n", minimum=1)
     if n not in (None, 1):
         raise InvalidRequest("Only n=1 is supported.", "n")
-    if data.get("logprobs") not in (None, False):
-        raise InvalidRequest("'logprobs' is not supported.", "logprobs")
     user = data.get("user")
     if user is not None:
         if not isinstance(user, str):
@@ -152,12 +159,35 @@ def _params(data: dict[str, Any], max_tokens: int | None) -> Params:
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
-        seed=_optional_int(data, "seed"),
+        seed=_optional_int(data, "seed", *_SEEDS),
         stop=_stop(data.get("stop")),
         stop_token_ids=_int_list(data, "stop_token_ids"),
         ignore_eos=_optional_bool(data, "ignore_eos"),
         priority=None if data.get("priority") is None else _priority(data["priority"], "priority"),
     )
+
+
+def _refuse_chat_features(data: dict[str, Any]) -> None:
+    """What a chat request may ask for that no engine here does: log probabilities, tool calls
+    (a tool list is fine with ``tool_choice`` none, which asks for none), JSON output."""
+    if data.get("logprobs") is not None and data["logprobs"] is not False:
+        raise InvalidRequest("'logprobs' is not supported.", "logprobs")
+    if data.get("top_logprobs") not in (None, 0):
+        raise InvalidRequest("'top_logprobs' is not supported.", "top_logprobs")
+    for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+        if data.get(choice) not in (None, "none"):
+            raise InvalidRequest(f"Only {choice}='none' is supported: no tool is called.", choice)
+        if data.get(tools) and data.get(choice) != "none":
+            raise InvalidRequest(
+                f"'{tools}' is not supported (no tool is called) unless {choice} is 'none'.", tools
+            )
+    response_format = data.get("response_format")
+    if response_format is not None and (
+        not isinstance(response_format, dict) or response_format.get("type") != "text"
+    ):
+        raise InvalidRequest(
+            "Only response_format {'type': 'text'} is supported.", "response_format"
+        )
 
 
 def _messages(value: object) -> tuple[Message, ...]:
@@ -300,15 +330,21 @@ def _optional_bool(data: dict[str, Any], name: str, param: str | None = None) ->
     return value
 
 
-def _optional_int(data: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
+def _optional_int(
+    data: dict[str, Any], name: str, minimum: int | None = None, maximum: int | None = None
+) -> int | None:
     value = data.get(name)
     if value is None:
         return None
     number = _integer(value)
+    ranged = minimum is not None and maximum is not None
+    bounds = f"between {minimum} and {maximum}" if ranged else f"at least {minimum}"
     if number is None:
+        if type(value) is float and value.is_integer():  # an integer past 2**53 (or 64 bits)
+            raise _range_error(name, bounds if ranged else "an integer within ±2**53", value)
         raise _type_error(name, "an integer", value)
-    if minimum is not None and number < minimum:
-        raise _range_error(name, f"at least {minimum}", number)
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+        raise _range_error(name, bounds, number)
     return number
 
 
@@ -346,8 +382,11 @@ def _int_list(data: dict[str, Any], name: str) -> tuple[int, ...]:
     if value is None:
         return ()
     ids = _integers(value) if isinstance(value, list) else None
-    if ids is None or not all(t >= 0 for t in ids):
-        raise _type_error(name, "an array of token ids", value)
+    if ids is None:
+        raise _type_error(name, "an array of integers", value)
+    for i, token in enumerate(ids):
+        if token < 0:
+            raise _range_error(f"{name}[{i}]", "a token id, at least 0", token)
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(
             f"'{name}' accepts at most {MAX_STOP_TOKEN_IDS} token ids, got {len(ids)}.", name

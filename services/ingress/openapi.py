@@ -66,8 +66,7 @@ class _Params(_Doc):
     )
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    # Exact as a JSON number anywhere (a double), which a client may well send it as.
-    seed: int | None = Field(None, ge=-(2**53), le=2**53)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool | None = None
@@ -76,10 +75,20 @@ class _Params(_Doc):
     )
 
 
+class ResponseFormat(_Doc):
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(_Params):
     messages: list[Message | AssistantTurn] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
     max_tokens: int | None = Field(None, ge=1)
+    top_logprobs: Literal[0] | None = None
+    tools: list[Any] | None = Field(None, description="refused unless tool_choice is none")
+    tool_choice: Literal["none"] | None = None
+    functions: list[Any] | None = Field(None, description="refused unless function_call is none")
+    function_call: Literal["none"] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Params):
@@ -89,6 +98,7 @@ class CompletionRequest(_Params):
     max_tokens: int | None = Field(None, ge=1)
     echo: Literal[False] | None = None
     best_of: Literal[1] | None = None
+    suffix: Literal[""] | None = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -234,6 +244,23 @@ def openapi_document(settings: IngressApiSettings, vocab_size: int) -> bytes:
                 "get": {
                     "operationId": "listModels",
                     "responses": {"200": _json("the served models", "ModelList")},
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "operationId": "retrieveModel",
+                    "parameters": [
+                        {
+                            "name": "model",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": {
+                        "200": _json("the served model", "Model"),
+                        "404": _json("no served model of that name", "ErrorResponse"),
+                    },
                 }
             },
         },

@@ -268,7 +268,20 @@ BAD_CHAT = [
     (chat_body(stream=True, stream_options={"include_usage": 1}), "stream_options.include_usage"),
     (chat_body(logprobs=True), "logprobs"),
     (chat_body(user=7), "user"),
-    (chat_body(stop_token_ids=[-1]), "stop_token_ids"),
+    (chat_body(stop_token_ids=[-1]), "stop_token_ids[0]"),
+    (chat_body(stop_token_ids=["1"]), "stop_token_ids"),
+    (chat_body(seed=2**63), "seed"),
+    (chat_body(seed=-(2**63) - 1), "seed"),
+    (chat_body(seed=1e23), "seed"),
+    (chat_body(logprobs=True), "logprobs"),
+    (chat_body(top_logprobs=2), "top_logprobs"),
+    (chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (chat_body(tool_choice="required"), "tool_choice"),
+    (chat_body(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+    (chat_body(functions=[{"name": "f"}]), "functions"),
+    (chat_body(function_call="auto"), "function_call"),
+    (chat_body(response_format={"type": "json_object"}), "response_format"),
+    (chat_body(response_format="json"), "response_format"),
     (chat_body(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
     (chat_body(messages=[{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)), "messages"),
     (chat_body(ignore_eos="no"), "ignore_eos"),
@@ -302,6 +315,9 @@ BAD_COMPLETION = [
     (completion_body(echo=True), "echo"),
     (completion_body(best_of=3), "best_of"),
     (completion_body(logprobs=2), "logprobs"),
+    # 0 asks for the sampled tokens' own log probabilities.
+    (completion_body(logprobs=0), "logprobs"),
+    (completion_body(suffix="x"), "suffix"),
 ]
 
 
@@ -314,10 +330,22 @@ async def test_completion_invalid_request(body: Any, param: str) -> None:
 
 
 async def test_harmless_fields_are_accepted() -> None:
-    fields = {"n": 1, "logprobs": False, "presence_penalty": 1, "logit_bias": {"1": 2}}
+    fields = {
+        "n": 1,
+        "logprobs": False,
+        "presence_penalty": 1,
+        "logit_bias": {"1": 2},
+        # A tool list that asks for no call, plain text: what the engine does anyway.
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "seed": 2**63 - 1,
+    }
     async with harness() as h:
         response = await h.client.post("/v1/chat/completions", json=chat_body(**fields))
-    assert response.status_code == 200
+        completion = await h.client.post("/v1/completions", json=completion_body(suffix=""))
+    assert response.status_code == 200, response.text
+    assert completion.status_code == 200, completion.text
 
 
 async def test_unknown_model() -> None:
@@ -449,6 +477,8 @@ async def test_cancellation_decided_elsewhere() -> None:
 async def test_models_health_and_unknown_paths() -> None:
     async with harness(served_model_names=("a", "b")) as h:
         models = (await h.client.get("/v1/models")).json()
+        one = await h.client.get("/v1/models/b")
+        unknown = await h.client.get("/v1/models/gpt-9")
         health = await h.client.get("/health")
         missing = await h.client.get("/v2/nothing")
         wrong_method = await h.client.get("/v1/chat/completions")
@@ -457,11 +487,18 @@ async def test_models_health_and_unknown_paths() -> None:
         ("a", "model", "laneway"),
         ("b", "model", "laneway"),
     ]
+    assert one.status_code == 200 and one.json() == models["data"][1]
+    assert unknown.status_code == 404
+    assert (unknown.json()["error"]["code"], unknown.json()["error"]["param"]) == (
+        "model_not_found",
+        "model",
+    )
     assert health.json() == {"status": "ok"}
     assert missing.status_code == 404
     assert missing.json()["error"]["type"] == "invalid_request_error"
     assert wrong_method.status_code == 405
     assert wrong_method.json()["error"]["message"]
+    assert wrong_method.headers["allow"] == "POST"
 
 
 async def test_metrics() -> None:

@@ -107,6 +107,28 @@ async def test_invalid_request() -> None:
     assert raised.value.type == "invalid_request_error"
 
 
+async def test_a_tool_call_asked_for_is_refused_not_answered_with_text() -> None:
+    tool: openai.types.chat.ChatCompletionToolParam = {
+        "type": "function",
+        "function": {"name": "lookup", "parameters": {"type": "object"}},
+    }
+    async with openai_client() as (client, h):
+        with pytest.raises(openai.BadRequestError) as raised:
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[tool])
+    assert raised.value.param == "tools"
+    assert h.gateway.submitted == []
+
+
+async def test_models_list_and_retrieve() -> None:
+    async with openai_client() as (client, _):
+        listed = [m.id async for m in client.models.list()]
+        model = await client.models.retrieve(MODEL)
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("nope")
+    assert listed == [MODEL]
+    assert (model.id, model.owned_by) == (MODEL, "laneway")
+
+
 async def test_context_length_exceeded() -> None:
     async with openai_client(max_model_len=50) as (client, _):
         with pytest.raises(openai.BadRequestError) as raised:

@@ -21,13 +21,14 @@ async def document(**settings: Any) -> dict[str, Any]:
     return body
 
 
-async def test_the_document_describes_the_three_endpoints_and_their_errors() -> None:
+async def test_the_document_describes_the_endpoints_and_their_errors() -> None:
     doc = await document(max_model_len=128)
     schema = schemathesis.openapi.from_dict(doc)
     assert {op.ok().path for op in schema.get_all_operations()} == {  # type: ignore[union-attr]
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/models",
+        "/v1/models/{model}",
     }
     chat = doc["paths"]["/v1/chat/completions"]["post"]["responses"]
     assert set(chat) >= {"200", "400", "404", "413", "415", "429", "500", "502", "503", "504"}
