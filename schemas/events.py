@@ -47,7 +47,12 @@ class SamplingParams(Frozen):
     max_tokens: int = Field(ge=1, description="maximum number of generated tokens")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0 means greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus probability mass")
-    seed: int | None = Field(default=None, description="sampling seed; fixed seed, fixed output")
+    seed: int | None = Field(
+        default=None,
+        ge=-(2**63),
+        le=2**63 - 1,
+        description="sampling seed; fixed seed, fixed output",
+    )
     stop: tuple[str, ...] = Field(default=(), description="generation ends before any of these")
     stop_token_ids: TokenIds = Field(default=(), description="generation ends after any of these")
     ignore_eos: bool = Field(default=False, description="keep generating past end-of-sequence")

@@ -1,9 +1,18 @@
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from schemas.block_hash import chain_block_hashes
-from services.engine.protocol import BlocksRemoved, BlocksStored, Engine, StepResult
+from schemas.events import SamplingParams
+from services.engine.protocol import (
+    BlocksRemoved,
+    BlocksStored,
+    Engine,
+    EngineRequest,
+    StepResult,
+)
 
 from ._sim_support import (
     make_engine,
@@ -210,6 +219,25 @@ def test_seed_fixes_the_output_regardless_of_request_id() -> None:
     tokens = tokens_by_request(run_to_end(engine))
     assert tokens["x"] == tokens["y"]
     assert tokens["x"] != tokens["z"]
+
+
+def test_greedy_output_is_the_prompts_and_a_moved_request_goes_on_with_it() -> None:
+    # Temperature 0 and no seed: the text is a function of the prompt, as greedy decoding is.
+    def greedy(request_id: str, prompt: Sequence[int], offset: int = 0) -> EngineRequest:
+        sampling = SamplingParams(max_tokens=12 - offset, temperature=0.0, offset=offset)
+        return EngineRequest(request_id, tuple(prompt), sampling)
+
+    engine = make_engine()
+    engine.add_request(greedy("x", range(9)))
+    engine.add_request(greedy("y", range(9)))
+    engine.add_request(greedy("other prompt", range(1, 10)))
+    engine.add_request(make_request("sampled", range(9), max_tokens=12))
+    tokens = tokens_by_request(run_to_end(engine))
+    assert tokens["x"] == tokens["y"]
+    assert tokens["x"] != tokens["other prompt"] and tokens["x"] != tokens["sampled"]
+    # Migrated after 5 tokens: the client's tokens ride on its prompt, the rest follows them.
+    engine.add_request(greedy("x", [*range(9), *tokens["x"][:5]], offset=5))
+    assert tokens_by_request(run_to_end(engine))["x"] == tokens["x"][5:]
 
 
 def test_stop_token_ends_generation() -> None:

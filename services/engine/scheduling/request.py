@@ -54,7 +54,9 @@ class SimRequest:
             )
         sampling = request.sampling
         seed = sampling.seed
-        if seed is None:
+        if seed is None and sampling.temperature == 0:
+            seed = _greedy_seed(prompt, hashes, block_size, sampling.offset)
+        elif seed is None:
             # crc32, not hash(): str hashes change with every interpreter run.
             seed = zlib.crc32(request.request_id.encode())
         words = WordStream(seed)
@@ -91,3 +93,14 @@ class SimRequest:
         if start >= split:
             return self.output[start - split : end - split]
         return [*self.prompt[start:], *self.output[: end - split]]
+
+
+def _greedy_seed(prompt: Sequence[int], hashes: list[int], block_size: int, offset: int) -> int:
+    """Greedy decoding (temperature 0) is a function of the prompt alone: the same prompt, the
+    same text, whichever request or worker it is. The prompt is the client's, without the
+    ``offset`` tokens a migrated or handed-off request carries on it, so that its text goes on
+    as it began. Its full blocks are already hashed (each hash covers its whole prefix); only the
+    tokens after the last are read."""
+    length = len(prompt) - offset
+    full = length // block_size
+    return hash_block(hashes[full - 1] if full else ROOT_HASH, prompt[full * block_size : length])
