@@ -100,7 +100,7 @@ class Exchange:
         self._session_id = session_id
         self._received = received
         self.request_id = new_id()
-        self._format = endpoint.response_format(self.request_id, params.model)
+        self._format = endpoint.response_format(self.request_id, params.model, params.include_usage)
         self._started = False
         self.ttft_s: float | None = None
         """Seconds from receipt to the first generated token, once it came."""
@@ -171,7 +171,7 @@ class Exchange:
             if not isinstance(event, RequestFinished):
                 return await self._fail(send, from_terminal(event))
             if stream:
-                body = self._format.closing(event, self._params.include_usage)
+                body = self._format.closing(event)
                 await self._stream(send, body, more=False)
             else:
                 body = self._format.full("".join(texts), event)

@@ -43,13 +43,17 @@ class Format(ABC):
     chunk_object: ClassVar[str]
     answer_object: ClassVar[str]
 
-    def __init__(self, request_id: str, model: str) -> None:
-        self._base = {
+    def __init__(self, request_id: str, model: str, include_usage: bool = False) -> None:
+        """``include_usage``: the stream ends with a usage chunk, and (as OpenAI's do) every
+        chunk before it says ``"usage": null``."""
+        self._base: dict[str, object] = {
             "id": self.id_prefix + request_id,
             "object": self.chunk_object,
             "created": int(time.time()),
             "model": model,
         }
+        if include_usage:
+            self._base["usage"] = None
         chunk = self._event(choices=[_choice(self._text(_TEXT_SLOT), None)])
         # The text is the last string of the chunk, so the last match is the slot itself.
         self._text_head, _, self._text_tail = chunk.rpartition(orjson.dumps(_TEXT_SLOT))
@@ -73,9 +77,9 @@ class Format(ABC):
     def delta(self, text: str) -> bytes:
         return self._text_head + orjson.dumps(text) + self._text_tail
 
-    def closing(self, finished: RequestFinished, include_usage: bool) -> bytes:
+    def closing(self, finished: RequestFinished) -> bytes:
         out = self._event(choices=[_choice(self._last(), finished.finish_reason)])
-        if include_usage:
+        if "usage" in self._base:
             out += self._event(choices=[], usage=_usage(finished))
         return out + _SSE_DONE
 

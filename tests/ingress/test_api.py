@@ -134,6 +134,8 @@ async def test_chat_stream(include_usage: bool) -> None:
         "object": "chat.completion.chunk",
         "created": events[0]["created"],
         "model": MODEL,
+        # Asked for, the usage is null in every chunk before its own.
+        **({"usage": None} if include_usage else {}),
     }
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
@@ -201,6 +203,7 @@ async def test_completion_stream() -> None:
         "object": "text_completion",
         "created": events[0]["created"],
         "model": MODEL,
+        "usage": None,
     }
 
     def chunk(text: str, finish_reason: str | None = None) -> dict[str, Any]:
