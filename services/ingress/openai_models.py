@@ -16,6 +16,16 @@ import orjson
 
 from services.ingress.admission import PRIORITIES, Priority
 from services.ingress.errors import InvalidRequest
+from services.ingress.json_fields import (
+    check_length,
+    integers,
+    optional_bool,
+    optional_int,
+    optional_number,
+    range_error,
+    required,
+    type_error,
+)
 
 MAX_STOP_SEQUENCES = 4
 # Each stop string is matched against the text at every token, on the worker.
@@ -29,7 +39,6 @@ MAX_MODEL_CHARS = 256
 MAX_MESSAGES = 2048
 # Far more than any model's special tokens; the list travels with the request to its worker.
 MAX_STOP_TOKEN_IDS = 1024
-_EXACT_DOUBLE = 2.0**53
 # A 64-bit signed seed, as vLLM takes it.
 _SEEDS = (-(2**63), 2**63 - 1)
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -81,18 +90,18 @@ ParsedRequest = ChatRequest | CompletionRequest
 
 def parse_chat_request(body: bytes) -> ChatRequest:
     data = _json_object(body)
-    messages = _messages(_required(data, "messages"))
+    messages = _messages(required(data, "messages"))
     _refuse_chat_features(data)
     # max_completion_tokens replaced max_tokens in OpenAI's chat API; the newer name wins.
-    max_tokens = _optional_int(data, "max_completion_tokens", minimum=1)
+    max_tokens = optional_int(data, "max_completion_tokens", minimum=1)
     if max_tokens is None:
-        max_tokens = _optional_int(data, "max_tokens", minimum=1)
+        max_tokens = optional_int(data, "max_tokens", minimum=1)
     return ChatRequest(messages, _params(data, max_tokens))
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
     data = _json_object(body)
-    prompt = _prompt(_required(data, "prompt"))
+    prompt = _prompt(required(data, "prompt"))
     if data.get("echo"):
         raise InvalidRequest("'echo' is not supported.", "echo")
     # An integer here, where 0 asks for the sampled tokens' own log probabilities.
@@ -100,10 +109,10 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
         raise InvalidRequest("'logprobs' is not supported.", "logprobs")
     if data.get("suffix"):
         raise InvalidRequest("'suffix' is not supported.", "suffix")
-    best_of = _optional_int(data, "best_of", minimum=1)
+    best_of = optional_int(data, "best_of", minimum=1)
     if best_of not in (None, 1):
         raise InvalidRequest("Only best_of=1 is supported.", "best_of")
-    return CompletionRequest(prompt, _params(data, _optional_int(data, "max_tokens", minimum=1)))
+    return CompletionRequest(prompt, _params(data, optional_int(data, "max_tokens", minimum=1)))
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
@@ -121,11 +130,11 @@ def _json_object(body: bytes) -> dict[str, Any]:
 
 
 def _params(data: dict[str, Any], max_tokens: int | None) -> Params:
-    model = _required(data, "model")
+    model = required(data, "model")
     if not isinstance(model, str):
-        raise _type_error("model", "a string", model)
-    _check_length("model", model, MAX_MODEL_CHARS)
-    stream = _optional_bool(data, "stream")
+        raise type_error("model", "a string", model)
+    check_length("model", model, MAX_MODEL_CHARS)
+    stream = optional_bool(data, "stream")
     include_usage = False
     options = data.get("stream_options")
     if options is not None:
@@ -135,22 +144,22 @@ def _params(data: dict[str, Any], max_tokens: int | None) -> Params:
                 "stream_options",
             )
         if not isinstance(options, dict):
-            raise _type_error("stream_options", "an object", options)
-        include_usage = _optional_bool(options, "include_usage", "stream_options.include_usage")
-    n = _optional_int(data, "n", minimum=1)
+            raise type_error("stream_options", "an object", options)
+        include_usage = optional_bool(options, "include_usage", "stream_options.include_usage")
+    n = optional_int(data, "n", minimum=1)
     if n not in (None, 1):
         raise InvalidRequest("Only n=1 is supported.", "n")
     user = data.get("user")
     if user is not None:
         if not isinstance(user, str):
-            raise _type_error("user", "a string", user)
-        _check_length("user", user, MAX_SESSION_ID_CHARS)
-    temperature = _optional_number(data, "temperature", 1.0)
+            raise type_error("user", "a string", user)
+        check_length("user", user, MAX_SESSION_ID_CHARS)
+    temperature = optional_number(data, "temperature", 1.0)
     if not 0.0 <= temperature <= 2.0:
-        raise _range_error("temperature", "between 0 and 2", temperature)
-    top_p = _optional_number(data, "top_p", 1.0)
+        raise range_error("temperature", "between 0 and 2", temperature)
+    top_p = optional_number(data, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
-        raise _range_error("top_p", "greater than 0 and at most 1", top_p)
+        raise range_error("top_p", "greater than 0 and at most 1", top_p)
     return Params(
         model=model,
         stream=stream,
@@ -159,10 +168,10 @@ def _params(data: dict[str, Any], max_tokens: int | None) -> Params:
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
-        seed=_optional_int(data, "seed", *_SEEDS),
+        seed=optional_int(data, "seed", *_SEEDS),
         stop=_stop(data.get("stop")),
         stop_token_ids=_int_list(data, "stop_token_ids"),
-        ignore_eos=_optional_bool(data, "ignore_eos"),
+        ignore_eos=optional_bool(data, "ignore_eos"),
         priority=None if data.get("priority") is None else _priority(data["priority"], "priority"),
     )
 
@@ -192,7 +201,7 @@ def _refuse_chat_features(data: dict[str, Any]) -> None:
 
 def _messages(value: object) -> tuple[Message, ...]:
     if not isinstance(value, list):
-        raise _type_error("messages", "an array", value)
+        raise type_error("messages", "an array", value)
     if not value:
         raise InvalidRequest("'messages' must contain at least one message.", "messages")
     if len(value) > MAX_MESSAGES:
@@ -206,7 +215,7 @@ def _messages(value: object) -> tuple[Message, ...]:
     for i, item in enumerate(value):
         param = f"messages[{i}]"
         if not isinstance(item, dict):
-            raise _type_error(param, "an object", item)
+            raise type_error(param, "an object", item)
         role = item.get("role")
         if role not in _ROLES:
             raise InvalidRequest(
@@ -229,14 +238,14 @@ def _content(message: dict[str, Any], role: str, param: str) -> str:
         return ""
     param = f"{param}.content"
     if not isinstance(content, list):
-        raise _type_error(param, "a string or an array of content parts", content)
+        raise type_error(param, "a string or an array of content parts", content)
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text":
             raise InvalidRequest("Only text content parts are supported.", f"{param}[{j}].type")
         text = part.get("text")
         if not isinstance(text, str):
-            raise _type_error(f"{param}[{j}].text", "a string", text)
+            raise type_error(f"{param}[{j}].text", "a string", text)
         texts.append(text)
     return "\n".join(texts)
 
@@ -245,19 +254,19 @@ def _prompt(value: object) -> str | tuple[int, ...]:
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value:
-        ids = _integers(value)
+        ids = integers(value)
         if ids is not None:
             return ids
         if len(value) == 1:
             (only,) = value
             if isinstance(only, str):
                 return only
-            ids = _integers(only) if isinstance(only, list) and only else None
+            ids = integers(only) if isinstance(only, list) and only else None
             if ids is not None:
                 return ids
         elif all(isinstance(p, str | list) for p in value):
             raise InvalidRequest("Batched prompts are not supported: send one prompt.", "prompt")
-    raise _type_error(
+    raise type_error(
         "prompt", "a non-empty string, array of token ids, or array of one of these", value
     )
 
@@ -265,7 +274,7 @@ def _prompt(value: object) -> str | tuple[int, ...]:
 def session_id(header: str | None, user: str | None) -> str | None:
     """The conversation a request belongs to: the x-session-id header, else ``user``."""
     if header:
-        _check_length("x-session-id", header, MAX_SESSION_ID_CHARS)
+        check_length("x-session-id", header, MAX_SESSION_ID_CHARS)
         return header
     return user
 
@@ -291,125 +300,31 @@ def _stop(value: object) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
-        _check_length("stop", value, MAX_STOP_CHARS)
+        check_length("stop", value, MAX_STOP_CHARS)
         return (value,)
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise _type_error("stop", "a string or an array of strings", value)
+        raise type_error("stop", "a string or an array of strings", value)
     if len(value) > MAX_STOP_SEQUENCES:
         raise InvalidRequest(
             f"'stop' accepts at most {MAX_STOP_SEQUENCES} sequences, got {len(value)}.", "stop"
         )
     for i, stop in enumerate(value):
-        _check_length(f"stop[{i}]", stop, MAX_STOP_CHARS)
+        check_length(f"stop[{i}]", stop, MAX_STOP_CHARS)
     return tuple(value)
-
-
-def _check_length(param: str, value: str, limit: int) -> None:
-    if len(value) > limit:
-        raise InvalidRequest(
-            f"Invalid '{param}': string too long. Expected a string with maximum length "
-            f"{limit}, but got a string with length {len(value)} instead.",
-            param,
-            code="string_above_max_length",
-        )
-
-
-def _required(data: dict[str, Any], name: str) -> object:
-    value = data.get(name)
-    if value is None:
-        raise InvalidRequest(f"Missing required parameter: '{name}'.", name)
-    return value
-
-
-def _optional_bool(data: dict[str, Any], name: str, param: str | None = None) -> bool:
-    value = data.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise _type_error(param or name, "a boolean", value)
-    return value
-
-
-def _optional_int(
-    data: dict[str, Any], name: str, minimum: int | None = None, maximum: int | None = None
-) -> int | None:
-    value = data.get(name)
-    if value is None:
-        return None
-    number = _integer(value)
-    ranged = minimum is not None and maximum is not None
-    bounds = f"between {minimum} and {maximum}" if ranged else f"at least {minimum}"
-    if number is None:
-        if type(value) is float and value.is_integer():  # an integer past 2**53 (or 64 bits)
-            raise _range_error(name, bounds if ranged else "an integer within ±2**53", value)
-        raise _type_error(name, "an integer", value)
-    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
-        raise _range_error(name, bounds, number)
-    return number
-
-
-def _integer(value: object) -> int | None:
-    """``value`` as an integer, if it is one: JSON's 2.0 is (as JSON Schema has it, and the
-    clients that send every number as a double), JSON's true is not (bool is an int in Python).
-    A double is taken while exact (2**53), so that no integer the bus could not carry (past 64
-    bits) comes of it."""
-    if type(value) is int:
-        return value
-    if type(value) is float and value.is_integer() and abs(value) <= _EXACT_DOUBLE:
-        return int(value)
-    return None
-
-
-def _integers(values: list[Any]) -> tuple[int, ...] | None:
-    """``values`` as integers, if all are (the common case, all ints, checked first)."""
-    if all(type(t) is int for t in values):
-        return tuple(values)
-    ints = [_integer(t) for t in values]
-    return None if None in ints else tuple(i for i in ints if i is not None)
-
-
-def _optional_number(data: dict[str, Any], name: str, default: float) -> float:
-    value = data.get(name)
-    if value is None:
-        return default
-    if type(value) is not int and type(value) is not float:
-        raise _type_error(name, "a number", value)
-    return float(value)
 
 
 def _int_list(data: dict[str, Any], name: str) -> tuple[int, ...]:
     value = data.get(name)
     if value is None:
         return ()
-    ids = _integers(value) if isinstance(value, list) else None
+    ids = integers(value) if isinstance(value, list) else None
     if ids is None:
-        raise _type_error(name, "an array of integers", value)
+        raise type_error(name, "an array of integers", value)
     for i, token in enumerate(ids):
         if token < 0:
-            raise _range_error(f"{name}[{i}]", "a token id, at least 0", token)
+            raise range_error(f"{name}[{i}]", "a token id, at least 0", token)
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(
             f"'{name}' accepts at most {MAX_STOP_TOKEN_IDS} token ids, got {len(ids)}.", name
         )
     return ids
-
-
-_JSON_TYPE_NAMES = {
-    bool: "a boolean",
-    int: "an integer",
-    float: "a decimal number",
-    str: "a string",
-    list: "an array",
-    dict: "an object",
-}
-
-
-def _type_error(param: str, expected: str, got: object) -> InvalidRequest:
-    actual = _JSON_TYPE_NAMES.get(type(got), "null")
-    return InvalidRequest(
-        f"Invalid type for '{param}': expected {expected}, but got {actual} instead.", param
-    )
-
-
-def _range_error(param: str, expected: str, got: object) -> InvalidRequest:
-    return InvalidRequest(f"Invalid value for '{param}': expected {expected}, got {got}.", param)
