@@ -12,6 +12,7 @@ from collections.abc import Callable
 from importlib import import_module
 from pathlib import Path
 
+from infra.arg_types import at_least, port, positive
 from infra.bench import run as bench
 from infra.recording import RecordingError
 from services.planner.policies import POLICY_NAMES
@@ -30,7 +31,7 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = sub.add_parser("up", help="start the whole local cluster and serve the OpenAI API")
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
-    up.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
+    up.add_argument("--port", type=port, default=8000, help="HTTP port of the OpenAI API")
     up.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
     up.add_argument("--etcd-endpoints", help="use this etcd (host:port) instead of an embedded one")
     up.add_argument(
@@ -39,15 +40,15 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="embed a 3-node JetStream cluster and a 3-member etcd cluster (streams on 3 "
         "servers) instead of single nodes; services fail over between their members",
     )
-    up.add_argument("--nats-port", type=int, help="port of the embedded NATS (default: free)")
-    up.add_argument("--etcd-port", type=int, help="port of the embedded etcd (default: free)")
+    up.add_argument("--nats-port", type=port, help="port of the embedded NATS (default: free)")
+    up.add_argument("--etcd-port", type=port, help="port of the embedded etcd (default: free)")
     up.add_argument(
         "--workers",
-        type=int,
+        type=at_least(1),
         default=2,
         help="workers that decode (aggregated without a prefill pool)",
     )
-    up.add_argument("--prefill-workers", type=int, default=0, help="prefill-only workers")
+    up.add_argument("--prefill-workers", type=at_least(0), default=0, help="prefill-only workers")
     up.add_argument(
         "--ingresses",
         type=int,
@@ -85,7 +86,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "num_gpu_blocks x block_size)",
     )
     bench.add_perf_model_argument(up)
-    up.add_argument("--speedup", type=float, default=1.0, help="sim engine speed-up factor")
+    up.add_argument("--speedup", type=positive, default=1.0, help="sim engine speed-up factor")
     up.add_argument("--state-dir", type=Path, default=Path(".state"), help="data and logs")
     up.add_argument(
         "--no-auth",

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from infra.arg_types import at_least
 from schemas.events import SamplingParams
 from services.engine.protocol import EngineRequest
 
@@ -24,19 +25,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bench.add_argument("--model", type=Path, required=True, help="Hugging Face layout folder")
     bench.add_argument(
         "--concurrency",
-        type=int,
+        type=at_least(1),
         action="append",
         help="requests at once; repeatable (default: 1, 8, 32)",
     )
     bench.add_argument(
-        "--prompt-tokens", type=int, default=64, help="prompt length of the throughput runs"
+        "--prompt-tokens", type=at_least(1), default=64, help="prompt length of the throughput runs"
     )
     bench.add_argument(
-        "--output-tokens", type=int, default=64, help="tokens each throughput request generates"
+        "--output-tokens",
+        type=at_least(1),
+        default=64,
+        help="tokens each throughput request generates",
     )
     bench.add_argument(
         "--long-prompt-tokens",
-        type=int,
+        type=at_least(1),
         default=2000,
         help="prompt length of the time-to-first-token runs",
     )

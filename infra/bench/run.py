@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from infra.arg_types import at_least, positive
 from infra.bench.metrics import ReplayResult
 from infra.bench.offline import OfflineReplay
 from infra.bench.report import format_table, write_json
@@ -64,12 +65,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bench.add_argument(
         "--policy", action="append", choices=list(POLICY_NAMES), help="repeatable (default: all)"
     )
-    bench.add_argument("--workers", type=int, default=8, help="all workers (both roles)")
+    bench.add_argument("--workers", type=at_least(1), default=8, help="all workers (both roles)")
     bench.add_argument(
-        "--prefill-workers", type=int, default=0, help="of --workers, this many prefill only"
+        "--prefill-workers",
+        type=at_least(0),
+        default=0,
+        help="of --workers, this many prefill only",
     )
     bench.add_argument(
-        "--decode-workers", type=int, help="(default: --workers minus --prefill-workers)"
+        "--decode-workers", type=at_least(1), help="(default: --workers minus --prefill-workers)"
     )
     add_disagg_argument(bench)
     bench.add_argument(
@@ -132,7 +136,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=_LINK_DEFAULTS.latency_ms,
         help="latency of the prefill-to-decode link",
     )
-    bench.add_argument("--speedup", type=float, default=1.0, help="divides inter-arrival gaps")
+    bench.add_argument("--speedup", type=positive, default=1.0, help="divides inter-arrival gaps")
     bench.add_argument(
         "--mode",
         choices=["offline", "live"],
@@ -143,33 +147,33 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_tier_arguments(bench)
     bench.add_argument(
         "--block-size",
-        type=int,
+        type=at_least(1),
         default=_ENGINE_DEFAULTS.block_size,
         help="sim engine: tokens per KV block",
     )
     bench.add_argument(
         "--num-gpu-blocks",
-        type=int,
+        type=at_least(1),
         default=_ENGINE_DEFAULTS.num_gpu_blocks,
         help="sim engine: KV blocks per worker",
     )
     bench.add_argument(
         "--max-num-seqs",
-        type=int,
+        type=at_least(1),
         default=_ENGINE_DEFAULTS.max_num_seqs,
         help="sim engine: requests in a batch",
     )
     bench.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=at_least(1),
         default=_ENGINE_DEFAULTS.max_num_batched_tokens,
         help="sim engine: tokens in a step",
     )
-    bench.add_argument("--limit", type=int, help="replay only the first N requests")
+    bench.add_argument("--limit", type=at_least(1), help="replay only the first N requests")
     bench.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
     bench.add_argument(
         "--time-scale",
-        type=float,
+        type=positive,
         default=1.0,
         help="live: run the whole replay this many times faster (times are scaled back)",
     )
@@ -274,6 +278,7 @@ def _live(
     from infra.cluster import LocalCluster
     from infra.cluster_plan import ClusterConfig
     from infra.ports import free_port
+    from infra.startup import StartupError
 
     prefill, decode = _pools(args)
     with tempfile.TemporaryDirectory(prefix="laneway-bench-") as state:
@@ -300,7 +305,11 @@ def _live(
                 },
             )
         )
-        cluster.start()
+        try:
+            cluster.start()
+        except StartupError as exc:  # a port taken, a server given that does not answer
+            print(f"laneway bench: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
         try:
             result = asyncio.run(
                 replay_live(
@@ -328,17 +337,26 @@ def _pools(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def main(args: argparse.Namespace) -> int:
+    prefill, decode = _pools(args)
+    if decode < 1:
+        print(
+            f"laneway bench: no decode worker: {prefill} of --workers {args.workers} are "
+            "prefill workers",
+            file=sys.stderr,
+        )
+        return 2
     if not args.trace.exists():
         print(f"laneway bench: no trace at {args.trace} (give one with --trace)", file=sys.stderr)
         return 2
     try:
-        args.tiers = tier_settings(args, sum(_pools(args)))
+        args.tiers = tier_settings(args, prefill + decode)
         if args.mode == "live":
             live_env(args.tiers, args.num_gpu_blocks)
+        # A line of the wrong format is named with its number: one line, not a traceback.
+        trace = load_trace(args.trace, args.format, args.speedup, args.limit)
     except ValueError as e:
         print(f"laneway bench: {e}", file=sys.stderr)
         return 2
-    trace = load_trace(args.trace, args.format, args.speedup, args.limit)
     # Made now, not after minutes of replay: an output under a folder not yet made (the README's
     # /tmp/laneway/…) must not lose the run.
     for output in (args.json, args.decisions, args.plot):

@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from infra.arg_types import at_least
 from infra.bench import run as bench
 from infra.bench.metrics import ReplayResult, summary
 from infra.bench.offline import OfflineReplay
@@ -41,10 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what if this policy had routed the recorded arrivals (the offline simulator)",
     )
     parser.add_argument(
-        "--workers", type=int, help="what-if: decode workers (default: as many as recorded)"
+        "--workers", type=at_least(1), help="what-if: decode workers (default: as many as recorded)"
     )
     parser.add_argument(
-        "--prefill-workers", type=int, help="what-if: prefill workers (default: as recorded)"
+        "--prefill-workers",
+        type=at_least(0),
+        help="what-if: prefill workers (default: as recorded)",
     )
     parser.add_argument(
         "--disagg",
@@ -55,15 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_perf_model_argument(parser)
     parser.add_argument(
         "--num-gpu-blocks",
-        type=int,
+        type=at_least(1),
         help="what-if: KV blocks per worker (default: the recorded workers' KV capacity)",
     )
     parser.add_argument(
-        "--max-num-seqs", type=int, default=_SIM.max_num_seqs, help="what-if: requests in a batch"
+        "--max-num-seqs",
+        type=at_least(1),
+        default=_SIM.max_num_seqs,
+        help="what-if: requests in a batch",
     )
     parser.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=at_least(1),
         default=_SIM.max_num_batched_tokens,
         help="what-if: tokens in a step",
     )

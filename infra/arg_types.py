@@ -1,0 +1,41 @@
+"""Argument types for the ``laneway`` commands: a value no run could use (a negative worker
+count, a port past 65535, a speed-up of 0) is refused by argparse in one line, exit 2, before
+anything starts, not met later as a traceback or a cluster that serves nothing."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "integer"  # what argparse names the type in its own messages
+    return parse
+
+
+def port(text: str) -> int:
+    value = at_least(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"not a port (1-65535): {value}")
+    return value
+
+
+def positive(text: str) -> float:
+    """A finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text[:40]!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text[:40]}")
+    return value

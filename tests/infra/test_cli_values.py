@@ -1,0 +1,48 @@
+"""A flag value no run could use is one line from argparse and exit 2, before anything starts:
+not a traceback, and not a cluster or a replay that goes ahead with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.cli import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        (["up", "--port", "99999"], "argument --port: not a port (1-65535): 99999"),
+        (["up", "--nats-port", "0"], "argument --nats-port: must be at least 1, got 0"),
+        (["up", "--workers", "-1"], "argument --workers: must be at least 1, got -1"),
+        (["up", "--prefill-workers", "-1"], "argument --prefill-workers: must be at least 0"),
+        (["up", "--speedup", "0"], "argument --speedup: must be a positive number, got 0"),
+        (["up", "--speedup", "nan"], "argument --speedup: must be a positive number, got nan"),
+        (["bench", "--workers", "0"], "argument --workers: must be at least 1, got 0"),
+        (["bench", "--limit", "0"], "argument --limit: must be at least 1, got 0"),
+        (["bench", "--num-gpu-blocks", "0"], "argument --num-gpu-blocks: must be at least 1"),
+        (["bench", "--time-scale", "-2"], "argument --time-scale: must be a positive number"),
+        (["bench", "--workers", "two"], "argument --workers: not an integer: 'two'"),
+        (["replay", "x.jsonl", "--workers", "0"], "argument --workers: must be at least 1, got 0"),
+        (["replay", "x.jsonl", "--num-gpu-blocks", "0"], "argument --num-gpu-blocks: must be"),
+        (["bench-engine", "--model", "m", "--concurrency", "0"], "argument --concurrency"),
+        (["keys", "create", "--tenant", "t", "--expires-in", "3000000d"], "at most 36500d"),
+    ],
+)
+def test_a_value_no_run_could_use_is_refused_in_one_line(
+    argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert complaint in err and "Traceback" not in err, err
+
+
+def test_a_bench_with_no_decode_worker_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--workers", "2", "--prefill-workers", "2", "--limit", "1"]) == 2
+    assert "no decode worker: 2 of --workers 2 are prefill workers" in capsys.readouterr().err
+
+
+def test_a_key_of_unbounded_rate_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["keys", "create", "--tenant", "t", "--rate", "inf"]) == 2
+    assert "--rate must be a positive number" in capsys.readouterr().err
