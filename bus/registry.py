@@ -95,6 +95,7 @@ class EtcdCluster(TlsClient):
         self.at = 0
         self._failover_s = failover_s
         self._moving = asyncio.Lock()
+        self._warned_at = -60.0  # loop time starts near 0 on a fresh machine
 
     async def move_on(self, failed_at: int) -> None:
         """Leave member ``failed_at`` for the next one (unless another call already moved)."""
@@ -103,12 +104,11 @@ class EtcdCluster(TlsClient):
                 return
             self.at = (failed_at + 1) % len(self.endpoints)
             self._host, self._port = self.endpoints[self.at]
-            log.warning(
-                "etcd member %s:%s unreachable; moving to %s:%s",
-                *self.endpoints[failed_at],
-                self._host,
-                self._port,
-            )
+            now = asyncio.get_running_loop().time()
+            if self.at != failed_at or now - self._warned_at >= 5.0:  # a lone one: now and then
+                self._warned_at = now
+                moved = (*self.endpoints[failed_at], self._host, self._port)
+                log.warning("etcd member %s:%s unreachable; moving to %s:%s", *moved)
             with contextlib.suppress(*UNREACHABLE):  # no leader there yet to log in with
                 await self.reconnect()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import sys
@@ -33,6 +34,7 @@ from bus.api_keys import (
     revoke_key,
     revoke_startup_keys,
 )
+from bus.credentials import split_credentials
 from bus.registry import connect_etcd
 from infra import status_local
 from schemas.events import utc_now
@@ -100,8 +102,8 @@ def _create(args: argparse.Namespace) -> int:
             f"--tenant {args.tenant[:70]!r}: 1-64 letters, digits, '_', '.' or '-' "
             "(a letter or digit first)"
         )
-    if args.rate is not None and not args.rate > 0:
-        return _fail("--rate must be positive")
+    if args.rate is not None and not 0 < args.rate < math.inf:
+        return _fail("--rate must be a positive number (leave it out for any rate)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         return _fail("--max-concurrency must be at least 1")
     record, key = _run(
@@ -192,6 +194,7 @@ def read_startup_key(state_dir: Path) -> str | None:
 
 _TIME = "%Y-%m-%d %H:%M:%S UTC"
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_LONGEST_S = 36_500 * _UNITS["d"]
 
 
 def _duration(text: str) -> float:
@@ -201,7 +204,12 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"not a duration: {text[:40]!r} (e.g. 3600, 45m, 12h, 90d)"
         )
-    return float(found[1]) * _UNITS[found[2] or "s"]
+    seconds = float(found[1]) * _UNITS[found[2] or "s"]
+    if seconds > _LONGEST_S:  # past it, the expiry date itself would not exist
+        raise argparse.ArgumentTypeError(
+            f"at most {_LONGEST_S // _UNITS['d']}d; a key meant to last leaves --expires-in out"
+        )
+    return seconds
 
 
 def _limits(record: ApiKeyRecord) -> str:
@@ -236,6 +244,11 @@ def _in_thread(endpoints: str, call: Callable[[aetcd.Client], Awaitable[T]]) -> 
         etcd = connect_etcd(endpoints)
         try:
             return await call(etcd)
+        except aetcd.ClientError as exc:
+            # Not there, or refusing this user: one line naming the endpoints (no password).
+            shown = split_credentials(endpoints)[1]
+            cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise SystemExit(_fail(f"etcd at {shown} refused or did not answer: {cause}")) from None
         finally:
             await etcd.close()
 

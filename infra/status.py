@@ -117,8 +117,14 @@ async def gather(
     }
     try:
         if etcd is not None:
-            found["planner"] = await _planners(etcd)
-            found["workers"] = await _workers(etcd)
+            try:
+                found["planner"] = await _planners(etcd)
+                found["workers"] = await _workers(etcd)
+            except aetcd.ClientError as exc:
+                # Answering its status, refusing its keys (no user, or a wrong one): the
+                # member is up, this look at it is not.
+                asked = next(m for m in members if m["ok"])
+                asked.update(ok=False, error=_error(exc))
         if nc is not None:
             js = nc.jetstream()
             found["nats"]["jetstream"] = await _jetstream(js)
