@@ -122,5 +122,13 @@ def from_terminal(event: RequestFailed | RequestCancelled) -> ApiError:
     return ApiError(500, f"The request was cancelled: {event.reason}.", code="cancelled")
 
 
+def server_stopping() -> ApiError:
+    return ApiError(
+        503,
+        "This server stopped before the request finished; send it again.",
+        code="server_stopping",
+    )
+
+
 def internal_error() -> ApiError:
     return ApiError(500, "The server had an error while processing your request.")

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 from starlette.types import Message, Receive, Send
 
 from schemas.events import RequestFinished, RequestSpec, TokensGenerated, Usage, new_id
-from services.ingress.errors import ApiError, from_terminal, internal_error, request_timeout
+from services.ingress.errors import (
+    ApiError,
+    from_terminal,
+    internal_error,
+    request_timeout,
+    server_stopping,
+)
 from services.ingress.gateway import CancelReason, Gateway, GatewayEvent
 from services.ingress.metrics import CLIENT_CLOSED_STATUS, IngressMetrics
 from services.ingress.openai_models import Params
@@ -135,9 +141,14 @@ class Exchange:
             return await self._fail(send, request_timeout())
         except asyncio.CancelledError:
             if not watch.fired:
-                # Cancelled from outside (server shutdown): the answer will not be read either.
+                # Cancelled from outside: the server stopped before the request finished (its
+                # grace for requests in flight ran out). The worker stops generating, and the
+                # client is told so, a stream with an error event, not a cut.
+                task = asyncio.current_task()
+                if task is None or task.uncancel():  # cancelled twice: leaving at once
+                    raise
                 await self._cancel("client_disconnected")
-                raise
+                return await self._fail(send, server_stopping())
             watch.forgive()
             await self._cancel("client_disconnected")
             return CLIENT_CLOSED_STATUS

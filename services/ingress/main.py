@@ -86,6 +86,10 @@ class IngressSettings(ServiceSettings):
             raise ValueError("LANEWAY_API_TLS_CERTFILE and LANEWAY_API_TLS_KEYFILE go together")
 
 
+# How long requests cancelled at the end of the shutdown grace get to say so.
+_ENDING_S = 1.0
+
+
 class _Server(EagerAcceptServer):
     # The process's own stop event owns SIGINT/SIGTERM; uvicorn must not take them over.
     @contextlib.contextmanager
@@ -208,6 +212,10 @@ def main() -> None:
             await stop.wait()
             server.should_exit = True
             await serving
+            # Requests still in flight when the grace ran out were cancelled: each tells its
+            # worker and its client so (a 503) before the bus and the connections go.
+            if server.server_state.tasks:
+                await asyncio.wait(server.server_state.tasks, timeout=_ENDING_S)
         listener.close()
         await probes.close()
         for task in watching:

@@ -191,7 +191,7 @@ _ERRORS = {
     "429": "the cluster is at capacity, or the tenant at its limits: retry after Retry-After",
     "500": "an engine or server error",
     "502": "the worker was lost, or its answer incomplete",
-    "503": "no worker can serve it",
+    "503": "no worker can serve it, or the server stopped before the request finished",
     "504": "not done within LANEWAY_REQUEST_TIMEOUT_S",
 }
 

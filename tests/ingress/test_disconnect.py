@@ -135,14 +135,43 @@ async def test_disconnect_after_the_answer_changes_nothing() -> None:
     assert 'laneway_ingress_requests_total{endpoint="completions",status="200"} 1.0' in metrics
 
 
-async def test_server_shutdown_cancels_the_request() -> None:
+async def test_server_shutdown_cancels_the_request_and_says_so() -> None:
+    """The server's grace for requests in flight ran out: it cancels their tasks. The worker
+    stops, and the client gets a 503 it can retry on, not a cut connection."""
     client = Client([Hang()])
     call = asyncio.create_task(client.call("/v1/completions", completion_body(stream=True)))
     await eventually(lambda: client.gateway.submitted, interval=0.001)
+    call.cancel()
+    await call
+    request_id = client.gateway.submitted[0].request_id
+    assert client.gateway.cancelled == [(request_id, "client_disconnected")]
+    assert client.gateway.closed == [request_id]
+    assert client.sent[0]["status"] == 503
+    assert orjson.loads(client.sent[1]["body"])["error"]["code"] == "server_stopping"
+    metrics = await client.metrics()
+    assert 'laneway_ingress_requests_total{endpoint="completions",status="503"} 1.0' in metrics
+
+
+async def test_server_shutdown_mid_stream_ends_it_with_an_error_event() -> None:
+    client = Client([Tokens("a"), Hang()])
+    call = asyncio.create_task(client.call("/v1/completions", completion_body(stream=True)))
+    await eventually(lambda: len(client.sent) >= 2, interval=0.001)
+    call.cancel()
+    await call
+    last = client.sent[-1]
+    assert last["more_body"] is False and b'"code":"server_stopping"' in last["body"]
+    request_id = client.gateway.submitted[0].request_id
+    assert client.gateway.cancelled == [(request_id, "client_disconnected")]
+
+
+async def test_a_second_cancel_leaves_at_once() -> None:
+    client = Client([Hang()])
+    call = asyncio.create_task(client.call("/v1/completions", completion_body(stream=True)))
+    await eventually(lambda: client.gateway.submitted, interval=0.001)
+    call.cancel()
     call.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await call
     assert call.cancelled()
     request_id = client.gateway.submitted[0].request_id
-    assert client.gateway.cancelled == [(request_id, "client_disconnected")]
     assert client.gateway.closed == [request_id]
