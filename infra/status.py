@@ -91,6 +91,9 @@ def _resolve(
     local = status_local.processes(state_dir)
     found = status_local.urls(local)
     if found is None:
+        if nats_url or etcd_endpoints:  # the other half was to come from that state dir
+            missing = "--etcd-endpoints" if nats_url else "--nats-url"
+            raise NoCluster(f"give {missing} as well (no running `laneway up` to read it from)")
         raise NoCluster(
             f"no running `laneway up` on {state_dir.resolve()}: start one, pass its "
             "--state-dir, or give --nats-url and --etcd-endpoints"

@@ -57,6 +57,8 @@ def replay_all(log: LogIndex) -> dict[str, Any]:
     planners: dict[str, str] = {}
     differing = []
     routed = log.routed()
+    if not routed:  # "0 identical" would read as a pass
+        raise RecordingError("no routing decision in this log: nothing to replay")
     for request in routed:
         route = request.route
         assert route is not None

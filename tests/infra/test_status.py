@@ -212,3 +212,24 @@ def test_no_running_cluster_is_one_line_and_exit_2(
     assert (code, out) == (2, "")
     assert len(err.strip().splitlines()) == 1
     assert str(tmp_path) in err and "--nats-url" in err
+
+
+@pytest.mark.parametrize(
+    ("given", "missing"),
+    [("--nats-url", "--etcd-endpoints"), ("--etcd-endpoints", "--nats-url")],
+)
+def test_one_half_given_without_a_cluster_names_the_other(
+    given: str,
+    missing: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("LANEWAY_NATS_URL", raising=False)
+    monkeypatch.delenv("LANEWAY_ETCD_ENDPOINTS", raising=False)
+    code, out, err = _status(capsys, given, "127.0.0.1:1", "--state-dir", str(tmp_path))
+    assert (code, out) == (2, "")
+    assert (
+        err.strip()
+        == f"laneway status: give {missing} as well (no running `laneway up` to read it from)"
+    )

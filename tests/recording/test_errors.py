@@ -172,3 +172,12 @@ def test_the_cli_as_a_process(recording: Path, tmp_path: Path) -> None:
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith("laneway: ") and done.stderr.count("\n") == 1, done.stderr
         assert said in done.stderr
+
+
+def test_a_replay_of_a_log_without_decisions_says_so_and_fails(
+    recording: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its requests were accepted and finished, none was routed in it (a window too narrow).
+    assert main(["replay", str(recording)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "laneway replay: no routing decision in this log: nothing to replay"
