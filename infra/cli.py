@@ -160,7 +160,14 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction[argparse.ArgumentParser
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from services.engine.torch_engine.tiny import make_tiny_model
 
-    make_tiny_model(args.dir, seed=args.seed)
+    try:
+        make_tiny_model(args.dir, seed=args.seed)
+    except OSError as exc:  # a file in the way, a folder that cannot be made
+        print(
+            f"laneway make-tiny-model: cannot write {args.dir}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2
     print(f"wrote a tiny Llama checkpoint and tokenizer to {args.dir}")
     return 0
 

@@ -22,6 +22,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal, cast
 import orjson
 from pydantic import ValidationError
 
+from bus.credentials import split_credentials
 from schemas.codec import current_version, decode_event, event_from
 from schemas.events import Event, PrefillCompleted, RequestAccepted, RouteDecided, new_id
 
@@ -225,7 +226,8 @@ async def read_log(
         )
     except (OSError, NatsError) as err:
         cause = causes[-1] if causes else str(err)
-        raise RecordingError(f"cannot reach NATS at {nats_url} ({cause})") from None
+        shown = split_credentials(nats_url)[1]  # never a password on the screen
+        raise RecordingError(f"cannot reach NATS at {shown} ({cause})") from None
     try:
         out: list[Recorded] = []
         # In the order a reader folds them: the requests, then what was decided and what followed.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,6 +115,13 @@ def _hf_generate(model: Any, prompts: list[list[int]], output_tokens: int) -> fl
 
 def main(args: argparse.Namespace) -> int:
     # Imported here, not at the top: every `laneway` command imports this module.
+    if not (args.model / "config.json").is_file():
+        # transformers would take the name for a Hub repo id, and nothing is downloaded here.
+        print(
+            f"laneway bench-engine: no model folder at {args.model} (no config.json)",
+            file=sys.stderr,
+        )
+        return 2
     from transformers import AutoModelForCausalLM
 
     hf: Any = AutoModelForCausalLM.from_pretrained(args.model)

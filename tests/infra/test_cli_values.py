@@ -3,6 +3,8 @@ not a traceback, and not a cluster or a replay that goes ahead with it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from infra.cli import main
@@ -46,3 +48,14 @@ def test_a_bench_with_no_decode_worker_says_so(capsys: pytest.CaptureFixture[str
 def test_a_key_of_unbounded_rate_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["keys", "create", "--tenant", "t", "--rate", "inf"]) == 2
     assert "--rate must be a positive number" in capsys.readouterr().err
+
+
+def test_tools_given_a_path_they_cannot_use_say_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    assert main(["make-tiny-model", str(in_the_way)]) == 2
+    assert f"cannot write {in_the_way}" in capsys.readouterr().err
+    assert main(["bench-engine", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "no model folder at" in capsys.readouterr().err
