@@ -10,7 +10,14 @@ import sys
 from datetime import datetime, timedelta
 from typing import Any
 
-from infra.debug.log import LogIndex, RequestLog, add_source_arguments, bare_id, load
+from infra.debug.log import (
+    MIN_PREFIX,
+    LogIndex,
+    RequestLog,
+    add_source_arguments,
+    bare_id,
+    load,
+)
 from infra.recording import RecordingError
 from schemas.events import (
     Envelope,
@@ -68,6 +75,11 @@ def main(args: argparse.Namespace) -> int:
 def explain(log: LogIndex, request_id: str) -> dict[str, Any]:
     found = log.find(request_id)
     if found is None:
+        many = log.starting_with(request_id)
+        if many and len(bare_id(request_id)) < MIN_PREFIX:
+            raise RecordingError(f"give at least {MIN_PREFIX} characters of the request id")
+        if many > 1:
+            raise RecordingError(f"{many} requests' ids start with {request_id}: give more of it")
         raise RecordingError(f"no request {request_id} in this log")
     route = found.route
     config = log.config_of(route) if route is not None else None

@@ -22,6 +22,8 @@ from schemas.events import (
     TerminalEvent,
 )
 
+# The fewest leading characters of an id that find its request.
+MIN_PREFIX = 6
 # The prefixes the OpenAI API puts before a request id; an operator pastes ids with them.
 _ID_PREFIXES = ("chatcmpl-", "cmpl-")
 
@@ -63,7 +65,12 @@ class LogIndex:
         if found is not None:
             return found
         matches = [log for rid, log in self.requests.items() if rid.startswith(request_id)]
-        return matches[0] if len(matches) == 1 and len(request_id) >= 6 else None
+        return matches[0] if len(matches) == 1 and len(request_id) >= MIN_PREFIX else None
+
+    def starting_with(self, request_id: str) -> int:
+        """How many requests' ids start with ``request_id`` (the API's prefix allowed)."""
+        request_id = bare_id(request_id)
+        return sum(1 for rid in self.requests if rid.startswith(request_id))
 
     def config_of(self, route: RouteDecided) -> PlannerConfigured | None:
         """The settings its replica had when it decided: the last it recorded by then."""

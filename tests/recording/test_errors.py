@@ -188,3 +188,12 @@ def test_a_replay_of_a_log_without_decisions_says_so_and_fails(
     assert main(["replay", str(recording)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "laneway replay: no routing decision in this log: nothing to replay"
+
+
+def test_explain_of_a_too_short_id_asks_for_more_of_it(
+    recording: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["explain", "r", str(recording)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "laneway explain: give at least 6 characters of the request id"
+    )
