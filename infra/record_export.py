@@ -66,6 +66,10 @@ def export_main(args: argparse.Namespace) -> int:
         since=parse_time(args.since) if args.since else None,
         until=parse_time(args.until) if args.until else None,
     )
+    if window.since is not None and window.until is not None and window.since > window.until:
+        raise RecordingError(
+            f"--since {args.since} comes after --until {args.until}: an empty window"
+        )
     recorded = asyncio.run(read_log(args.nats_url, window.since, window.until))
     try:
         write_recording(args.output, recorded, args.redact, window)

@@ -32,7 +32,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     replay.set_defaults(func=main)
 
 
+# What-if flags that only a --policy run reads: given without one, they would change nothing.
+_WHAT_IF = ("workers", "prefill_workers", "disagg", "seed", "num_gpu_blocks", "plot")
+
+
 def main(args: argparse.Namespace) -> int:
+    given = [f"--{name.replace('_', '-')}" for name in _WHAT_IF if getattr(args, name) is not None]
+    if args.policy is None and given:
+        print(f"laneway replay: {', '.join(given)} ask what if: give --policy too", file=sys.stderr)
+        return 2
     for output in (args.json, args.plot):
         if output is not None:
             output.parent.mkdir(parents=True, exist_ok=True)

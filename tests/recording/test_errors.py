@@ -197,3 +197,21 @@ def test_explain_of_a_too_short_id_asks_for_more_of_it(
     assert capsys.readouterr().err.strip() == (
         "laneway explain: give at least 6 characters of the request id"
     )
+
+
+def test_what_if_flags_without_a_policy_are_refused(
+    recording: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", str(recording), "--workers", "5"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "laneway replay: --workers ask what if: give --policy too"
+    )
+
+
+def test_an_export_window_that_ends_before_it_begins_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["record", "export", "--since", "-1m", "--until", "-2m", "-o", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert "comes after --until -2m: an empty window" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
