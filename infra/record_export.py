@@ -47,7 +47,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the cluster's NATS (LANEWAY_NATS_URL)",
     )
     export.add_argument(
-        "--since", help="from this time: ISO 8601 or relative (-5m, -2h); default: all the log"
+        "--since",
+        help="from this time: ISO 8601 or relative (-5m, -2h), and the planners' settings from "
+        "before it (replay needs them); default: all the log",
     )
     export.add_argument("--until", help="up to this time, as --since; default: now")
     export.add_argument(

@@ -24,7 +24,14 @@ from pydantic import ValidationError
 
 from bus.credentials import split_credentials
 from schemas.codec import current_version, decode_event, event_from
-from schemas.events import Event, PrefillCompleted, RequestAccepted, RouteDecided, new_id
+from schemas.events import (
+    Event,
+    PlannerConfigured,
+    PrefillCompleted,
+    RequestAccepted,
+    RouteDecided,
+    new_id,
+)
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NatsClient
@@ -232,10 +239,18 @@ async def read_log(
         out: list[Recorded] = []
         # In the order a reader folds them: the requests, then what was decided and what followed.
         for stream in (REQUESTS, ROUTES, KV, LOAD, CONTROL):
+            # A planner records its settings once, when it starts: a window that begins later
+            # takes them from before it, or its decisions could not be made again.
+            start = None if stream is CONTROL else since
             try:
-                out += await _read_stream(nc, stream.name, STREAM_SUBJECTS[stream], since, until)
+                read = await _read_stream(nc, stream.name, STREAM_SUBJECTS[stream], start, until)
             except NatsError as err:
                 raise RecordingError(f"reading {stream.name} failed ({err})") from None
+            if stream is CONTROL and since is not None:
+                read = [
+                    r for r in read if r.time >= since or isinstance(r.event, PlannerConfigured)
+                ]
+            out += read
         return out
     finally:
         await nc.close()
