@@ -210,7 +210,8 @@ async def read_log(
     nats_url: str, since: datetime | None = None, until: datetime | None = None
 ) -> list[Recorded]:
     """Every message the streams hold from ``since`` to ``until``, each stream up to where it
-    ended when the read began (a busy cluster cannot keep the read going)."""
+    ended when the read began (a busy cluster cannot keep the read going), and the planners'
+    ``PlannerConfigured`` from before ``since``."""
     # NATS (and the aiohttp it brings) only here: an offline replay reads recordings from files.
     import nats
     from nats.errors import Error as NatsError

@@ -181,6 +181,8 @@ class _Endpoints:
     async def model(self, request: Request) -> Response:
         """``GET /v1/models/{model}`` (the SDK's ``models.retrieve``)."""
         name = request.path_params["model"]
+        if not name:  # /v1/models/: the list, as before this route took the slash
+            return Response(self._models, media_type=_JSON)
         body = self._model.get(name)
         if body is None:
             error = model_not_found(name[:MAX_MODEL_CHARS])

@@ -47,7 +47,8 @@ def optional_int(
     bounds = f"between {minimum} and {maximum}" if ranged else f"at least {minimum}"
     if number is None:
         if type(value) is float and value.is_integer():  # an integer past 2**53 (or 64 bits)
-            raise range_error(name, bounds if ranged else "an integer within ±2**53", value)
+            # Past what a double carries exactly: sent as an integer, it may be in range.
+            raise range_error(name, "an integer (as a decimal number, within ±2**53)", value)
         raise type_error(name, "an integer", value)
     if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
         raise range_error(name, bounds, number)

@@ -481,6 +481,7 @@ async def test_models_health_and_unknown_paths() -> None:
     async with harness(served_model_names=("a", "b")) as h:
         models = (await h.client.get("/v1/models")).json()
         one = await h.client.get("/v1/models/b")
+        slash = await h.client.get("/v1/models/")
         unknown = await h.client.get("/v1/models/gpt-9")
         health = await h.client.get("/health")
         missing = await h.client.get("/v2/nothing")
@@ -491,6 +492,7 @@ async def test_models_health_and_unknown_paths() -> None:
         ("b", "model", "laneway"),
     ]
     assert one.status_code == 200 and one.json() == models["data"][1]
+    assert slash.status_code == 200 and slash.json() == models
     assert unknown.status_code == 404
     assert (unknown.json()["error"]["code"], unknown.json()["error"]["param"]) == (
         "model_not_found",
