@@ -104,9 +104,7 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
     prompt = _prompt(required(data, "prompt"))
     if data.get("echo"):
         raise InvalidRequest("'echo' is not supported.", "echo")
-    # An integer here, where 0 asks for the sampled tokens' own log probabilities.
-    if data.get("logprobs") is not None and data["logprobs"] is not False:
-        raise InvalidRequest("'logprobs' is not supported.", "logprobs")
+    _refuse_logprobs(data)
     if data.get("suffix"):
         raise InvalidRequest("'suffix' is not supported.", "suffix")
     best_of = optional_int(data, "best_of", minimum=1)
@@ -176,11 +174,17 @@ def _params(data: dict[str, Any], max_tokens: int | None) -> Params:
     )
 
 
+def _refuse_logprobs(data: dict[str, Any]) -> None:
+    # Any value but false: the chat's true, the legacy API's integer, where 0 asks for the
+    # sampled tokens' own log probabilities (0 == False, hence the identity test).
+    if data.get("logprobs") is not None and data["logprobs"] is not False:
+        raise InvalidRequest("'logprobs' is not supported.", "logprobs")
+
+
 def _refuse_chat_features(data: dict[str, Any]) -> None:
     """What a chat request may ask for that no engine here does: log probabilities, tool calls
     (a tool list is fine with ``tool_choice`` none, which asks for none), JSON output."""
-    if data.get("logprobs") is not None and data["logprobs"] is not False:
-        raise InvalidRequest("'logprobs' is not supported.", "logprobs")
+    _refuse_logprobs(data)
     if data.get("top_logprobs") not in (None, 0):
         raise InvalidRequest("'top_logprobs' is not supported.", "top_logprobs")
     for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
