@@ -30,6 +30,7 @@ from schemas.events import (
     CancellationRequested,
     KvBlocksRemoved,
     KvBlocksStored,
+    KvChanged,
     KvCleared,
     KvEvent,
     KvTransferred,
@@ -126,9 +127,11 @@ TRANSFERRED: Channel[KvTransferred] = Channel(
     "a hand-off's arrival, next to its decision but outside the worker's own subject",
     key_field="to_worker_id",
 )
+# One `KvChanged` per engine step (all of that step's changes); the single-change events are still
+# taken, as workers before batching sent them.
 KV_EVENTS: Channel[KvEvent] = Channel(
     "lw.kv.{worker}",
-    (KvBlocksStored, KvBlocksRemoved, KvCleared),
+    (KvChanged, KvBlocksStored, KvBlocksRemoved, KvCleared),
     ("worker",),
     ("kv-indexer (ordered replay)", "planner (ordered replay, its own fold)"),
     "stored",

@@ -28,13 +28,18 @@ from schemas.envelope import (
 )
 from schemas.latency import LatencyHistogram
 from schemas.worker_events import (
+    CacheWiped,
     KvBlocksRemoved,
     KvBlocksStored,
+    KvChanged,
     KvCleared,
+    KvOp,
     PlannerConfigured,
+    RemovedRun,
     RequestPlaced,
     RoleMove,
     RolesRebalanced,
+    StoredRun,
     TokenBatch,
     TokenRun,
     WorkerLoadReported,
@@ -332,6 +337,7 @@ Event = Annotated[
     | KvBlocksStored
     | KvBlocksRemoved
     | KvCleared
+    | KvChanged
     | WorkerLoadReported
     | RolesRebalanced
     | PlannerConfigured
@@ -339,11 +345,12 @@ Event = Annotated[
     Field(discriminator="type"),
 ]
 TerminalEvent = RequestFinished | RequestFailed | RequestCancelled
-KvEvent = KvBlocksStored | KvBlocksRemoved | KvCleared
+KvEvent = KvBlocksStored | KvBlocksRemoved | KvCleared | KvChanged
 
 
 __all__ = [
     "BlockHashes",
+    "CacheWiped",
     "CancellationRequested",
     "Envelope",
     "Event",
@@ -352,15 +359,18 @@ __all__ = [
     "Frozen",
     "KvBlocksRemoved",
     "KvBlocksStored",
+    "KvChanged",
     "KvCleared",
     "KvEvent",
     "KvMove",
+    "KvOp",
     "KvPayload",
     "KvTier",
     "KvTransferred",
     "PlannerConfigured",
     "PrefillCompleted",
     "PrefillPlacement",
+    "RemovedRun",
     "RequestAccepted",
     "RequestCancelled",
     "RequestFailed",
@@ -373,6 +383,7 @@ __all__ = [
     "RouteCandidate",
     "RouteDecided",
     "SamplingParams",
+    "StoredRun",
     "TerminalEvent",
     "TokenBatch",
     "TokenIds",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar, overload
 
-from schemas.events import RequestSpec, RouteDecided
+from schemas.events import KvBlocksStored, KvChanged, RequestSpec, RouteDecided, StoredRun
 from schemas.messages import WorkerRegistration
 
 T = TypeVar("T")
@@ -79,3 +79,16 @@ async def eventually(
         if asyncio.get_running_loop().time() >= deadline:
             raise AssertionError(f"{message} within {timeout}s; last value: {value!r}")
         await asyncio.sleep(interval)
+
+
+def stored_blocks(events: Iterable[object], worker_id: str) -> list[int]:
+    """The block hashes ``worker_id``'s KV events among ``events`` said it stored, in order."""
+    stored: list[int] = []
+    for event in events:
+        if isinstance(event, KvChanged) and event.worker_id == worker_id:
+            for change in event.changes:
+                if isinstance(change, StoredRun):
+                    stored += change.block_hashes
+        elif isinstance(event, KvBlocksStored) and event.worker_id == worker_id:
+            stored += event.block_hashes
+    return stored

@@ -25,8 +25,8 @@ from infra.bench.sim_worker import SimWorker
 from infra.bench.tiers import OutputLengths
 from infra.bench.traces import TraceRequest
 from schemas.latency import LatencyHistogram
-from services.common.kv_index.index import PrefixIndex, change_of
-from services.engine.kv_events import kv_event
+from services.common.kv_index.changes import CLEARED, Change, change_of
+from services.common.kv_index.index import PrefixIndex
 from services.engine.protocol import (
     BlocksStored,
     CacheCleared,
@@ -247,21 +247,22 @@ class ReplaySteps(ABC):
             record.output_tokens += len(ids)
 
     def _fold(self, worker: SimWorker, changes: list[KvChange]) -> None:
-        # The index folds the worker's events as the live one does, without the events built,
-        # and changes of one kind and tier in a row as one (a step evicts for each request it
-        # admits, one after the other; a run's steps store a block per request each): the same
-        # index in fewer calls (a fifth fewer in the Mooncake trace's replay at speed-up 4).
-        index, worker_id = self._index, worker.worker_id
+        # The index folds the step's changes as the live one folds a worker's step event, but
+        # without the event built, and changes of one kind and tier in a row as one (a step
+        # evicts for each request it admits, one after the other; a run's steps store a block
+        # per request each): the same index in fewer calls.
+        if not changes:
+            return
+        folded: list[Change] = []
         for (stored, tier), group in groupby(changes, _fold_key):
             if stored is None:
-                for change in group:
-                    worker.kv_seq += 1
-                    index.apply(kv_event(change, worker_id, worker.kv_seq))
+                folded += [(CLEARED, ())] * sum(1 for _ in group)
                 continue
             runs = [c.block_hashes for c in group if not isinstance(c, CacheCleared)]
             hashes = runs[0] if len(runs) == 1 else tuple(chain.from_iterable(runs))
-            worker.kv_seq += 1
-            index.apply_change(worker_id, worker.kv_seq, change_of(stored, tier, hashes))
+            folded.append(change_of(stored, tier, hashes))
+        worker.kv_seq += 1
+        self._index.apply_changes(worker.worker_id, worker.kv_seq, tuple(folded))
 
 
 def _fold_key(change: KvChange) -> tuple[bool | None, str]:

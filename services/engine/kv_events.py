@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schemas.events import (
-    KvBlocksRemoved,
-    KvBlocksStored,
-    KvCleared,
-    KvEvent,
-    new_id,
-    utc_now,
-)
+from schemas.events import CacheWiped, KvChanged, KvOp, RemovedRun, StoredRun
+from schemas.trusted import trusted
 from services.engine.protocol import BlocksRemoved, BlocksStored, CacheCleared, KvChange
 
 
@@ -89,31 +83,21 @@ def continued(
     return out, rest
 
 
-def kv_event(change: KvChange, worker_id: str, seq: int) -> KvEvent:
-    # Validated construction: pydantic's model_construct fills defaults in Python and costs
-    # about twice as much for these models.
-    event_id, occurred_at, source = new_id(), utc_now(), f"worker/{worker_id}"
+def kv_changed(changes: Sequence[KvChange], worker_id: str, seq: int) -> KvChanged:
+    """One event of a step's ``changes`` (at least one), in their order."""
+    # The engine's own hashes and tiers: nothing a validation of each change would refuse.
+    ops = tuple(_op(change) for change in changes)
+    return KvChanged(source=f"worker/{worker_id}", worker_id=worker_id, seq=seq, changes=ops)
+
+
+def _op(change: KvChange) -> KvOp:
     if isinstance(change, BlocksStored):
-        return KvBlocksStored(
-            event_id=event_id,
-            occurred_at=occurred_at,
-            source=source,
-            worker_id=worker_id,
-            seq=seq,
-            parent_hash=change.parent_hash,
-            block_hashes=change.block_hashes,
-            tier=change.tier,
-        )
+        return trusted(StoredRun, {
+            "op": "stored", "parent_hash": change.parent_hash,
+            "block_hashes": change.block_hashes, "tier": change.tier,
+        })  # fmt: skip
     if isinstance(change, BlocksRemoved):
-        return KvBlocksRemoved(
-            event_id=event_id,
-            occurred_at=occurred_at,
-            source=source,
-            worker_id=worker_id,
-            seq=seq,
-            block_hashes=change.block_hashes,
-            tier=change.tier,
+        return trusted(
+            RemovedRun, {"op": "removed", "block_hashes": change.block_hashes, "tier": change.tier}
         )
-    return KvCleared(
-        event_id=event_id, occurred_at=occurred_at, source=source, worker_id=worker_id, seq=seq
-    )
+    return trusted(CacheWiped, {"op": "cleared"})

@@ -24,7 +24,8 @@ from schemas.events import (
 )
 from schemas.messages import ResendQuery
 from schemas.trusted import trusted
-from services.engine.kv_events import coalesced, continued, kv_event
+from schemas.worker_events import MAX_KV_CHANGES
+from services.engine.kv_events import coalesced, continued, kv_changed
 from services.engine.protocol import EngineLoad, KvChange
 from services.worker.stream import Chunk
 from services.worker.token_log import TokenLog
@@ -180,11 +181,15 @@ class Outputs:
             await self.flush()
 
     async def _publish_kv(self, changes: list[KvChange]) -> None:
-        subject = Subjects.kv(self.worker_id)
-        for change in changes:
+        if not changes:
+            return
+        # One event a step (the changes in their order). Per-worker order is what the index
+        # needs; one connection preserves it.
+        for start in range(0, len(changes), MAX_KV_CHANGES):
             self._kv_seq += 1
-            # Per-worker order is what the index needs; one connection preserves it.
-            await self._bus.publish(subject, kv_event(change, self.worker_id, self._kv_seq))
+            part = changes[start : start + MAX_KV_CHANGES]
+            event = kv_changed(part, self.worker_id, self._kv_seq)
+            await self._bus.publish(Subjects.kv(self.worker_id), event)
 
     async def load(self, role: Role, load: EngineLoad, busy_s: float) -> None:
         await self._bus.publish(

@@ -12,9 +12,9 @@ import httpx
 from bus.topology import Subjects
 from infra.cluster import LocalCluster
 from schemas.block_hash import chain_block_hashes
-from schemas.events import KvBlocksStored, KvTransferred, RequestFinished, RouteDecided
+from schemas.events import KvTransferred, RequestFinished, RouteDecided
 from tests.e2e.exact import MODEL, Streamed, mismatch, stream_body
-from tests.helpers import eventually
+from tests.helpers import eventually, stored_blocks
 from tests.ingress.helpers import sse_data
 from tests.live import ClusterFactory, Observed, observe, registrations
 
@@ -46,12 +46,7 @@ async def streamed(http: httpx.AsyncClient, prompt: str) -> tuple[str, Streamed]
 
 
 def blocks_stored(seen: Observed, worker_id: str) -> set[int]:
-    return {
-        h
-        for e in seen.events["KvBlocksStored"]
-        if isinstance(e, KvBlocksStored) and e.worker_id == worker_id
-        for h in e.block_hashes
-    }
+    return set(stored_blocks(seen.events["KvChanged"], worker_id))
 
 
 async def test_a_hot_prefix_moves_to_an_idle_worker_and_every_stream_is_exact(

@@ -6,8 +6,9 @@ from __future__ import annotations
 import random
 from typing import Literal
 
-from schemas.events import KvBlocksRemoved, KvBlocksStored, KvCleared
-from services.engine.kv_events import coalesced, continued, kv_event
+from schemas.codec import decode_event, encode
+from schemas.events import CacheWiped, KvChanged, RemovedRun, StoredRun
+from services.engine.kv_events import coalesced, continued, kv_changed
 from services.engine.protocol import BlocksRemoved, BlocksStored, CacheCleared, KvChange
 
 
@@ -126,12 +127,15 @@ def test_two_steps_joined_leave_the_index_they_would_one_by_one() -> None:
     assert joined > 100  # the case it is for came up
 
 
-def test_events_carry_the_change_and_the_workers_order() -> None:
-    stored = kv_event(BlocksStored((5, 6), 4, "host"), "w1", 3)
-    assert isinstance(stored, KvBlocksStored)
-    assert (stored.source, stored.worker_id, stored.seq) == ("worker/w1", "w1", 3)
+def test_a_steps_changes_are_one_event_in_their_order() -> None:
+    changes = [BlocksStored((5, 6), 4, "host"), BlocksRemoved((5,)), CacheCleared()]
+    event = kv_changed(changes, "w1", 3)
+    assert (event.source, event.worker_id, event.seq) == ("worker/w1", "w1", 3)
+    stored, removed, cleared = event.changes
+    assert isinstance(stored, StoredRun) and isinstance(removed, RemovedRun)
     assert (stored.parent_hash, stored.block_hashes, stored.tier) == (4, (5, 6), "host")
-    removed = kv_event(BlocksRemoved((5,)), "w1", 4)
-    assert isinstance(removed, KvBlocksRemoved) and removed.block_hashes == (5,)
-    assert isinstance(kv_event(CacheCleared(), "w1", 5), KvCleared)
-    assert stored.event_id != removed.event_id
+    assert (removed.block_hashes, removed.tier) == ((5,), "gpu")
+    assert isinstance(cleared, CacheWiped)
+    # Built without validating each change: what validation would have built, on the wire too.
+    assert decode_event(encode(event)) == event
+    assert KvChanged.model_validate(event.model_dump()) == event

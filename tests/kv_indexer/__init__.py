@@ -5,13 +5,23 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from schemas.events import KvBlocksRemoved, KvBlocksStored, KvCleared, KvEvent
+from schemas.events import (
+    CacheWiped,
+    KvBlocksRemoved,
+    KvBlocksStored,
+    KvChanged,
+    KvCleared,
+    KvEvent,
+    RemovedRun,
+    StoredRun,
+)
 from services.common.kv_index.index import PrefixIndex
 
 
 def history(rng: random.Random, workers: int = 4, events: int = 400) -> list[KvEvent]:
     """Events of ``workers`` workers in publication order: stores of prompt prefixes drawn from
-    a tree of shared prefixes, evictions, and now and then a cleared cache."""
+    a tree of shared prefixes, evictions, and now and then a cleared cache; a third of them a
+    step's several changes as one event, the rest one change each (as workers before batching)."""
     chains = [[rng.getrandbits(64) for _ in range(12)]]
     for _ in range(15):
         parent = rng.choice(chains)
@@ -24,25 +34,41 @@ def history(rng: random.Random, workers: int = 4, events: int = 400) -> list[KvE
     for _ in range(events):
         name = rng.choice(names)
         seq[name] += 1
-        roll = rng.random()
-        held = cached[name]
-        if roll < 0.03:
-            out.append(KvCleared(source="t", worker_id=name, seq=seq[name]))
-            held.clear()
-        elif roll < 0.35 and held:
-            gone = rng.sample(held, rng.randrange(1, min(len(held), 6) + 1))
-            out.append(
-                KvBlocksRemoved(source="t", worker_id=name, seq=seq[name], block_hashes=gone)
-            )
-            cached[name] = [block for block in held if block not in gone]
-        else:
-            chain = rng.choice(chains)
-            blocks = tuple(chain[: rng.randrange(1, len(chain) + 1)])
+        ops = [_change(rng, chains, cached, name) for _ in range(rng.choice((1, 1, 2, 4)))]
+        if len(ops) > 1:
+            out.append(KvChanged(source="t", worker_id=name, seq=seq[name], changes=tuple(ops)))
+        elif isinstance(ops[0], StoredRun):
+            blocks = ops[0].block_hashes
             out.append(
                 KvBlocksStored(source="t", worker_id=name, seq=seq[name], block_hashes=blocks)
             )
-            held.extend(block for block in blocks if block not in held)
+        elif isinstance(ops[0], RemovedRun):
+            gone = ops[0].block_hashes
+            out.append(
+                KvBlocksRemoved(source="t", worker_id=name, seq=seq[name], block_hashes=gone)
+            )
+        else:
+            out.append(KvCleared(source="t", worker_id=name, seq=seq[name]))
     return out
+
+
+def _change(
+    rng: random.Random, chains: list[list[int]], cached: dict[str, list[int]], name: str
+) -> StoredRun | RemovedRun | CacheWiped:
+    """One change of worker ``name``'s cache, applied to ``cached``."""
+    roll = rng.random()
+    held = cached[name]
+    if roll < 0.03:
+        held.clear()
+        return CacheWiped()
+    if roll < 0.35 and held:
+        gone = rng.sample(held, rng.randrange(1, min(len(held), 6) + 1))
+        cached[name] = [block for block in held if block not in gone]
+        return RemovedRun(block_hashes=tuple(gone))
+    chain = rng.choice(chains)
+    blocks = tuple(chain[: rng.randrange(1, len(chain) + 1)])
+    held.extend(block for block in blocks if block not in held)
+    return StoredRun(block_hashes=blocks)
 
 
 def scramble(
@@ -64,12 +90,13 @@ def fold(events: Sequence[KvEvent]) -> dict[str, frozenset[int]]:
     cached: dict[str, set[int]] = {}
     for event in events:
         held = cached.setdefault(event.worker_id, set())
-        if isinstance(event, KvBlocksStored):
-            held.update(event.block_hashes)
-        elif isinstance(event, KvBlocksRemoved):
-            held.difference_update(event.block_hashes)
-        else:
-            held.clear()
+        for change in event.changes if isinstance(event, KvChanged) else (event,):
+            if isinstance(change, KvBlocksStored | StoredRun):
+                held.update(change.block_hashes)
+            elif isinstance(change, KvBlocksRemoved | RemovedRun):
+                held.difference_update(change.block_hashes)
+            else:
+                held.clear()
     return {name: frozenset(held) for name, held in cached.items() if held}
 
 

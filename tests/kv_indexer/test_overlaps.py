@@ -9,7 +9,7 @@ import pytest
 from schemas.block_hash import chain_block_hashes
 from schemas.events import SamplingParams
 from services.common.kv_index.index import PrefixIndex
-from services.engine.kv_events import kv_event
+from services.engine.kv_events import kv_changed
 from services.engine.protocol import EngineRequest
 from services.engine.sim import SimConfig, SimEngine
 
@@ -87,9 +87,10 @@ def test_the_sim_engines_caches_are_prefix_closed(seed: int) -> None:
         engines[name].add_request(EngineRequest(f"r{r}", list(history), sampling))
         for name, engine in engines.items():
             for _ in range(rng.randrange(3)):
-                for change in engine.step().kv_changes:
+                changes = engine.step().kv_changes
+                if changes:
                     seqs[name] += 1
-                    index.apply(kv_event(change, name, seqs[name]))
+                    index.apply(kv_changed(changes, name, seqs[name]))
         for query in prompts[-20:]:
             assert index.overlaps(query) == index.overlaps(query, exact=True)
     assert index.size > 0

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from schemas.events import KvBlocksStored
+from schemas.events import CacheWiped, KvBlocksStored, KvChanged, RemovedRun, StoredRun
 from services.common.kv_index.index import PrefixIndex
 from tests.kv_indexer import history, replay, scramble, state
 
@@ -61,6 +61,19 @@ def test_buffered_events_survive_a_snapshot() -> None:
     assert restored.cached("a") == {1, 2, 3}
     restored.apply(events[0])
     assert restored.duplicates == 1
+
+
+def test_a_buffered_step_keeps_its_changes_in_order() -> None:
+    step = (StoredRun(block_hashes=(7, 8)), RemovedRun(block_hashes=(7,)), CacheWiped())
+    later = (StoredRun(block_hashes=(9,)), StoredRun(block_hashes=(5,), tier="host"))
+    index = PrefixIndex()
+    index.apply(KvChanged(source="t", worker_id="a", seq=2, changes=step))
+    index.apply(KvChanged(source="t", worker_id="a", seq=3, changes=later))
+    restored = PrefixIndex.restore(index.snapshot())
+    restored.apply(KvBlocksStored(source="t", worker_id="a", seq=1, block_hashes=(1,)))
+    # Stored, removed, then the whole cache cleared, before seq 3's.
+    assert restored.cached("a") == {9}
+    assert restored.host_run("a", [9, 5], 1) == 1
 
 
 def test_freed_slots_and_wide_masks_round_trip() -> None:

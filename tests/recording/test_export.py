@@ -58,7 +58,7 @@ def test_export_holds_every_stream_and_reads_back(cluster: LocalCluster, tmp_pat
     recorded = read_recording(out)
     kinds = Counter(r.event.type for r in recorded)
     assert kinds["RequestAccepted"] == kinds["RouteDecided"] == kinds["RequestFinished"] == REQUESTS
-    assert kinds["KvBlocksStored"] >= 1 and kinds["WorkerLoadReported"] >= 1
+    assert kinds["KvChanged"] >= 1 and kinds["WorkerLoadReported"] >= 1
     assert kinds["PlannerConfigured"] == 1
     assert {r.stream for r in recorded} == {
         "LW_REQUESTS",

@@ -27,7 +27,7 @@ from schemas.codec import decode_as, encode
 from schemas.events import (
     CancellationRequested,
     Event,
-    KvBlocksStored,
+    KvChanged,
     KvMove,
     KvPayload,
     KvTransferred,
@@ -49,7 +49,7 @@ from services.worker.outputs import Background
 from services.worker.runtime import Worker
 from services.worker.settings import WorkerOptions
 from tests.engine.torch_engine.tiny_checkpoint import write_tiny_checkpoint
-from tests.helpers import eventually, routed
+from tests.helpers import eventually, routed, stored_blocks
 
 BLOCK = 16
 PROMPT = tuple(range(1, 8 * BLOCK + 6))  # eight full blocks and five tokens
@@ -194,12 +194,7 @@ async def test_a_moved_prompt_is_pulled_announced_and_answered_as_without_the_mo
         # The modelled link time (30 ms) was waited out by the request's first step.
         assert transferred.transfer_ms >= 30.0 and moved.ttft_ms >= 30.0
         # The target announced the moved blocks, so the index learns them.
-        stored = [
-            h
-            for e in seen.of(KvBlocksStored)
-            if isinstance(e, KvBlocksStored) and e.worker_id == "mvdst"
-            for h in e.block_hashes
-        ]
+        stored = stored_blocks(seen.of(KvChanged), "mvdst")
         assert stored[: len(HASHES)] == list(HASHES)
         assert set(HASHES) <= cast(SimEngine, engines["mvdst"].engine).cached_block_hashes()
 
@@ -227,13 +222,7 @@ async def test_torch_workers_move_real_kv_and_answer_token_for_token(
         assert (moved.usage.cached_tokens, control.usage.cached_tokens) == (128, 0)
         [transferred] = seen.of(KvTransferred, "t-moved")
         assert isinstance(transferred, KvTransferred) and transferred.block_hashes == HASHES
-        stored = {
-            h
-            for e in seen.of(KvBlocksStored)
-            if isinstance(e, KvBlocksStored) and e.worker_id == "tmdst"
-            for h in e.block_hashes
-        }
-        assert set(HASHES) <= stored
+        assert set(HASHES) <= set(stored_blocks(seen.of(KvChanged), "tmdst"))
 
 
 async def test_a_holder_that_is_gone_silent_empty_or_lying_costs_a_recompute(

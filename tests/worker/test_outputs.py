@@ -13,16 +13,17 @@ from bus.client import Bus
 from bus.topology import Subjects
 from schemas.codec import encode
 from schemas.events import (
-    KvBlocksRemoved,
-    KvBlocksStored,
-    KvEvent,
+    KvChanged,
+    KvTier,
+    RemovedRun,
     RequestCancelled,
     RequestSpec,
     SamplingParams,
     TokenBatch,
     TokenRun,
 )
-from services.engine.protocol import BlocksRemoved, BlocksStored
+from schemas.worker_events import MAX_KV_CHANGES
+from services.engine.protocol import BlocksRemoved, BlocksStored, KvChange
 from services.worker.outputs import Background, Outputs
 from services.worker.stream import Chunk
 from tests.worker.fakes import RecordingBus
@@ -115,18 +116,34 @@ async def test_kv_changes_go_a_step_late_joined_to_the_run_the_next_step_continu
     await outputs.kv([BlocksRemoved((1,)), BlocksRemoved((2, 3)), BlocksStored((4, 5), None)])
     assert bus.sent == []  # held: the next step may continue the run
     await outputs.kv([BlocksStored((6,), 5), BlocksRemoved((4,))])
-    # The first step's, with the run the second continued, in the worker's order.
-    events = bus.published
-    assert [type(e).__name__ for e in events] == ["KvBlocksRemoved", "KvBlocksStored"]
-    assert cast(KvBlocksRemoved, events[0]).block_hashes == (1, 2, 3)
-    assert cast(KvBlocksStored, events[1]).block_hashes == (4, 5, 6)
+    # The first step's, with the run the second continued, in the worker's order: one event.
+    (event,) = cast(list[KvChanged], bus.published)
+    assert [(type(c).__name__, c.block_hashes) for c in event.changes] == [
+        ("RemovedRun", (1, 2, 3)),
+        ("StoredRun", (4, 5, 6)),
+    ]
     # The engine ran out of work: what is left goes at once.
     await outputs.idle()
     assert {subject for subject, _ in bus.sent} == {Subjects.kv("w1").subject}
-    assert [cast(KvEvent, e).seq for e in bus.published] == [1, 2, 3]
-    assert cast(KvBlocksRemoved, bus.published[2]).block_hashes == (4,)
+    events = cast(list[KvChanged], bus.published)
+    assert [e.seq for e in events] == [1, 2]
+    assert events[1].changes == (RemovedRun(block_hashes=(4,)),)
     await outputs.idle()
-    assert len(bus.published) == 3
+    assert len(bus.published) == 2
+
+
+async def test_a_step_of_more_changes_than_an_event_holds_goes_as_several() -> None:
+    bus = RecordingBus()
+    outputs = Outputs(cast(Bus, bus), "w1", Background())
+    # Removals from alternating tiers: nothing coalesces.
+    tiers: list[KvTier] = ["gpu", "host"]
+    changes: list[KvChange] = [BlocksRemoved((i,), tiers[i % 2]) for i in range(MAX_KV_CHANGES + 3)]
+    await outputs.kv(changes)
+    await outputs.idle()
+    events = cast(list[KvChanged], bus.published)
+    assert [(e.seq, len(e.changes)) for e in events] == [(1, MAX_KV_CHANGES), (2, 3)]
+    hashes = [c.block_hashes for e in events for c in e.changes]
+    assert hashes == [(i,) for i in range(len(changes))]
 
 
 def _runs(bus: RecordingBus) -> list[list[tuple[str, int, tuple[int, ...], str]]]:

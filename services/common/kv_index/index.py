@@ -33,13 +33,12 @@ from collections.abc import Iterable, Sequence
 from itertools import accumulate, repeat, takewhile
 from operator import and_, neg
 
-from schemas.events import KvBlocksRemoved, KvBlocksStored, KvEvent
+from schemas.events import KvEvent
 from services.common.kv_index import snapshot as snap
+from services.common.kv_index.changes import HOST, REMOVED, STORED, Changes, changes_of
 
 _MAX_INTERNED = 1 << 16
 HOST_SUFFIX = " host"
-# Added to a buffered change's kind for the host tier (the snapshot keeps the kind as a byte).
-_HOST = 4
 
 
 class PrefixIndex:
@@ -58,7 +57,7 @@ class PrefixIndex:
         # Fold cursors outlive a worker's blocks: redelivered history of a purged worker stays
         # folded already.
         self._next_seq: dict[str, int] = {}
-        self._pending: dict[str, dict[int, snap.Change]] = {}
+        self._pending: dict[str, dict[int, Changes]] = {}
         self._max_pending = max_pending
         # A stream position the caller may keep here; `snapshot` records it, `restore` sets it.
         self.position = 0
@@ -71,10 +70,10 @@ class PrefixIndex:
     def apply(self, event: KvEvent) -> None:
         """Fold one event, exactly once and in its worker's ``seq`` order, whatever the order
         and number of times it is delivered in."""
-        self.apply_change(event.worker_id, event.seq, _change(event))
+        self.apply_changes(event.worker_id, event.seq, changes_of(event))
 
-    def apply_change(self, worker_id: str, seq: int, change: snap.Change) -> None:
-        """``apply`` for an event given as its worker, seq and change (see :func:`change_of`):
+    def apply_changes(self, worker_id: str, seq: int, changes: Changes) -> None:
+        """``apply`` for an event given as its worker, seq and changes (see :mod:`.changes`):
         for an in-process caller that has no event to build."""
         expected = self._next_seq.get(worker_id, 1)
         if seq < expected:
@@ -85,11 +84,11 @@ class PrefixIndex:
             if seq in pending:
                 self.duplicates += 1
                 return
-            pending[seq] = change
+            pending[seq] = changes
             if len(pending) > self._max_pending:
                 self._skip_gap(worker_id, pending)
             return
-        self._fold(worker_id, change)
+        self._fold(worker_id, changes)
         self._next_seq[worker_id] = seq + 1
         waiting = self._pending.get(worker_id)
         if waiting:
@@ -106,31 +105,32 @@ class PrefixIndex:
                 skipped += 1
         return skipped
 
-    def _skip_gap(self, worker_id: str, pending: dict[int, snap.Change]) -> None:
+    def _skip_gap(self, worker_id: str, pending: dict[int, Changes]) -> None:
         self.gaps += 1
         self._next_seq[worker_id] = min(pending)
         self._drain(worker_id, pending)
 
-    def _drain(self, worker_id: str, pending: dict[int, snap.Change]) -> None:
+    def _drain(self, worker_id: str, pending: dict[int, Changes]) -> None:
         expected = self._next_seq[worker_id]
-        while (change := pending.pop(expected, None)) is not None:
-            self._fold(worker_id, change)
+        while (changes := pending.pop(expected, None)) is not None:
+            self._fold(worker_id, changes)
             expected += 1
         self._next_seq[worker_id] = expected
         if not pending:
             del self._pending[worker_id]
 
-    def _fold(self, worker_id: str, change: snap.Change) -> None:
-        kind, hashes = change
-        if kind >= _HOST:
-            kind -= _HOST
-            worker_id += HOST_SUFFIX
-        if kind == snap.STORED:
-            self.store(worker_id, hashes)
-        elif kind == snap.REMOVED:
-            self.remove(worker_id, hashes)
-        else:
-            self.remove_worker(worker_id)
+    def _fold(self, worker_id: str, changes: Changes) -> None:
+        for kind, hashes in changes:
+            holder = worker_id
+            if kind >= HOST:
+                kind -= HOST
+                holder += HOST_SUFFIX
+            if kind == STORED:
+                self.store(holder, hashes)
+            elif kind == REMOVED:
+                self.remove(holder, hashes)
+            else:
+                self.remove_worker(holder)
 
     # -- direct changes, bypassing the seq order ------------------------------------------------
 
@@ -385,15 +385,3 @@ class PrefixIndex:
         index._next_seq = state.next_seq
         index._pending = state.pending
         return index
-
-
-def _change(event: KvEvent) -> snap.Change:
-    if isinstance(event, KvBlocksStored | KvBlocksRemoved):
-        return change_of(isinstance(event, KvBlocksStored), event.tier, event.block_hashes)
-    return snap.CLEARED, ()
-
-
-def change_of(stored: bool, tier: str, block_hashes: tuple[int, ...]) -> snap.Change:
-    """The change of a stored (else removed) event of ``block_hashes`` in ``tier``."""
-    kind = snap.STORED if stored else snap.REMOVED
-    return kind + (_HOST if tier == "host" else 0), block_hashes

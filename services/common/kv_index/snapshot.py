@@ -5,6 +5,7 @@
     workers  u32 count, then each: u32 length, UTF-8 id, i32 slot (-1: none), u64 next seq (0: none)
     groups   u32 count, then each: u32 length, mask bytes, u64 n, n × u64 block hash
     pending  u32 count, then each: u32 worker number, u64 seq, u8 kind, u32 n, n × u64 block hash
+             (an event of several changes is one entry per change, in order, under its seq)
 
 Blocks are grouped by the mask of slots holding them, so a block costs its 8-byte hash whatever
 the number of workers caching it, and loading a group is one C-level ``dict.fromkeys``. Hashes are
@@ -20,12 +21,12 @@ from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-# A buffered event, reduced to what the fold needs: its kind and its block hashes.
-Change = tuple[int, tuple[int, ...]]
-STORED, REMOVED, CLEARED = 0, 1, 2
+from services.common.kv_index.changes import Changes
 
 MAGIC = b"LWKI"
-VERSION = 1
+# 2: an event's changes may be several entries of one seq; 1 had one each, read the same way.
+VERSION = 2
+_READABLE = (1, VERSION)
 _HEADER = struct.Struct("<4sHI")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -40,7 +41,7 @@ class State:
     slots: dict[str, int]
     groups: Mapping[int, Sequence[int]]
     next_seq: dict[str, int]
-    pending: dict[str, dict[int, Change]]
+    pending: dict[str, dict[int, Changes]]
 
 
 def dump(state: State) -> bytes:
@@ -58,7 +59,12 @@ def dump(state: State) -> bytes:
     for mask, blocks in state.groups.items():
         encoded = mask.to_bytes((mask.bit_length() + 7) // 8, "little")
         parts += [_U32.pack(len(encoded)), encoded, _U64.pack(len(blocks)), _pack(blocks)]
-    entries = [(w, seq, change) for w, p in state.pending.items() for seq, change in p.items()]
+    entries = [
+        (w, seq, change)
+        for w, p in state.pending.items()
+        for seq, changes in p.items()
+        for change in changes
+    ]
     parts.append(_U32.pack(len(entries)))
     for name, seq, (kind, blocks) in entries:
         parts += [_PENDING.pack(number[name], seq, kind, len(blocks)), _pack(blocks)]
@@ -71,8 +77,8 @@ def load(data: bytes) -> State:
     if len(view) < _HEADER.size:
         raise ValueError("not a prefix-index snapshot: too short")
     magic, version, crc = _HEADER.unpack_from(view)
-    if magic != MAGIC or version != VERSION:
-        raise ValueError(f"not a prefix-index snapshot of version {VERSION}")
+    if magic != MAGIC or version not in _READABLE:
+        raise ValueError("not a prefix-index snapshot of version 1 or 2")
     reader = _Reader(view[_HEADER.size :])
     if zlib.crc32(reader.view) != crc:
         raise ValueError("prefix-index snapshot is corrupt (CRC mismatch)")
@@ -93,7 +99,8 @@ def load(data: bytes) -> State:
     state.groups = groups
     for _ in range(reader.u32()):
         number, seq, kind, n = reader.unpack(_PENDING)
-        state.pending.setdefault(names[number], {})[seq] = (kind, tuple(reader.hashes(n)))
+        pending = state.pending.setdefault(names[number], {})
+        pending[seq] = (*pending.get(seq, ()), (kind, tuple(reader.hashes(n))))
     if reader.offset != len(reader.view):
         raise ValueError("prefix-index snapshot has trailing bytes")
     return state
