@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Coroutine
 
@@ -65,8 +66,11 @@ class Outputs:
         self._urgent: set[str] = set()  # ingresses a request's first tokens go to
         self._held: dict[str, list[TokenRun]] = {}  # by ingress, for the next step's batch
         self._kv_seq = 0
-        # The last step's KV changes, out with the next step's (see :meth:`kv`).
+        # The last step's KV changes, out with the next step's (see :meth:`kv`), and those of
+        # earlier steps waiting for the token interval to pass.
         self._held_kv: list[KvChange] = []
+        self._due_kv: list[KvChange] = []
+        self._kv_sent = -math.inf
         self.kept = TokenLog(self.source, worker_id)
         # Queued since the last flush: token runs by ingress, then terminals (with their
         # ingress), in the order they came.
@@ -166,25 +170,29 @@ class Outputs:
 
     async def kv(self, changes: list[KvChange]) -> None:
         """Publish a step's KV changes one step late, so that a run the next step continues
-        goes with it as one event (a prompt's blocks and the block its first generated token
-        completes: about one KV event a request fewer, each a stored message that the
-        kv-indexer and every planner fold). What is held goes out when the engine runs out of
-        work (:meth:`idle`)."""
+        goes with it (a prompt's blocks and the block its first generated token completes),
+        and, while the worker's last KV event went less than the token interval ago, with the
+        steps after it: one event for them all, a stored message that the kv-indexer and every
+        planner fold. What is held goes out when the engine runs out of work (:meth:`idle`)."""
         out, self._held_kv = continued(self._held_kv, coalesced(changes))
-        await self._publish_kv(out)
+        self._due_kv += out
+        now = asyncio.get_running_loop().time()
+        if self._due_kv and now - self._kv_sent >= self._token_interval_s:
+            await self._publish_kv(now)
 
     async def idle(self) -> None:
-        """The engine ran out of work: what was held for its next step goes now."""
-        held, self._held_kv = self._held_kv, []
-        await self._publish_kv(held)
+        """The engine ran out of work: what was held for its next steps goes now."""
+        self._due_kv += self._held_kv
+        self._held_kv = []
+        if self._due_kv:
+            await self._publish_kv(asyncio.get_running_loop().time())
         if self._held:
             await self.flush()
 
-    async def _publish_kv(self, changes: list[KvChange]) -> None:
-        if not changes:
-            return
-        # One event a step (the changes in their order). Per-worker order is what the index
-        # needs; one connection preserves it.
+    async def _publish_kv(self, now: float) -> None:
+        """The changes due, in their order, in as few events as hold them."""
+        changes, self._due_kv, self._kv_sent = coalesced(self._due_kv), [], now
+        # Per-worker order is what the index needs; one connection preserves it.
         for start in range(0, len(changes), MAX_KV_CHANGES):
             self._kv_seq += 1
             part = changes[start : start + MAX_KV_CHANGES]

@@ -132,6 +132,26 @@ async def test_kv_changes_go_a_step_late_joined_to_the_run_the_next_step_continu
     assert len(bus.published) == 2
 
 
+async def test_steps_within_the_token_interval_of_the_last_kv_event_go_in_one() -> None:
+    bus = RecordingBus()
+    outputs = Outputs(cast(Bus, bus), "w1", Background(), token_interval_s=60)
+    await outputs.kv([BlocksStored((1,), None)])
+    await outputs.kv([BlocksStored((2,), 1)])  # the first step's goes: none went before
+    assert len(bus.published) == 1
+    for step in ([BlocksRemoved((7,))], [BlocksStored((3,), None)], [BlocksRemoved((8,))]):
+        await outputs.kv(list(step))
+    assert len(bus.published) == 1  # within the interval: held
+    await outputs.idle()
+    first, second = cast(list[KvChanged], bus.published)
+    assert [c.block_hashes for c in first.changes] == [(1, 2)]
+    assert [(type(c).__name__, c.block_hashes) for c in second.changes] == [
+        ("RemovedRun", (7,)),
+        ("StoredRun", (3,)),
+        ("RemovedRun", (8,)),
+    ]
+    assert (first.seq, second.seq) == (1, 2)
+
+
 async def test_a_step_of_more_changes_than_an_event_holds_goes_as_several() -> None:
     bus = RecordingBus()
     outputs = Outputs(cast(Bus, bus), "w1", Background())
