@@ -9,6 +9,7 @@ import orjson
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from schemas.events import Envelope, Event
+from schemas.plain import to_json
 
 M = TypeVar("M", bound=BaseModel)
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
@@ -55,8 +56,9 @@ def current_version(event_type: str) -> int:
 
 
 def encode(model: BaseModel) -> bytes:
-    # model_dump_json's bytes, without its round trip through str.
-    return model.__pydantic_serializer__.to_json(model)
+    """``model_dump_json``'s bytes, without its round trip through str (and by orjson where
+    that writes the same bytes: :mod:`schemas.plain`)."""
+    return to_json(model)
 
 
 def decode_event(data: bytes) -> Event:
