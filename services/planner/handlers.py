@@ -201,12 +201,11 @@ class Planner:
             attempt=spec.attempt,
         )
         # The ingress takes this attempt's tokens from worker_id alone (only the planner
-        # publishes placements): sent first, and beside the route, not after its confirmation.
+        # publishes placements): queued first, so that it goes in one write with the route,
+        # whose confirmation is then waited for.
         reconnects = self._bus.reconnects
-        await asyncio.gather(
-            self._bus.publish(Subjects.placements(spec.reply_to), placed),
-            self._bus.publish(Subjects.route(worker_id), route_decided),
-        )
+        await self._bus.publish(Subjects.placements(spec.reply_to), placed)
+        await self._bus.publish(Subjects.route(worker_id), route_decided)
         if self._bus.reconnects != reconnects:
             # Nothing confirms a placement, which a connection lost meanwhile may have lost
             # with it; the route's confirmation came after a reconnect, so say it again (an
