@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 from schemas.block_hash import chain_block_hashes
 from schemas.events import RequestSpec, SamplingParams
+from schemas.trusted import trusted
 from services.common.tokenizer import Tokenizer
 from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.errors import InvalidRequest, model_not_found
@@ -55,25 +56,19 @@ class Intake:
         # Copied only now that it is known to fit: an over-long prompt costs one list, not two.
         prompt_ids = tuple(prompt_ids)
         # Every field was checked above, so pydantic's validation would only cost time here.
-        sampling = SamplingParams.model_construct(
-            max_tokens=max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            seed=params.seed,
-            stop=params.stop,
-            stop_token_ids=params.stop_token_ids,
-            ignore_eos=params.ignore_eos,
-        )
-        return RequestSpec.model_construct(
-            model=params.model,
-            prompt_token_ids=prompt_ids,
-            block_size=settings.block_size,
-            block_hashes=chain_block_hashes(prompt_ids, settings.block_size),
-            sampling=sampling,
-            reply_to=settings.instance_id,
-            deadline=datetime.now(UTC) + timedelta(seconds=settings.request_timeout_s),
-            tenant=tenant,
-        )
+        sampling = trusted(SamplingParams, {
+            "max_tokens": max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+            "seed": params.seed, "stop": params.stop, "stop_token_ids": params.stop_token_ids,
+            "ignore_eos": params.ignore_eos, "offset": 0,
+        })  # fmt: skip
+        return trusted(RequestSpec, {
+            "model": params.model, "prompt_token_ids": prompt_ids, "prompt_tokens": None,
+            "block_size": settings.block_size,
+            "block_hashes": chain_block_hashes(prompt_ids, settings.block_size),
+            "sampling": sampling, "reply_to": settings.instance_id,
+            "deadline": datetime.now(UTC) + timedelta(seconds=settings.request_timeout_s),
+            "tenant": tenant, "attempt": 0, "priority": "normal",
+        })  # fmt: skip
 
     def _max_model_len(self) -> int | None:
         limits = (self._settings.max_model_len, self._worker_limit.tokens)

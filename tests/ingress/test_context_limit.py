@@ -71,3 +71,17 @@ async def test_the_last_known_limit_stands_while_no_worker_is_registered() -> No
     assert limit.tokens == 1_000
     await limit.on_workers({"b": registration("b", 2_000)})
     assert limit.tokens == 2_000
+
+
+async def test_the_spec_built_unvalidated_is_the_one_validation_builds() -> None:
+    asked = orjson.dumps({
+        "model": "laneway-sim", "prompt": "hé " * 20, "max_tokens": 7, "temperature": 0,
+        "top_p": 0.5, "seed": -(2**63), "stop": ["\n", "x"], "stop_token_ids": [3, 0],
+        "ignore_eos": True,
+    })  # fmt: skip
+    for tenant in (None, "acme"):
+        spec = intake(await limit_of()).spec(parse_completion_request(asked), tenant)
+        checked = type(spec).model_validate(spec.model_dump())
+        assert spec == checked and spec.sampling == checked.sampling
+        assert spec.model_dump_json() == checked.model_dump_json()
+        assert spec.model_fields_set == checked.model_fields_set
