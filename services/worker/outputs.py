@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Coroutine
 
@@ -52,7 +51,12 @@ class Background:
 
 class Outputs:
     def __init__(
-        self, bus: Bus, worker_id: str, background: Background, token_interval_s: float = 0.0
+        self,
+        bus: Bus,
+        worker_id: str,
+        background: Background,
+        token_interval_s: float = 0.0,
+        kv_interval_s: float = 0.0,
     ) -> None:
         self._bus = bus
         self.worker_id = worker_id
@@ -66,11 +70,13 @@ class Outputs:
         self._urgent: set[str] = set()  # ingresses a request's first tokens go to
         self._held: dict[str, list[TokenRun]] = {}  # by ingress, for the next step's batch
         self._kv_seq = 0
+        # A step's KV changes wait this long at most for later steps' to go in one event.
+        self._kv_interval_s = kv_interval_s
         # The last step's KV changes, out with the next step's (see :meth:`kv`), and those of
-        # earlier steps waiting for the token interval to pass.
+        # earlier steps waiting for the KV interval to pass since the first of them was due.
         self._held_kv: list[KvChange] = []
         self._due_kv: list[KvChange] = []
-        self._kv_sent = -math.inf
+        self._kv_due_since = 0.0
         self.kept = TokenLog(self.source, worker_id)
         # Queued since the last flush: token runs by ingress, then terminals (with their
         # ingress), in the order they came.
@@ -171,27 +177,31 @@ class Outputs:
     async def kv(self, changes: list[KvChange]) -> None:
         """Publish a step's KV changes one step late, so that a run the next step continues
         goes with it (a prompt's blocks and the block its first generated token completes),
-        and, while the worker's last KV event went less than the token interval ago, with the
-        steps after it: one event for them all, a stored message that the kv-indexer and every
-        planner fold. What is held goes out when the engine runs out of work (:meth:`idle`)."""
+        and with the changes of the steps after it until the KV interval has passed since the
+        first of them was due: one event for them all, a stored message that the kv-indexer
+        and every planner fold (and that wakes them). What is held goes out when the engine
+        runs out of work (:meth:`idle`): a request served alone is folded after its last step,
+        not during it, where the folds would take a core from its tokens."""
         out, self._held_kv = continued(self._held_kv, coalesced(changes))
-        self._due_kv += out
         now = asyncio.get_running_loop().time()
-        if self._due_kv and now - self._kv_sent >= self._token_interval_s:
-            await self._publish_kv(now)
+        if out and not self._due_kv:
+            self._kv_due_since = now
+        self._due_kv += out
+        if self._due_kv and now - self._kv_due_since >= self._kv_interval_s:
+            await self._publish_kv()
 
     async def idle(self) -> None:
         """The engine ran out of work: what was held for its next steps goes now."""
         self._due_kv += self._held_kv
         self._held_kv = []
         if self._due_kv:
-            await self._publish_kv(asyncio.get_running_loop().time())
+            await self._publish_kv()
         if self._held:
             await self.flush()
 
-    async def _publish_kv(self, now: float) -> None:
+    async def _publish_kv(self) -> None:
         """The changes due, in their order, in as few events as hold them."""
-        changes, self._due_kv, self._kv_sent = coalesced(self._due_kv), [], now
+        changes, self._due_kv = coalesced(self._due_kv), []
         # Per-worker order is what the index needs; one connection preserves it.
         for start in range(0, len(changes), MAX_KV_CHANGES):
             self._kv_seq += 1

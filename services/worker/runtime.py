@@ -47,7 +47,13 @@ class Worker:
         self._background = Background()
         self._driver = EngineDriver(engine, options.speedup)
         self.metrics = WorkerMetrics(lambda: self._driver.busy_s)
-        self._outputs = Outputs(bus, options.worker_id, self._background, options.token_interval_s)
+        self._outputs = Outputs(
+            bus,
+            options.worker_id,
+            self._background,
+            options.token_interval_s,
+            options.kv_interval_s,
+        )
         self._receiver = KvReceiver(
             engine.block_size,
             options.kv_transfer,

@@ -39,6 +39,9 @@ class WorkerOptions:
     # An ingress gets at most one token batch this often (seconds) while steps come faster; a
     # request's first tokens and its end go out at once. 0: every step's tokens at its end.
     token_interval_s: float = 0.001
+    # A step's KV changes wait at most this long (seconds) for later steps' to go in one event:
+    # the prefix index trails the worker's cache by this, plus a step, at most.
+    kv_interval_s: float = 0.005
     # What a sim decode worker waits out for a hand-off's KV (a real engine's bytes take what
     # they take).
     kv_transfer: KvTransferModel = field(default_factory=KvTransferModel)
@@ -86,6 +89,7 @@ class WorkerSettings(ServiceSettings):
     load_report_interval_s: float = 0.5
     busy_report_interval_s: float = 0.05
     token_interval_ms: float = Field(default=1.0, ge=0, le=50)
+    kv_interval_ms: float = Field(default=5.0, ge=0, le=1000)
     drain_timeout_s: float = 5.0
     # The link a sim decode worker models for a hand-off's KV (see KvTransferModel).
     kv_bytes_per_token: int = _LINK.kv_bytes_per_token
@@ -167,6 +171,7 @@ def worker_options(settings: WorkerSettings, engine: Engine) -> WorkerOptions:
         load_report_interval_s=settings.load_report_interval_s,
         busy_report_interval_s=settings.busy_report_interval_s,
         token_interval_s=settings.token_interval_ms / 1000,
+        kv_interval_s=settings.kv_interval_ms / 1000,
         drain_timeout_s=settings.drain_timeout_s,
         kv_events=settings.kv_events and engine.capabilities.kv_events,
         max_model_len=_max_model_len(settings, engine),

@@ -132,24 +132,49 @@ async def test_kv_changes_go_a_step_late_joined_to_the_run_the_next_step_continu
     assert len(bus.published) == 2
 
 
-async def test_steps_within_the_token_interval_of_the_last_kv_event_go_in_one() -> None:
+async def test_steps_within_the_kv_interval_go_in_one_event_at_idle() -> None:
+    """A request served alone: its steps' changes wait for the engine to run out of work (the
+    folds they wake would take a core from its tokens), then go as one event."""
     bus = RecordingBus()
-    outputs = Outputs(cast(Bus, bus), "w1", Background(), token_interval_s=60)
-    await outputs.kv([BlocksStored((1,), None)])
-    await outputs.kv([BlocksStored((2,), 1)])  # the first step's goes: none went before
-    assert len(bus.published) == 1
-    for step in ([BlocksRemoved((7,))], [BlocksStored((3,), None)], [BlocksRemoved((8,))]):
+    outputs = Outputs(cast(Bus, bus), "w1", Background(), token_interval_s=0, kv_interval_s=60)
+    steps = [
+        [BlocksStored((1,), None)],
+        [BlocksStored((2,), 1)],
+        [BlocksRemoved((7,))],
+        [BlocksStored((3,), None)],
+        [BlocksRemoved((8,))],
+    ]
+    for step in steps:
         await outputs.kv(list(step))
-    assert len(bus.published) == 1  # within the interval: held
+    assert bus.published == []  # within the interval: held
     await outputs.idle()
-    first, second = cast(list[KvChanged], bus.published)
-    assert [c.block_hashes for c in first.changes] == [(1, 2)]
-    assert [(type(c).__name__, c.block_hashes) for c in second.changes] == [
+    (event,) = cast(list[KvChanged], bus.published)
+    assert [(type(c).__name__, c.block_hashes) for c in event.changes] == [
+        ("StoredRun", (1, 2)),
         ("RemovedRun", (7,)),
         ("StoredRun", (3,)),
         ("RemovedRun", (8,)),
     ]
-    assert (first.seq, second.seq) == (1, 2)
+    assert event.seq == 1
+
+
+async def test_a_busy_worker_s_changes_go_once_the_kv_interval_passed() -> None:
+    bus = RecordingBus()
+    outputs = Outputs(cast(Bus, bus), "w1", Background(), kv_interval_s=0.05)
+    await outputs.kv([BlocksStored((1,), None)])
+    await outputs.kv([BlocksRemoved((7,))])  # the first step's is due now: held
+    await asyncio.sleep(0.03)
+    await outputs.kv([BlocksStored((2,), None)])
+    assert bus.published == []
+    await asyncio.sleep(0.03)  # the interval since the first was due has passed
+    await outputs.kv([BlocksRemoved((8,))])
+    (first,) = cast(list[KvChanged], bus.published)
+    assert [c.block_hashes for c in first.changes] == [(1,), (7,), (2,)]
+    # The interval counts anew from the next change due, not from this event.
+    await outputs.kv([BlocksRemoved((9,))])
+    assert len(bus.published) == 1
+    await outputs.idle()
+    assert [c.block_hashes for c in cast(KvChanged, bus.published[1]).changes] == [(8, 9)]
 
 
 async def test_a_step_of_more_changes_than_an_event_holds_goes_as_several() -> None:
