@@ -26,7 +26,7 @@ from schemas.latency import LatencyHistogram
 from schemas.messages import OverlapReplies, OverlapReply
 from schemas.plain import plain, to_json
 from tests.helpers import registration, routed
-from tests.schemas.test_schemas import EXAMPLES
+from tests.schemas.examples import EXAMPLES
 
 
 def _pydantic(model: BaseModel) -> bytes:
