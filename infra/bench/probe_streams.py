@@ -135,6 +135,8 @@ async def probe_ttft(
     one in flight is recorded with how long it had waited, unanswered."""
     n = 0
     while not stop.is_set():
+        # When it was begun: starting its process can take a second on a crowded machine.
+        sent_at = round(time.monotonic() - t0, 1)
         # Seeds far from the streams' (0): no probe's prompt is a stream's, cached.
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "infra.bench.live_load", "--base-url", base.base_url,
@@ -144,7 +146,6 @@ async def probe_ttft(
             env={**os.environ, "LANEWAY_API_KEY": base.api_key or ""},
         )  # fmt: skip
         started = time.perf_counter()
-        sent_at = round(time.monotonic() - t0, 1)
         try:
             stdout, _ = await proc.communicate()
         except asyncio.CancelledError:
