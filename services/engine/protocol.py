@@ -75,6 +75,10 @@ class StepResult:
     duration_s: float = 0.0
     # New prompt tokens computed in this step (not served from cache).
     prefill_tokens: int = 0
+    # A result of several decode steps at once (:class:`DecodeRuns`): each step's end, seconds
+    # from the first one's start; every output holds one token of each step, and ``duration_s``
+    # is the last end. Empty for one step.
+    step_ends_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +102,9 @@ class EngineCapabilities:
     # with nothing recomputed. Without it only full blocks travel, and the decode engine
     # recomputes the partial last block with the first token.
     whole_prompt_handoff: bool = False
+    # ``run_steps`` (:class:`DecodeRuns`) does plain decode steps many at once, with the tokens,
+    # KV changes and times stepping them one by one gives (the sim engine's decode runs).
+    decode_runs: bool = False
 
 
 class Engine(Protocol):
@@ -194,6 +201,24 @@ class ModelledKvMove(Protocol):
         link that takes ``transfer_ms`` (modelled): the step that first schedules it waits that
         out. Called by a KV move's target right before it adds the request."""
         ...
+
+
+class DecodeRuns(Protocol):
+    """An engine that steps plain decode steps many at once (``capabilities.decode_runs``)."""
+
+    def run_steps(self, until_s: float) -> StepResult | None:
+        """The steps that begin within ``until_s`` seconds (modelled) from now, at least the
+        first, as one result (see ``StepResult.step_ends_s``), when they are plain decode steps:
+        no request waits, each running one decodes, none may stop on a token. None, with
+        nothing changed, when the next step is not one: :meth:`Engine.step` then does it."""
+        ...
+
+
+def decode_runs(engine: Engine) -> DecodeRuns | None:
+    """The engine's way to step many decode steps at once, or None if it has none."""
+    if not engine.capabilities.decode_runs:
+        return None
+    return cast(DecodeRuns, engine)
 
 
 def modelled_kv_move(engine: Engine) -> ModelledKvMove | None:

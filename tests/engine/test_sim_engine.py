@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import pytest
 
@@ -17,6 +18,7 @@ from services.engine.protocol import (
 from ._sim_support import (
     make_engine,
     make_request,
+    outputs_by_request,
     removed_hashes,
     run_to_end,
     stored_hashes,
@@ -306,3 +308,32 @@ def test_duplicate_request_id_is_refused() -> None:
     engine.add_request(make_request("r", range(5)))
     with pytest.raises(ValueError, match="already"):
         engine.add_request(make_request("r", range(5)))
+
+
+def test_decode_steps_run_at_once_are_the_steps_one_by_one() -> None:
+    """``run_steps``: the tokens, ends, KV changes and times of stepping them one at a time."""
+    one_by_one, at_once = make_engine(), make_engine()
+    for engine in (one_by_one, at_once):
+        for i, length in enumerate((3, 9, 6)):
+            engine.add_request(make_request(f"r{i}", range(10 * i, 10 * i + 5), length))
+        assert engine.run_steps(1.0) is None  # prompts to compute: not plain decode steps
+        engine.step()
+    run = at_once.run_steps(1.0)
+    assert run is not None and run.prefill_tokens == 0
+    steps = [one_by_one.step() for _ in run.step_ends_s]
+    # Up to the step that ends the shortest answer (its third token: two after the first).
+    assert len(run.step_ends_s) == 2
+    assert run.step_ends_s == tuple(accumulate(s.duration_s for s in steps))
+    assert run.duration_s == run.step_ends_s[-1]
+    assert run.kv_changes == [change for s in steps for change in s.kv_changes]
+    stepped = outputs_by_request(steps)
+    assert {o.request_id: o.new_token_ids for o in run.outputs} == {
+        r: tuple(t for o in outs for t in o.new_token_ids) for r, outs in stepped.items()
+    }
+    assert {o.request_id: (o.finished, o.finish_reason) for o in run.outputs} == {
+        r: (outs[-1].finished, outs[-1].finish_reason) for r, outs in stepped.items()
+    }
+    # What is left runs on alike.
+    assert [o for s in run_to_end(at_once) for o in s.outputs] == [
+        o for s in run_to_end(one_by_one) for o in s.outputs
+    ]

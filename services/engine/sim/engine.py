@@ -6,7 +6,12 @@ from collections.abc import Sequence
 
 from services.common.kv_transfer import KvTransferModel
 from services.common.perf_model import PerfModel, perf_model
-from services.engine.protocol import EngineCapabilities, EngineRequest, StepResult
+from services.engine.protocol import (
+    EngineCapabilities,
+    EngineRequest,
+    RequestOutput,
+    StepResult,
+)
 from services.engine.scheduling.block_pool import BlockPool
 from services.engine.scheduling.config import SimConfig
 from services.engine.scheduling.decode_run import DecodeRun
@@ -19,7 +24,11 @@ class SimEngine(ScheduledEngine):
     would take. ``perf`` overrides the perf model named in ``config``."""
 
     capabilities = EngineCapabilities(
-        kv_handoff=True, kv_events=True, modelled_time=True, whole_prompt_handoff=True
+        kv_handoff=True,
+        kv_events=True,
+        modelled_time=True,
+        whole_prompt_handoff=True,
+        decode_runs=True,
     )
 
     def __init__(self, config: SimConfig, perf: PerfModel | None = None) -> None:
@@ -99,6 +108,28 @@ class SimEngine(ScheduledEngine):
         perf, total = self._perf, self.kv_blocks_total
         return self._decode_run(
             lambda n, used: perf.step_ms(0, n, used / total) / 1000.0, start, until
+        )
+
+    def run_steps(self, until_s: float) -> StepResult | None:
+        run = self.decode_run(0.0, until_s)
+        if run is None:
+            return None
+        steps = len(run.times) - 1
+        ended = {req.request_id for req in run.finished}
+        outputs = [
+            RequestOutput(
+                req.request_id,
+                tuple(req.output[-steps:]),
+                req.request_id in ended,
+                "length" if req.request_id in ended else None,
+            )
+            for req in run.requests
+        ]
+        return StepResult(
+            outputs=outputs,
+            kv_changes=[*run.ended_changes, *run.last_changes],
+            duration_s=run.times[-1],
+            step_ends_s=tuple(run.times[1:]),
         )
 
     def step(self) -> StepResult:
