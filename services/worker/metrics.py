@@ -77,7 +77,10 @@ class WorkerMetrics:
         self._kv_usage.set(load.kv_blocks_used / total if total else 0.0)
 
     def step(self, result: StepResult, seconds: float) -> None:
-        self._step.observe(seconds)
+        """``seconds``: the wall time the result took, its steps' together."""
+        steps = len(result.step_ends_s) or 1
+        for _ in range(steps):
+            self._step.observe(seconds / steps)
         self._generated.inc(sum(len(output.new_token_ids) for output in result.outputs))
         if result.prefill_tokens:
             self._prefilled.inc(result.prefill_tokens)

@@ -94,6 +94,11 @@ class Requests:
                 state.awaiting.timer.cancel()
         self._outputs.kept.forget(request_id)
 
+    def runs_allowed(self) -> bool:
+        """Whether the engine may do several decode steps at once: a stop string must see its
+        request's tokens one step at a time, or the step it ends the answer at is overrun."""
+        return not any(state.spec.sampling.stop for state in self.active.values())
+
     def holds(self, request_id: str) -> bool:
         return request_id in self.active or request_id in self.prefills
 
@@ -161,10 +166,15 @@ class Requests:
                 await self.fail(request_id, f"engine error: {err}")
 
     async def output(
-        self, output: RequestOutput, stalled: bool = False, step: int | None = None
+        self,
+        output: RequestOutput,
+        stalled: bool = False,
+        step: int | None = None,
+        times: tuple[float, ...] = (),
     ) -> None:
         """``stalled``: the step that produced it also computed prompt tokens; ``step``: that
-        step's number (None: not an engine step's, a hand-off's first token)."""
+        step's number (None: not an engine step's, a hand-off's first token); ``times``: when
+        each of its tokens came, where it holds several steps' (see ``RequestStream.push``)."""
         request_id = output.request_id
         if request_id in self.prefills:
             if output.finished:
@@ -177,7 +187,7 @@ class Requests:
             # The step ran the attempt this one replaced (its route came while the step ran):
             # its token is not this attempt's, whose answer would repeat it.
             return
-        chunk = state.stream.push(output, time.monotonic(), stalled)
+        chunk = state.stream.push(output, time.monotonic(), stalled, times)
         if chunk is not None:
             self._outputs.tokens(state.spec, request_id, chunk)
         if not state.stream.finished:

@@ -45,7 +45,14 @@ class Worker:
         self._bus = bus
         self._opt = options
         self._background = Background()
-        self._driver = EngineDriver(engine, options.speedup)
+        # Decode steps within a token interval of each other go out in one batch anyway: they
+        # are done at once where no request's stop strings need them token by token.
+        self._driver = EngineDriver(
+            engine,
+            options.speedup,
+            options.token_interval_s,
+            lambda: self._requests.runs_allowed(),
+        )
         self.metrics = WorkerMetrics(lambda: self._driver.busy_s)
         self._outputs = Outputs(
             bus,
@@ -207,9 +214,14 @@ class Worker:
     async def _on_step(self, result: StepResult) -> None:
         self.metrics.step(result, self._driver.last_step_s)
         await self._requests.fail_refused()
+        times: tuple[float, ...] = ()
+        if result.step_ends_s:  # several steps at once: each token at its step's end
+            now, left = time.monotonic(), result.duration_s
+            speedup = self._opt.speedup
+            times = tuple(now - (left - end) / speedup for end in result.step_ends_s)
         for output in result.outputs:
             await self._requests.output(
-                output, stalled=result.prefill_tokens > 0, step=self._driver.steps
+                output, stalled=result.prefill_tokens > 0, step=self._driver.steps, times=times
             )
         if self._opt.kv_events:
             await self._outputs.kv(result.kv_changes)

@@ -74,22 +74,33 @@ class RequestStream:
         """A stop string ended the answer, possibly before the engine did."""
         return self._detok is not None and self._detok.stopped
 
-    def push(self, output: RequestOutput, now: float, stalled: bool = False) -> Chunk | None:
+    def push(
+        self,
+        output: RequestOutput,
+        now: float,
+        stalled: bool = False,
+        times: tuple[float, ...] = (),
+    ) -> Chunk | None:
         """Take one step's output (``stalled``: that step also computed prompt tokens); the
-        chunk to publish now, if any."""
+        chunk to publish now, if any. ``times``: when each of the output's tokens came, where it
+        holds several steps' (a decode run, which never computes prompt tokens): each closes a
+        gap of its own, as it would have stepped one by one."""
         ids = output.new_token_ids
         gap = None
         if self.first_token is None:
             self.first_token = now
             self.cached_tokens = output.cached_tokens or 0
         elif ids and self.last_token is not None:
-            gap = (now - self.last_token) * 1000
-            if self._histogram:
-                self.token_gaps.add(gap)
-            self.stalled_gaps += stalled
+            came = times or (now,)
+            for at in came:
+                gap = (at - self.last_token) * 1000
+                if self._histogram:
+                    self.token_gaps.add(gap)
+                self.last_token = at
+            self.stalled_gaps += stalled * len(came)
         self.last_gap_ms = gap
         if ids:
-            self.last_token = now
+            self.last_token = times[-1] if times else now
         detok = self._detok
         stopped = False
         text = ""

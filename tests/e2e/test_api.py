@@ -114,6 +114,10 @@ async def test_stop_string_ends_generation(client: openai.AsyncOpenAI) -> None:
     )
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == text[:first]
+    # Generated up to the token that completed the stop string, and no further (a step at a
+    # time, though decode steps at a high speed-up otherwise go many at once).
+    assert stopped.usage is not None
+    assert stopped.usage.completion_tokens == len((text[:first] + stop).encode())
 
 
 async def test_repeated_prompt_is_served_from_cache(client: openai.AsyncOpenAI) -> None:

@@ -40,7 +40,7 @@ from schemas.events import (
 from schemas.messages import KvPullQuery, KvPullReply
 from services.common.perf_model import FixedPerf
 from services.common.tokenizer import ByteTokenizer
-from services.engine.protocol import Engine, StepResult
+from services.engine.protocol import Engine, StepResult, decode_runs
 from services.engine.sim import SimConfig, SimEngine
 from services.engine.torch_engine import TorchEngine, TorchEngineConfig
 from services.worker.driver import EngineDriver
@@ -102,15 +102,24 @@ class Recorded:
         self.tokens: dict[str, list[int]] = {}
         self.prefilled = 0
         step = engine.step
+        runs = decode_runs(engine)
+
+        def record(result: StepResult | None) -> StepResult | None:
+            if result is not None:
+                self.prefilled += result.prefill_tokens
+                for output in result.outputs:
+                    self.tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            return result
 
         def recorded() -> StepResult:
             result = step()
-            self.prefilled += result.prefill_tokens
-            for output in result.outputs:
-                self.tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            record(result)
             return result
 
         setattr(engine, "step", recorded)  # noqa: B010 (an instance's method, replaced)
+        if runs is not None:
+            run_steps = runs.run_steps
+            setattr(engine, "run_steps", lambda until_s: record(run_steps(until_s)))  # noqa: B010
 
 
 def sim_engine() -> Engine:

@@ -56,3 +56,17 @@ def test_byte_tokens_decode_to_text_without_the_end_of_sequence_id() -> None:
     assert parts == ["h", "", "é", "", ""] and detok.flush() == ""
     with pytest.raises(ValueError):
         tokenizer.decode([-1])
+
+
+def test_several_steps_tokens_at_once_close_a_gap_each_as_stepped_alone() -> None:
+    stepped, at_once = RequestStream(5, received=0.0), RequestStream(5, received=0.0)
+    for stream in (stepped, at_once):
+        stream.push(out(1), 0.1)
+    for i, at in enumerate((0.12, 0.15, 0.19)):
+        stepped.push(out(2 + i, finished=i == 2), at)
+    chunk = at_once.push(out(2, 3, 4, finished=True), 0.2, times=(0.12, 0.15, 0.19))
+    assert chunk == Chunk(1, (2, 3, 4), "")
+    assert at_once.token_gaps == stepped.token_gaps and at_once.token_gaps.total() == 3
+    assert at_once.last_gap_ms == pytest.approx(stepped.last_gap_ms or 0.0) == pytest.approx(40)
+    assert at_once.last_token == stepped.last_token == 0.19
+    assert at_once.emitted == stepped.emitted == 4 and at_once.finish_reason == "length"

@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 
 from bus.client import Bus
-from bus.registry import LeasedKey, connect_etcd
 from bus.topology import Subjects
 from infra.embedded import EmbeddedServer
 from schemas.events import (
     Event,
     RequestFailed,
     RequestFinished,
-    RequestSpec,
-    RouteDecided,
-    SamplingParams,
     TokenBatch,
 )
 from services.common.perf_model import FixedPerf
-from services.common.tokenizer import ByteTokenizer
 from services.engine.sim import SimConfig, SimEngine
-from services.worker.runtime import Worker
-from services.worker.settings import WorkerOptions
-from tests.helpers import eventually, routed
+from tests.helpers import eventually
+from tests.worker.harness import route, worker_publishing
 
 
 class FlakyEngine(SimEngine):
-    """Fails its step number ``fail_at`` (the first by default), then works."""
+    """Fails its step number ``fail_at`` (the first by default), then works; a decode run that
+    would take that step fails whole."""
 
     fail_at = 1
     steps = 0
@@ -40,49 +33,24 @@ class FlakyEngine(SimEngine):
             raise RuntimeError("device lost")
         return super().step()
 
-
-def route(request_id: str, worker_id: str, max_tokens: int = 3) -> RouteDecided:
-    spec = RequestSpec(
-        model="m",
-        prompt_token_ids=tuple(range(40)),
-        block_size=16,
-        block_hashes=(),
-        sampling=SamplingParams(max_tokens=max_tokens),
-        reply_to="testingress",
-        deadline=datetime(2100, 1, 1, tzinfo=UTC),
-    )
-    return routed(request_id, worker_id, spec)
+    def run_steps(self, until_s):  # type: ignore[no-untyped-def]
+        run = super().run_steps(until_s)
+        if run is not None:
+            first, self.steps = self.steps + 1, self.steps + len(run.step_ends_s)
+            if first <= self.fail_at <= self.steps:
+                raise RuntimeError("device lost")
+        return run
 
 
 @contextlib.asynccontextmanager
 async def flaky_worker(
     bus: Bus, etcd_server: EmbeddedServer, fail_at: int
 ) -> AsyncIterator[list[Event]]:
-    """A worker named ``flaky`` whose engine fails step ``fail_at``, publishing every token
-    batch and terminal to the ingress ``testingress``: the list they are collected in."""
+    """A worker named ``flaky`` whose engine fails step ``fail_at`` (see worker_publishing)."""
     engine = FlakyEngine(SimConfig(block_size=16, num_gpu_blocks=64), FixedPerf(0.0, 0.0))
     engine.fail_at = fail_at
-    options = WorkerOptions("flaky", "both", "sim", "m", 1.0, 5, 1.0, 1.0)
-    worker = Worker(bus, engine, ByteTokenizer(), options)
-    etcd = connect_etcd(etcd_server.url)
-    stop = asyncio.Event()
-    running = asyncio.create_task(
-        worker.run(LeasedKey.worker(etcd, worker.registration(), 5), stop)
-    )
-    published: list[Event] = []
-
-    async def collect(event: Event) -> None:
-        published.append(event)
-
-    await bus.subscribe(Subjects.request_terminal("testingress"), collect)
-    await bus.subscribe(Subjects.tokens("testingress"), collect)
-    await asyncio.sleep(0.5)
-    try:
+    async with worker_publishing(bus, etcd_server, engine, "flaky") as published:
         yield published
-    finally:
-        stop.set()
-        await running
-        await etcd.close()
 
 
 async def test_a_failed_step_fails_its_requests_and_the_worker_serves_on(
