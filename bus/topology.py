@@ -81,17 +81,28 @@ CANCELS: Channel[CancellationRequested] = Channel(
 )
 # An ingress takes a request's tokens and terminal only from the worker the planner placed it
 # on; only the planner publishes placements, only a worker its own terminals and tokens. The
-# ingress hears them on a core subscription, so a stream's confirmation would tell it nothing:
-# stored. The planner says a placement again when its connection was lost while it went out,
-# and an ingress that hears none submits the request again (`Recovery.unrouted_s`).
-PLACEMENTS: Channel[RequestPlaced | RequestFailed] = Channel(
+# ingress hears them on a core subscription, and the route (stored) holds the same decision, so
+# no stream stores a placement: that cost nats-server a stream's store on every request's way to
+# its worker. The planner says a placement again when its connection was lost while it went
+# out, and an ingress that hears none submits the request again (`Recovery.unrouted_s`).
+PLACEMENTS: Channel[RequestPlaced] = Channel(
+    "lw.req.placed.{ingress}",
+    (RequestPlaced,),
+    ("planner",),
+    ("ingress (its own instance)",),
+    "core",
+    None,
+    "the planner's word to an ingress: where each attempt runs (its route says it, stored)",
+)
+# A request the planner cannot route ends here: a terminal, stored as the workers' are.
+PLANNER_FAILURES: Channel[RequestFailed] = Channel(
     "lw.req.done.{ingress}",
-    (RequestPlaced, RequestFailed),
+    (RequestFailed,),
     ("planner",),
     ("ingress (its own instance)",),
     "stored",
     REQUESTS,
-    "the planner's word to an ingress: where each attempt runs, or why it ends without a worker",
+    "why an attempt ends without a worker (none, lost, refused, too late); replayable",
 )
 TERMINALS: Channel[TerminalEvent] = Channel(
     "lw.req.done.{ingress}.{worker}",
@@ -185,6 +196,7 @@ CHANNELS: tuple[Channel[Any], ...] = (
     ACCEPTED,
     CANCELS,
     PLACEMENTS,
+    PLANNER_FAILURES,
     TERMINALS,
     ROUTE,
     TRANSFERRED,
@@ -254,7 +266,7 @@ class Subjects:
     cancellation_requested = CANCELS.subject
     # The workers' terminals and the planner's failures, for observers.
     all_request_terminals: Topic[TerminalEvent] = Topic(
-        "lw.req.done.>", TERMINALS.events, (PLACEMENTS, TERMINALS)
+        "lw.req.done.>", TERMINALS.events, (PLANNER_FAILURES, TERMINALS)
     )
     worker_terminals = TERMINALS.every
     all_tokens = TOKEN_DELTAS.every
@@ -273,6 +285,7 @@ class Subjects:
     resend = staticmethod(RESEND.at)
     index_state = staticmethod(INDEX_STATE.at)
     placements = staticmethod(PLACEMENTS.at)
+    planner_failures = staticmethod(PLANNER_FAILURES.at)
     request_terminal = staticmethod(TERMINALS.at)
     route = staticmethod(ROUTE.at)
     kv_transferred = staticmethod(TRANSFERRED.at)

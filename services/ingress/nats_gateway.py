@@ -56,6 +56,7 @@ class NatsGateway:
         self._lag_task = asyncio.create_task(self._lag.run(), name="loop-lag")
         # Core subscriptions on this instance's own subjects: set up once, lowest latency.
         await self._bus.subscribe(Subjects.placements(self._instance_id), self._deliver)
+        await self._bus.subscribe(Subjects.planner_failures(self._instance_id), self._deliver)
         await self._bus.subscribe_bytes(self._tokens.subject, self._deliver_tokens)
         await self._bus.subscribe(Subjects.request_terminal(self._instance_id), self._deliver)
 

@@ -250,7 +250,7 @@ class Planner:
     async def _fail(self, event: RequestAccepted, code: FailureCode, message: str) -> None:
         self.metrics.failures.labels(code).inc()
         await self._bus.publish(
-            Subjects.placements(event.spec.reply_to),
+            Subjects.planner_failures(event.spec.reply_to),
             RequestFailed(
                 event_id=f"failed-{_attempt_id(event.request_id, event.spec.attempt)}",
                 source=self._source,
@@ -286,7 +286,7 @@ class Planner:
             self.metrics.failures.labels("worker_lost").inc()
             log.warning("worker %s lost with request %s in flight", route.worker_id, request_id)
             await self._bus.publish(
-                Subjects.placements(route.reply_to),
+                Subjects.planner_failures(route.reply_to),
                 RequestFailed(
                     event_id=f"failed-{_attempt_id(request_id, route.attempt)}",
                     source=self._source,

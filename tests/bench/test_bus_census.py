@@ -34,5 +34,6 @@ def test_per_request() -> None:
 def test_terminals_are_matched_by_the_topologys_pattern() -> None:
     assert TERMINALS == "lw.req.done.*.*"
     assert matches(TERMINALS, "lw.req.done.ingress-1.decode-worker-0")
-    assert not matches(TERMINALS, "lw.req.done.ingress-1")  # a placement, not a terminal
+    # The planner's failure of a request (a terminal, but not a worker's).
+    assert not matches(TERMINALS, "lw.req.done.ingress-1")
     assert not matches(TERMINALS, "lw.req.done.ingress-1.decode-worker-0.x")

@@ -60,8 +60,13 @@ def test_a_worker_has_its_own_keyed_subjects_only() -> None:
 
 def test_an_ingress_reads_its_own_answers_only() -> None:
     found = nats_permissions(Identity("ingress", "i1"))
-    assert {"lw.tok.i1.*", "lw.req.done.i1.*", "lw.req.done.i1"} <= set(found.subscribe)
-    assert not any(s.startswith(("lw.tok.", "lw.req.done.", "lw.route.")) for s in found.publish)
+    assert {"lw.tok.i1.*", "lw.req.done.i1.*", "lw.req.done.i1", "lw.req.placed.i1"} <= set(
+        found.subscribe
+    )
+    assert not any(
+        s.startswith(("lw.tok.", "lw.req.done.", "lw.req.placed.", "lw.route."))
+        for s in found.publish
+    )
 
 
 def test_a_worker_sends_answers_under_its_own_name_only() -> None:
@@ -73,7 +78,9 @@ def test_a_worker_sends_answers_under_its_own_name_only() -> None:
     assert "lw.resend.w1" in found.subscribe
     assert not any(s.startswith("lw.resend") and s != "lw.resend.w1" for s in found.subscribe)
     planner = nats_permissions(Identity("planner"))
-    assert "lw.req.done.*" in planner.publish and "lw.req.done.*.*" in planner.subscribe
+    assert {"lw.req.done.*", "lw.req.placed.*"} <= set(planner.publish)
+    assert "lw.req.done.*.*" in planner.subscribe
+    assert not any(s.startswith("lw.req.placed.") for s in found.publish)
 
 
 def test_a_worker_writes_its_own_registration_key_only() -> None:

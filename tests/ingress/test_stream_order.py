@@ -140,13 +140,13 @@ INGRESS = "ingress-order"
 
 async def send(bus: Bus, event: GatewayEvent | RequestPlaced) -> None:
     """Publish ``event`` where its sender would: a worker's on its own subjects, the planner's
-    (a placement, or a failure naming no worker) on the ingress's placements."""
+    (a placement, or a failure naming no worker) on the ingress's placements and failures."""
     if isinstance(event, TokensGenerated):
         await bus.publish(Subjects.tokens(INGRESS, event.worker_id), event)
-    elif isinstance(event, RequestPlaced | RequestFailed) and (
-        isinstance(event, RequestPlaced) or not event.worker_id
-    ):
+    elif isinstance(event, RequestPlaced):
         await bus.publish(Subjects.placements(INGRESS), event)
+    elif isinstance(event, RequestFailed) and not event.worker_id:
+        await bus.publish(Subjects.planner_failures(INGRESS), event)
     else:
         assert event.worker_id
         await bus.publish(Subjects.request_terminal(INGRESS, event.worker_id), event)

@@ -80,7 +80,7 @@ async def test_a_session_etcd_refuses_fails_its_request_at_once(
         if isinstance(event, RequestFailed):
             ended.append(event)
 
-    await bus.subscribe(Subjects.placements("refused-reply"), on_terminal)
+    await bus.subscribe(Subjects.planner_failures("refused-reply"), on_terminal)
     spec = RequestSpec(
         model="m",
         prompt_token_ids=(1, 2, 3),

@@ -181,7 +181,8 @@ async def test_only_workers_and_planners_end_requests_and_only_workers_send_toke
     refusals: list[str] = []
     other = await secured.nats_as(OTHER_INGRESS, refusals)
     answers = (Subjects.request_terminal("i1", "w1"), Subjects.tokens("i1", "w1"))
-    for subject in (*(topic.subject for topic in answers), Subjects.placements("i1").subject):
+    planners = (Subjects.placements("i1").subject, Subjects.planner_failures("i1").subject)
+    for subject in (*(topic.subject for topic in answers), *planners):
         assert not await _received(secured, subject, other, b"{}")
         await _refused(other, refusals, subject)
     indexer = await secured.nats_as(INDEXER, refusals)
@@ -384,7 +385,8 @@ async def test_a_worker_answers_under_its_own_name_only(secured: Secured) -> Non
     worker = await secured.nats_as(WORKER, refusals)
     assert await _received(secured, Subjects.tokens("i1", "w1").subject, worker, b"{}", True)
     theirs = (Subjects.tokens("i1", "w2"), Subjects.request_terminal("i1", "w2"))
-    for subject in (*(topic.subject for topic in theirs), Subjects.placements("i1").subject):
+    planners = (Subjects.placements("i1").subject, Subjects.planner_failures("i1").subject)
+    for subject in (*(topic.subject for topic in theirs), *planners):
         assert not await _received(secured, subject, worker, b"{}")
         await _refused(worker, refusals, subject)
     await worker.subscribe(Subjects.resend("w2"))
