@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from infra.bench.hashes_ahead import HashesAhead
 from infra.bench.metrics import (
     PoolUsage,
     ReplayResult,
@@ -68,6 +69,7 @@ class OfflineReplay(ReplaySteps):
         self._policy = policy
         self._config = config
         self._prompts = PromptFactory(config.block_size)
+        self._hashes: HashesAhead  # from `run` on
         perf = perf_model(config.perf_model)
         # By default the planner is told the true output length, as a live client's max_tokens.
         self._tiers = tiers or TierSettings(output_length="oracle")
@@ -112,9 +114,11 @@ class OfflineReplay(ReplaySteps):
         # over the long-lived ones (records, engine state) are a tenth of a replay.
         collecting = gc.isenabled()
         gc.disable()
+        self._hashes = HashesAhead(self._trace, self._prompts)
         try:
             return self._run()
         finally:
+            self._hashes.close()
             if collecting:
                 gc.enable()
 
@@ -163,7 +167,7 @@ class OfflineReplay(ReplaySteps):
 
     def _arrive(self, now: float, i: int) -> None:
         request = self._trace[i]
-        hashes = self._prompts.block_hashes(request)
+        hashes = self._hashes.of(i)
         request_id = f"r{i}"
         max_tokens, expected = self._lengths.route(i, request.input_length, request.output_length)
         route = RouteRequest(request_id, request.input_length, hashes, None, max_tokens, expected)
