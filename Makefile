@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help run test test-pure test-slow chaos lint typecheck check gpu-check clean bench-live bench-dynamo profile hops probe-streams probe-itl bench-sim
+.PHONY: help run test test-pure test-slow chaos lint typecheck check gpu-check clean native bench-live bench-dynamo profile hops probe-streams probe-itl bench-sim
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -82,8 +82,11 @@ probe-streams: $(STAMP) ## 2,000 streams of 2,000 tokens for 60 s: slow consumer
 probe-itl: $(STAMP) ## live replay of 300 Mooncake requests at time scale 1: client ITL vs the workers' own
 	$(BIN)/python -m infra.bench.probe_itl
 
-bench-sim: $(STAMP) ## offline replay of the Mooncake trace (kv, 8 workers, speed-ups 1 and 4): wall, CPU, figures; beside Dynamo's (DYNLAB) if there
-	$(BIN)/python -m infra.bench.sim_speed $(if $(wildcard $(DYNLAB)/venv/bin/python),--dynamo-python $(DYNLAB)/venv/bin/python)
+native: $(STAMP) ## compile the offline replay's hot path with mypyc into .build/native (opt-in: see infra/native.py)
+	$(BIN)/python -m infra.native build
+
+bench-sim: native ## offline replay of the Mooncake trace (kv, 8 workers, speed-ups 1 and 4) on the native build: wall, CPU, figures; beside Dynamo's (DYNLAB) if there
+	$(BIN)/python -m infra.bench.sim_speed --native $(if $(wildcard $(DYNLAB)/venv/bin/python),--dynamo-python $(DYNLAB)/venv/bin/python)
 
 clean: ## remove the virtualenv and local state
-	rm -rf $(VENV) .state
+	rm -rf $(VENV) .state .build

@@ -2,11 +2,14 @@
 
 Replays the Mooncake conversation trace with the kv policy on 8 workers at speed-ups 1 and 4,
 each as a `laneway bench` process, and prints each run's wall and CPU seconds and its figures.
+With ``--native`` each replay runs again on the mypyc build of its hot path (`make native`, see
+:mod:`infra.native`), which must be current; its figures are the sources' to the last digit.
 With a Python that has Dynamo (``--dynamo-python``; `make bench-sim` gives the reference lab's
 when it is there), Dynamo's replay of the same trace runs right after each of ours: on a shared
 machine only the ratio of two runs made minutes apart means anything.
 
-    .venv/bin/python -m infra.bench.sim_speed [--rounds N] [--speedup 1 4] [--dynamo-python PATH]
+    .venv/bin/python -m infra.bench.sim_speed [--rounds N] [--speedup 1 4] [--native]
+        [--dynamo-python PATH]
 """
 
 from __future__ import annotations
@@ -27,27 +30,31 @@ _ROOT = Path(__file__).resolve().parents[2]
 _DYNAMO_REPLAY = _ROOT.parent / "shared/reference/dynamo/replay.py"
 
 
-def _timed(command: list[str]) -> tuple[float, float, str]:
-    """Wall and CPU seconds of ``command`` (a child process), and its stdout."""
+def _timed(command: list[str]) -> tuple[float, float, str, str]:
+    """Wall and CPU seconds of ``command`` (a child process), its stdout and stderr."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    return wall, cpu, done.stdout
+    return wall, cpu, done.stdout, done.stderr
 
 
-def laneway(trace: Path, speedup: float) -> dict[str, Any]:
+def laneway(trace: Path, speedup: float, native: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
-        command = [sys.executable, "-m", "infra.cli", "bench", "--trace", str(trace)]
+        launch = ["-m", "infra.native", "run"] if native else ["-m"]
+        command = [sys.executable, *launch, "infra.cli", "bench", "--trace", str(trace)]
         command += ["--policy", "kv", "--workers", "8", "--speedup", f"{speedup:g}"]
         command += ["--output-length", "oracle", "--json", str(out)]
-        wall, cpu, _ = _timed(command)
+        wall, cpu, _, stderr = _timed(command)
         report = json.loads(out.read_text())["kv"]
+    if native and "native: compiled" not in stderr:
+        raise SystemExit(f"the replay ran without its native build: {stderr.splitlines()[0]}")
     return {
         "system": "laneway",
+        "native": native,
         "speedup": speedup,
         "wall_s": round(wall, 2),
         "cpu_s": round(cpu, 2),
@@ -61,7 +68,7 @@ def laneway(trace: Path, speedup: float) -> dict[str, Any]:
 
 def dynamo(python: Path, trace: Path, speedup: float) -> dict[str, Any]:
     command = [str(python), str(_DYNAMO_REPLAY), str(trace), "kv_router", "8", f"{speedup:g}"]
-    wall, cpu, stdout = _timed(command)
+    wall, cpu, stdout, _ = _timed(command)
     summary = json.loads(stdout.strip().splitlines()[-1])
     return {
         "system": "dynamo",
@@ -82,6 +89,9 @@ def main() -> int:
     parser.add_argument("--speedup", type=float, nargs="+", default=[1.0, 4.0])
     parser.add_argument("--rounds", type=int, default=1, help="alternating runs of each")
     parser.add_argument(
+        "--native", action="store_true", help="each replay also on the build of `make native`"
+    )
+    parser.add_argument(
         "--dynamo-python",
         type=Path,
         help="a Python with Dynamo 1.6.1 (none: Laneway alone)",
@@ -90,23 +100,30 @@ def main() -> int:
     if not args.trace.exists():
         print(f"no trace at {args.trace} (give one with --trace)", file=sys.stderr)
         return 2
+    builds = [False, True] if args.native else [False]
     rows = []
     for _ in range(args.rounds):
         for speedup in args.speedup:
-            rows.append(laneway(args.trace, speedup))
-            print(json.dumps(rows[-1]), flush=True)
+            for native in builds:
+                rows.append(laneway(args.trace, speedup, native))
+                print(json.dumps(rows[-1]), flush=True)
             if args.dynamo_python is not None:
                 rows.append(dynamo(args.dynamo_python, args.trace, speedup))
                 print(json.dumps(rows[-1]), flush=True)
     if args.dynamo_python is not None:
         for speedup in args.speedup:
-            # CPU seconds too: on a shared machine steadier than wall, which waits for a core.
-            ratio, cpu = (
-                sum(r[what] for r in rows if (r["system"], r["speedup"]) == ("laneway", speedup))
-                / sum(r[what] for r in rows if (r["system"], r["speedup"]) == ("dynamo", speedup))
-                for what in ("wall_s", "cpu_s")
-            )
-            print(f"speed-up {speedup:g}: Laneway's wall / Dynamo's = {ratio:.2f} (CPU {cpu:.2f})")
+            dynamos = [r for r in rows if (r["system"], r["speedup"]) == ("dynamo", speedup)]
+            for native in builds:
+                ours = [r for r in rows if r.get("native") == native and r["speedup"] == speedup]
+                # CPU seconds too: on a shared machine steadier than wall, which waits for a core.
+                ratio, cpu = (
+                    sum(r[what] for r in ours) / sum(r[what] for r in dynamos)
+                    for what in ("wall_s", "cpu_s")
+                )
+                print(
+                    f"speed-up {speedup:g}: Laneway's {'native ' if native else ''}wall / "
+                    f"Dynamo's = {ratio:.2f} (CPU {cpu:.2f})"
+                )
     return 0
 
 
