@@ -15,26 +15,26 @@ from concurrent.futures import Future, ProcessPoolExecutor
 
 from infra.bench.traces import PromptFactory, TraceRequest
 
-# Requests per task: few enough to be ahead of the replay soon, enough to make a task's pickling
-# small beside its hashing.
+# Requests per task: few enough to be ahead of the replay soon.
 CHUNK = 512
 # Below this many requests the helper's start costs more than it saves.
 MIN_REQUESTS = 4096
 
-# The helper's factory per block size: its memo lasts across the tasks of one replay.
-_factories: dict[int, PromptFactory] = {}
+# What the helper hashes: set before it forks, so that it has the trace without a copy of it
+# pickled through a pipe (by a thread of the replay's process, which the replay would wait for).
+_work: tuple[Sequence[TraceRequest], PromptFactory] | None = None
 
 
-def _hash_chunk(block_size: int, requests: Sequence[TraceRequest]) -> list[tuple[int, ...]]:
-    factory = _factories.get(block_size)
-    if factory is None:
-        factory = _factories[block_size] = PromptFactory(block_size)
-    return [factory.block_hashes(r) for r in requests]
+def _hash_range(start: int, stop: int) -> list[tuple[int, ...]]:
+    assert _work is not None
+    trace, factory = _work
+    return [factory.block_hashes(r) for r in trace[start:stop]]
 
 
 class HashesAhead:
     """``of(i)``: the block hashes of ``trace[i]`` from ``prompts``, hashed ahead where a helper
-    process runs (traces of ``min_requests`` or more); ``close`` stops the helper."""
+    process runs (traces of ``min_requests`` or more, where processes fork); ``close`` stops
+    the helper."""
 
     def __init__(
         self,
@@ -43,24 +43,26 @@ class HashesAhead:
         min_requests: int = MIN_REQUESTS,
         chunk: int = CHUNK,
     ) -> None:
+        global _work
         self._trace = trace
         self._prompts = prompts
         self._chunk = chunk
         self._done: dict[int, list[tuple[int, ...]]] = {}
         self._futures: list[Future[list[tuple[int, ...]]]] = []
         self._pool: ProcessPoolExecutor | None = None
-        if len(trace) < min_requests:
+        if len(trace) < min_requests or "fork" not in multiprocessing.get_all_start_methods():
             return
-        # fork: the helper starts in milliseconds with everything imported; spawn costs the
-        # imports again, during which the replay hashes alone.
-        methods = multiprocessing.get_all_start_methods()
-        context = multiprocessing.get_context("fork" if "fork" in methods else None)
-        self._pool = ProcessPoolExecutor(1, mp_context=context)
-        size = prompts.block_size
-        self._futures = [
-            self._pool.submit(_hash_chunk, size, trace[start : start + chunk])
-            for start in range(0, len(trace), chunk)
-        ]
+        # Its own factory: the helper's memo is its own anyway.
+        _work = (trace, PromptFactory(prompts.block_size))
+        try:
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+            # The first submit forks the helper, with `_work` as it is now.
+            self._futures = [
+                self._pool.submit(_hash_range, start, start + chunk)
+                for start in range(0, len(trace), chunk)
+            ]
+        finally:
+            _work = None
 
     def of(self, i: int) -> tuple[int, ...]:
         k, at = divmod(i, self._chunk)

@@ -41,7 +41,7 @@ def test_helper_hashes_are_the_factorys(small_trace: Path) -> None:
         ahead.close()
 
 
-def _stuck(block_size: int, requests: Sequence[TraceRequest]) -> list[tuple[int, ...]]:
+def _stuck(start: int, stop: int) -> list[tuple[int, ...]]:
     time.sleep(60)
     return []
 
@@ -50,7 +50,7 @@ def test_a_killed_helper_leaves_the_hashing_here(
     small_trace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     trace = load_trace(small_trace)
-    monkeypatch.setattr(hashes_ahead, "_hash_chunk", _stuck)  # killed before it hashes any
+    monkeypatch.setattr(hashes_ahead, "_hash_range", _stuck)  # killed before it hashes any
     ahead = HashesAhead(trace, PromptFactory(16), min_requests=0, chunk=1)
     try:
         pool = ahead._pool
