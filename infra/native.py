@@ -28,9 +28,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / ".build" / "native"
-# The replay's own loop and everything it calls per step or per request, leaves first. Left out:
-# modules whose classes pickle (the trace's requests go to a helper process) or that build
-# pydantic models.
+# The replay's own loop and everything it calls per step or per request, leaves first; not the
+# modules of pydantic models (they build their classes at import, uncompilable).
 MODULES = (
     "schemas.block_hash",
     "services.common.perf_model",
@@ -49,6 +48,7 @@ MODULES = (
     "services.planner.room",
     "services.planner.kv_policy",
     "services.planner.decision",
+    "infra.bench.traces",
     "infra.bench.busy",
     "infra.bench.tiers",
     "infra.bench.sim_worker",
