@@ -16,7 +16,7 @@ the host copy stays (the tiers are inclusive), so evicting the block again costs
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from heapq import heappop, heappush
 
@@ -135,7 +135,8 @@ class BlockPool:
                 end += take
         else:
             evicted = order[self._next : end]
-        deque(map(refs.__delitem__, evicted), maxlen=0)
+        for h in evicted:  # a loop: map(refs.__delitem__) pays a method wrapper's call per block
+            del refs[h]
         self._next = end
         self._num_idle -= n
         if end > 1024 and 2 * end > len(order):  # the evicted head is half of it: dropped
