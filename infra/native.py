@@ -13,6 +13,7 @@ build would run other code than the checkout holds, so it is refused (and the so
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.abc
 import importlib.machinery
@@ -88,33 +89,33 @@ def current(target: Path = TARGET) -> bool:
 def build(target: Path = TARGET) -> bool:
     """Compile :data:`MODULES` into ``target`` (C sources and objects in its ``tmp``) unless it
     holds a current build; whether it compiled."""
-    from mypyc.build import mypycify
-    from setuptools import setup
-
     target = target.resolve()
     if current(target):
         return False
+    from mypyc.build import mypycify  # the compiler only when there is something to compile
+    from setuptools import setup
+
     target.mkdir(parents=True, exist_ok=True)
     (target / _MANIFEST).unlink(missing_ok=True)  # no manifest: no usable build, if this fails
     before = fingerprint()
-    os.chdir(ROOT)  # mypyc names modules by their paths from here
-    extensions = mypycify(
-        [str(_source(m).relative_to(ROOT)) for m in MODULES],
-        opt_level="3",
-        group_name=_GROUP,
-        target_dir=str(target / "tmp" / "c"),
-    )
-    setup(
-        name="laneway-native",
-        ext_modules=extensions,
-        script_args=[
-            "--quiet",
-            "build_ext",
-            f"--build-lib={target}",
-            f"--build-temp={target / 'tmp'}",
-            f"--parallel={os.cpu_count() or 1}",
-        ],
-    )
+    with contextlib.chdir(ROOT):  # mypyc names modules by their paths from here
+        extensions = mypycify(
+            [str(_source(m).relative_to(ROOT)) for m in MODULES],
+            opt_level="3",
+            group_name=_GROUP,
+            target_dir=str(target / "tmp" / "c"),
+        )
+        setup(
+            name="laneway-native",
+            ext_modules=extensions,
+            script_args=[
+                "--quiet",
+                "build_ext",
+                f"--build-lib={target}",
+                f"--build-temp={target / 'tmp'}",
+                f"--parallel={os.cpu_count() or 1}",
+            ],
+        )
     if fingerprint() != before:
         raise RuntimeError("sources changed while they were compiled: build again")
     (target / _MANIFEST).write_text(json.dumps(before, indent=1, sort_keys=True))
