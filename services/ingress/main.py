@@ -13,6 +13,7 @@ from pathlib import Path
 
 import uvicorn
 from pydantic import Field
+from starlette.types import ASGIApp
 
 from bus.api_keys import watch_keys
 from bus.client import Bus
@@ -71,6 +72,10 @@ class IngressSettings(ServiceSettings):
     # Both set: the API speaks HTTPS only, with this PEM certificate (chain) and private key.
     api_tls_certfile: Path | None = None
     api_tls_keyfile: Path | None = None
+    # An idle client connection is closed after this long. Longer than clients keep idle ones
+    # pooled (httpx 5 s, aiohttp 15 s), so that the client closes first: a server closing one
+    # just as the client reuses it fails that request ("Server disconnected"), never received.
+    keep_alive_s: int = Field(default=75, gt=0)
 
     def api(self) -> IngressApiSettings:
         names = {field.name for field in fields(IngressApiSettings)}
@@ -84,6 +89,24 @@ class IngressSettings(ServiceSettings):
     def model_post_init(self, context: object) -> None:
         if (self.api_tls_certfile is None) != (self.api_tls_keyfile is None):
             raise ValueError("LANEWAY_API_TLS_CERTFILE and LANEWAY_API_TLS_KEYFILE go together")
+
+
+def http_config(app: ASGIApp, settings: IngressSettings) -> uvicorn.Config:
+    """The API server's settings."""
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        # Named, not "auto": a missing httptools fails at start instead of falling back to h11,
+        # which costs the ingress a tenth more CPU per request.
+        http="httptools",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=settings.keep_alive_s,
+        ssl_certfile=settings.api_tls_certfile,
+        ssl_keyfile=settings.api_tls_keyfile,
+    )
 
 
 # How long requests cancelled at the end of the shutdown grace get to say so.
@@ -188,21 +211,7 @@ def main() -> None:
         probes = MetricsServer(metrics.registry)
         await probes.start(settings.metrics_host, settings.metrics_port)
         probes.ready_when("bus", lambda: bus.nc.is_connected)
-        server = _Server(
-            uvicorn.Config(
-                app,
-                host=settings.host,
-                port=settings.port,
-                log_level="warning",
-                # Named, not "auto": a missing httptools fails at start instead of falling back
-                # to h11, which costs the ingress a tenth more CPU per request.
-                http="httptools",
-                access_log=False,
-                timeout_graceful_shutdown=5,
-                ssl_certfile=settings.api_tls_certfile,
-                ssl_keyfile=settings.api_tls_keyfile,
-            )
-        )
+        server = _Server(http_config(app, settings))
         probes.ready_when("listening", lambda: server.started)
         # Serving once this replica answers as the others do: its context limit and admission
         # known, and, where keys are asked for, the keys (else every request would get 503).
