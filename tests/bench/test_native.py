@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from infra import native
+from infra.bench import sim_speed
 
 _COMPILER = shutil.which(str(sysconfig.get_config_var("CC") or "cc").split()[0])
 _HEADERS = Path(sysconfig.get_paths()["include"]) / "Python.h"
@@ -73,3 +74,17 @@ def test_a_build_of_other_sources_is_refused(tmp_path: Path) -> None:
 def test_a_build_missing_a_module_is_refused(tmp_path: Path) -> None:
     (tmp_path / "sources.json").write_text(json.dumps(native.fingerprint()))
     assert "lacks" in (native.enable(tmp_path) or "")
+
+
+def test_bench_sim_runs_the_sources_where_the_build_is_not_current(
+    small_trace: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(native, "TARGET", tmp_path)  # no build there
+    assert sim_speed.main(["--trace", str(small_trace), "--speedup", "1", "--native"]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["system"], r["native"]) for r in rows] == [("laneway", False)]
+    assert "no current native build" in err
