@@ -57,6 +57,8 @@ MODULES = (
     "infra.bench.offline",
 )
 _MANIFEST = "sources.json"
+# The project's own packages: what the compiled modules can import.
+_PACKAGES = ("schemas", "bus", "services", "infra", "observability")
 _GROUP = "laneway_native"
 # The library of the whole group's code, which each module's own small library loads.
 _SHARED = _GROUP + "__mypyc"
@@ -67,23 +69,28 @@ def _source(module: str) -> Path:
 
 
 def fingerprint() -> dict[str, Any]:
-    """What a build depends on: each source's digest, the Python and the compiler."""
+    """What a build depends on: the modules compiled, the digest of every source of the project's
+    packages, the Python and the compiler. Every source, not only the compiled ones: mypyc
+    compiles against what they import (a constant of another module may be written into the
+    compiled code), so a change anywhere makes a build stale."""
     import mypy.version  # only a build or a launch needs it
 
+    files = sorted(f for package in _PACKAGES for f in (ROOT / package).rglob("*.py"))
     return {
         "python": sys.version,
         "mypyc": mypy.version.__version__,
-        "sources": {m: hashlib.sha256(_source(m).read_bytes()).hexdigest() for m in MODULES},
+        "modules": list(MODULES),
+        "sources": {
+            f.relative_to(ROOT).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in files
+        },
     }
 
 
 def current(target: Path = TARGET) -> bool:
     """Whether ``target`` holds a build of these very sources, by this Python and compiler."""
     manifest = target / _MANIFEST
-    # Through JSON both: the fingerprint's tuples and a manifest's lists compare as equal.
-    return manifest.exists() and json.loads(manifest.read_text()) == json.loads(
-        json.dumps(fingerprint())
-    )
+    return manifest.exists() and json.loads(manifest.read_text()) == fingerprint()
 
 
 def build(target: Path = TARGET) -> bool:
