@@ -1,10 +1,11 @@
 """The offline replay's hot path compiled by mypyc from this checkout's own sources, opt-in.
 
 The pure-Python modules stay what every service, test and tool runs. ``build`` compiles
-:data:`MODULES` into a folder beside the checkout (``make native``), with the digest of each
-source it compiled; ``run`` starts a Python module with those compiled modules in place of
-their sources, and only while every source still has the digest it was compiled from: a stale
-build would run other code than the checkout holds, so it is refused (and the sources run).
+:data:`MODULES` into a folder beside the checkout (``make native``), with the digest of every
+source of the project's packages; ``run`` starts a Python module with those compiled modules in
+place of their sources, and only while every source still has the digest it was compiled from:
+a stale build would run other code than the checkout holds, so it is refused (and the sources
+run).
 
     .venv/bin/python -m infra.native build [--target DIR]
     .venv/bin/python -m infra.native run MODULE [ARG ...]   # e.g. infra.cli bench --trace ...
