@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import socket
 from collections import deque
@@ -15,12 +16,29 @@ def free_port() -> int:
 
 # Ports come from just below the kernel's ephemeral range: one from inside it (what binding port 0
 # gives) can be taken by an outgoing connection before its server binds it.
-def _unephemeral_ports() -> range | None:
+def unephemeral_ports() -> range | None:
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
     return range(low - 12_000, low) if low >= 13_024 else None
+
+
+def _pickable() -> range | None:
+    """``LANEWAY_PORT_RANGE`` (``LOW-HIGH``, both included) if set, else the ports below the
+    ephemeral range. Processes that start clusters side by side, each in a range of its own, never
+    pick the same port (a pick is free when made, and bound only later)."""
+    given = os.environ.get("LANEWAY_PORT_RANGE")
+    if not given:
+        return unephemeral_ports()
+    low, _, high = given.partition("-")
+    try:
+        ports = range(int(low), int(high) + 1)
+    except ValueError:
+        raise ValueError(f"LANEWAY_PORT_RANGE={given!r}: not LOW-HIGH") from None
+    if not 1024 <= ports.start < ports.stop <= 65536:
+        raise ValueError(f"LANEWAY_PORT_RANGE={given!r}: not within 1024-65535")
+    return ports
 
 
 # A port handed out is free when picked but bound later (a server not started yet): without this
@@ -51,7 +69,7 @@ def keep_clear(port: int) -> None:
 def free_ports(count: int) -> list[int]:
     """``count`` distinct free ports, none handed out before by this process (of its last 4,096):
     held together while they are picked, so that none is handed out twice."""
-    ports = _unephemeral_ports()
+    ports = _pickable()
     with contextlib.ExitStack() as held:
         socks = [held.enter_context(socket.socket()) for _ in range(count)]
         for sock in socks:

@@ -12,6 +12,7 @@ so their opt-in cannot live there."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from collections.abc import AsyncIterator, Iterator
@@ -25,13 +26,25 @@ from infra.cluster import LocalCluster
 from infra.cluster_auth import ClusterAuth, secure
 from infra.cluster_plan import ClusterConfig
 from infra.embedded import EmbeddedServer, start_etcd, start_nats
-from infra.ports import free_port
+from infra.ports import free_port, unephemeral_ports
 from tests.live import ClusterFactory
 
 # The fixtures that start real servers; a test using any of them, directly or through another
 # fixture, is live.
 SERVER_FIXTURES = frozenset({"nats_server", "etcd_server", "cluster_factory"})
 OPT_IN_MARKERS = ("slow", "gpu", "chaos")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's workers start clusters side by side. Each picks its servers' ports from a slice of
+    # its own (the clusters' own processes inherit it), or two workers could pick the same free
+    # port and race to bind it.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    ports = unephemeral_ports()
+    if worker and ports is not None and "LANEWAY_PORT_RANGE" not in os.environ:
+        size = len(ports) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        low = ports.start + int(worker.removeprefix("gw")) * size
+        os.environ["LANEWAY_PORT_RANGE"] = f"{low}-{low + size - 1}"
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection sees the markers

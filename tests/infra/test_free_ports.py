@@ -38,5 +38,23 @@ def test_a_port_checked_free_for_a_server_is_never_picked_for_another(
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
     check_port_free("127.0.0.1", port, "HTTP", "--port")
-    monkeypatch.setattr(infra.ports, "_unephemeral_ports", lambda: range(port, port + 1))
+    monkeypatch.setenv("LANEWAY_PORT_RANGE", f"{port}-{port}")
     assert port not in free_ports(4)
+
+
+def test_ports_come_from_the_range_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    ports = infra.ports.unephemeral_ports()
+    assert ports is not None
+    low = ports.start + 100
+    monkeypatch.setenv("LANEWAY_PORT_RANGE", f"{low}-{low + 49}")
+    picked = free_ports(20)
+    assert all(low <= port <= low + 49 for port in picked), picked
+
+
+@pytest.mark.parametrize("given", ["30000", "a-b", "80-90", "40000-70000", "5000-4000"])
+def test_a_range_that_is_no_range_of_ports_is_refused(
+    monkeypatch: pytest.MonkeyPatch, given: str
+) -> None:
+    monkeypatch.setenv("LANEWAY_PORT_RANGE", given)
+    with pytest.raises(ValueError, match="LANEWAY_PORT_RANGE"):
+        free_ports(1)
