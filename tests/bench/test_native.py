@@ -18,17 +18,9 @@ _COMPILER = shutil.which(str(sysconfig.get_config_var("CC") or "cc").split()[0])
 _HEADERS = Path(sysconfig.get_paths()["include"]) / "Python.h"
 
 
-@pytest.fixture(scope="module")
-def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if _COMPILER is None or not _HEADERS.exists():
-        pytest.skip("no C compiler or no Python headers here to build with")
-    target = tmp_path_factory.mktemp("native")
-    subprocess.run(
-        [sys.executable, "-m", "infra.native", "--target", str(target), "build"],
-        check=True,
-        capture_output=True,
-    )
-    return target
+def _build(target: Path) -> None:
+    command = [sys.executable, "-m", "infra.native", "--target", str(target), "build"]
+    subprocess.run(command, check=True, capture_output=True)
 
 
 def _digest(small_trace: Path, *launch: str) -> tuple[str, str]:
@@ -38,27 +30,29 @@ def _digest(small_trace: Path, *launch: str) -> tuple[str, str]:
     return json.loads(done.stdout)["digest"], done.stderr
 
 
-def test_the_compiled_replay_is_the_sources_to_the_last_digit(
-    build: Path, small_trace: Path
+# One test for all that needs a build: xdist would give tests sharing a fixture a build each, on
+# both workers (40 s of gcc each).
+def test_a_build_serves_the_sources_replay_to_the_last_digit(
+    tmp_path: Path, small_trace: Path
 ) -> None:
-    sources, _ = _digest(small_trace, "-m")
-    compiled, said = _digest(small_trace, "-m", "infra.native", "--target", str(build), "run")
-    assert "native: compiled" in said
-    assert compiled == sources
-
-
-def test_the_modules_come_from_the_build(build: Path) -> None:
+    if _COMPILER is None or not _HEADERS.exists():
+        pytest.skip("no C compiler or no Python headers here to build with")
+    _build(tmp_path)
+    # The modules come from the build.
     probe = (
-        "import sys; from infra import native; "
-        f"assert native.enable(native.Path({str(build)!r})) is None; "
+        "from infra import native; "
+        f"assert native.enable(native.Path({str(tmp_path)!r})) is None; "
         "import infra.bench.offline as m; print(m.__file__)"
     )
     done = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True)
-    assert Path(done.stdout.strip()).parent == build / "infra" / "bench"
-
-
-def test_a_second_build_of_the_same_sources_is_skipped(build: Path) -> None:
-    assert native.build(build) is False
+    assert Path(done.stdout.strip()).parent == tmp_path / "infra" / "bench"
+    # The replay on them is the sources' to the last digit.
+    sources, _ = _digest(small_trace, "-m")
+    compiled, said = _digest(small_trace, "-m", "infra.native", "--target", str(tmp_path), "run")
+    assert "native: compiled" in said
+    assert compiled == sources
+    # A second build of the same sources is skipped.
+    assert native.build(tmp_path) is False
 
 
 def test_a_build_of_other_sources_is_refused(tmp_path: Path) -> None:
