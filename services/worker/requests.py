@@ -76,17 +76,28 @@ class Requests:
         self._prefill = prefill
         # Hand-off KV still arriving for a request that ends.
         self._blobs = blobs
+        # Held by `hold` and let go by `_drop` alone, which keep `_with_stops` beside it.
         self.active: dict[str, Active] = {}
         self.prefills: dict[str, PrefillJob] = {}
+        # The active requests with stop strings: asked at every step, so counted, not scanned.
+        self._with_stops: set[str] = set()
 
     def hold(self, request_id: str, state: Active) -> None:
         """Serve ``request_id``; what it publishes is kept for resend queries from now on."""
         self.active[request_id] = state
+        if state.spec.sampling.stop:
+            self._with_stops.add(request_id)
+        else:  # it may replace an attempt that had some
+            self._with_stops.discard(request_id)
         self._outputs.kept.started(request_id, state.spec.attempt)
+
+    def _drop(self, request_id: str) -> Active:
+        self._with_stops.discard(request_id)
+        return self.active.pop(request_id)
 
     def forget(self, request_id: str) -> None:
         """Let go of a request without ending it: another attempt of it replaces it here."""
-        state = self.active.pop(request_id)
+        state = self._drop(request_id)
         state.span.end()
         if state.awaiting is not None:
             state.awaiting.settle("replaced")
@@ -97,7 +108,7 @@ class Requests:
     def runs_allowed(self) -> bool:
         """Whether the engine may do several decode steps at once: a stop string must see its
         request's tokens one step at a time, or the step it ends the answer at is overrun."""
-        return not any(state.spec.sampling.stop for state in self.active.values())
+        return not self._with_stops
 
     def holds(self, request_id: str) -> bool:
         return request_id in self.active or request_id in self.prefills
@@ -194,7 +205,7 @@ class Requests:
             return
         if not output.finished:  # a stop string ended it before the engine did
             self._driver.abort(request_id)
-        del self.active[request_id]
+        self._drop(request_id)
         finished = state.stream.finished_event(
             self._outputs.source,
             request_id,
@@ -255,7 +266,7 @@ class Requests:
 
     def _end(self, request_id: str, attribute: str, why: str) -> Active:
         """Let go of a request that ends before its answer does, saying why on its span."""
-        state = self.active.pop(request_id)
+        state = self._drop(request_id)
         state.span.set_attribute(attribute, why)
         state.span.end()
         return state

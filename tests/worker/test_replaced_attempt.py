@@ -146,3 +146,22 @@ async def test_a_route_redelivered_after_its_attempt_ended_here_is_not_run_again
     for attempt in (0, 1):
         batches = [b for b in worker.batches() if b.attempt == attempt]
         assert b"".join(bytes(b.token_ids) for b in batches) == whole_answer()
+
+
+async def test_runs_are_allowed_exactly_while_no_request_held_has_a_stop_string() -> None:
+    worker = Worker()
+    requests = worker.requests
+
+    def stopping(attempt: int) -> RequestSpec:
+        sampling = SamplingParams(max_tokens=2, seed=44, stop=("zz",))
+        return spec(attempt).model_copy(update={"sampling": sampling})
+
+    assert requests.runs_allowed()
+    await worker._handlers.on_route(routed("r", "w1", stopping(0)))
+    assert not requests.runs_allowed()
+    await worker.route(1)  # its next attempt, without one, replaces it
+    assert requests.runs_allowed()
+    await worker._handlers.on_route(routed("r", "w1", stopping(2)))
+    assert not requests.runs_allowed()
+    await worker.run_until_finished(2)
+    assert "r" not in requests.active and requests.runs_allowed()
