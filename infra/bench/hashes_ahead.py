@@ -52,8 +52,7 @@ class HashesAhead:
         self._pool: ProcessPoolExecutor | None = None
         if len(trace) < min_requests or "fork" not in multiprocessing.get_all_start_methods():
             return
-        # Its own factory: the helper's memo is its own anyway.
-        _work = (trace, PromptFactory(prompts.block_size))
+        _work = (trace, prompts)  # the helper's copy, its memo its own
         try:
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
             # The first submit forks the helper, with `_work` as it is now.

@@ -40,8 +40,8 @@ def test_a_build_serves_the_sources_replay_to_the_last_digit(
     _build(tmp_path)
     # The modules come from the build.
     probe = (
-        "from infra import native; "
-        f"assert native.enable(native.Path({str(tmp_path)!r})) is None; "
+        "from pathlib import Path; from infra import native; "
+        f"assert native.enable(Path({str(tmp_path)!r})) is None; "
         "import infra.bench.offline as m; print(m.__file__)"
     )
     done = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True)

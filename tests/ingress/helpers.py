@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import orjson
 from starlette.applications import Starlette
+from starlette.types import Receive, Scope, Send
 
 from schemas.events import (
     RequestFinished,
@@ -123,3 +124,12 @@ def finished(completion_tokens: int, request_id: str = "r1") -> RequestFinished:
 
 def text_of(events: list[GatewayEvent]) -> str:
     return "".join(e.text for e in events if isinstance(e, TokensGenerated))
+
+
+async def ok_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """A bare ASGI app answering every HTTP request with 200 "ok": for the server's own tests."""
+    if scope["type"] != "http":
+        return
+    headers = [(b"content-length", b"2")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"ok"})

@@ -7,30 +7,19 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import Awaitable, Callable
 
 import pytest
 import uvicorn
 import uvloop
 
 from services.ingress.acceptor import ACCEPTS_PER_TURN, EagerAcceptServer
+from tests.ingress.helpers import ok_app
 
-Scope = dict[str, object]
-Receive = Callable[[], Awaitable[dict[str, object]]]
-Send = Callable[[dict[str, object]], Awaitable[None]]
 PENDING = 300
 
 
-async def _ok(scope: Scope, receive: Receive, send: Send) -> None:
-    if scope["type"] != "http":
-        return
-    headers = [(b"content-length", b"2")]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": b"ok"})
-
-
 def _config() -> uvicorn.Config:
-    return uvicorn.Config(_ok, lifespan="off", log_level="warning", http="httptools")
+    return uvicorn.Config(ok_app, lifespan="off", log_level="warning", http="httptools")
 
 
 async def _turns_to_accept() -> int:

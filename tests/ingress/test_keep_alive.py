@@ -7,18 +7,11 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator
 
-from starlette.types import Receive, Scope, Send
-
 from services.ingress.acceptor import EagerAcceptServer
 from services.ingress.main import IngressSettings, http_config
+from tests.ingress.helpers import ok_app
 
 _REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
-
-
-async def _ok(scope: Scope, receive: Receive, send: Send) -> None:
-    headers = [(b"content-length", b"2")]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": b"ok"})
 
 
 async def _serving(keep_alive_s: int | None) -> AsyncIterator[int]:
@@ -26,7 +19,7 @@ async def _serving(keep_alive_s: int | None) -> AsyncIterator[int]:
     if keep_alive_s is not None:
         settings = settings.model_copy(update={"keep_alive_s": keep_alive_s})
     listener = socket.create_server(("127.0.0.1", 0))
-    server = EagerAcceptServer(http_config(_ok, settings))
+    server = EagerAcceptServer(http_config(ok_app, settings))
     server.config.lifespan = "off"
     serving = asyncio.create_task(server.serve(sockets=[listener]))
     while not server.started:
