@@ -54,14 +54,22 @@ class _ClientGone(Exception):
 class _DisconnectWatch:
     """Cancels the request's task when the client goes away, so that a request waiting on the
     cluster (where no ``send`` would fail) notices at once. ``stop`` must run, synchronously,
-    before the task leaves the code that is prepared for that cancellation."""
+    before the task leaves the code that is prepared for that cancellation.
 
-    __slots__ = ("_task", "_watcher", "fired")
+    The watcher is not cancelled when stopped: the server answers its pending ``receive`` with
+    a disconnect once the response is complete or the connection gone (uvicorn and the ASGI
+    spec), and it then ends by itself. A cancelled watcher left a reference cycle per request
+    (its CancelledError's traceback holds the frames that hold the task), about 27 objects that
+    only the garbage collector frees: at 900 requests a second, a 28 ms young collection every
+    2.5 s in the ingress."""
+
+    __slots__ = ("_stopped", "_task", "_watcher", "fired")
 
     def __init__(self, receive: Receive) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
+        self._stopped = False
         self.fired = False
         self._watcher = asyncio.create_task(self._watch(receive))
 
@@ -69,11 +77,12 @@ class _DisconnectWatch:
         # The body has been read, so the next message can only be the disconnect.
         while (await receive())["type"] != "http.disconnect":
             pass
-        self.fired = True
-        self._task.cancel()
+        if not self._stopped:
+            self.fired = True
+            self._task.cancel()
 
     def stop(self) -> None:
-        self._watcher.cancel()
+        self._stopped = True
 
     def forgive(self) -> None:
         """Undo our own cancellation once it has been handled."""

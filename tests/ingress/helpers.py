@@ -3,6 +3,8 @@ requests."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -12,7 +14,7 @@ from typing import Any
 import httpx
 import orjson
 from starlette.applications import Starlette
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from schemas.events import (
     RequestFinished,
@@ -22,9 +24,11 @@ from schemas.events import (
     Usage,
 )
 from services.common.tokenizer import ByteTokenizer
+from services.ingress.acceptor import EagerAcceptServer
 from services.ingress.admission import Admission
 from services.ingress.api import create_app
 from services.ingress.gateway import GatewayEvent
+from services.ingress.main import IngressSettings, http_config
 from services.ingress.metrics import IngressMetrics
 from services.ingress.settings import IngressApiSettings
 from tests.ingress.fakes import FakeGateway, Step
@@ -133,3 +137,21 @@ async def ok_app(scope: Scope, receive: Receive, send: Send) -> None:
     headers = [(b"content-length", b"2")]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": b"ok"})
+
+
+@asynccontextmanager
+async def served(app: ASGIApp, settings: IngressSettings | None = None) -> AsyncIterator[int]:
+    """``app`` behind the ingress's own HTTP server and its settings, on a free loopback port
+    (yielded), stopped when the block ends."""
+    settings = settings or IngressSettings()
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = EagerAcceptServer(http_config(app, settings))
+    server.config.lifespan = "off"
+    serving = asyncio.create_task(server.serve(sockets=[listener]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        server.should_exit = True
+        await serving
