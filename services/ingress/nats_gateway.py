@@ -117,8 +117,12 @@ class NatsGateway:
                     hold=self._lag.hold_s if self._lag is not None else None,
                     drain=self.drain,
                 )
-                async for event in follow.events():
-                    yield event
+                # Closed here, not left to the loop's finalizer of abandoned generators: the
+                # client's answer ends at the terminal, with the generator still suspended,
+                # and the finalizer would close it in a task of its own, one per request.
+                async with contextlib.aclosing(follow.events()) as events:
+                    async for event in events:
+                        yield event
                 if follow.ended is not None:
                     span.set_attribute("laneway.outcome", follow.ended.type)
                 span.set_attribute("laneway.attempts", follow.attempt + 1)

@@ -4,7 +4,11 @@ live gateway against a real nats-server with a worker that publishes out of orde
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
+import sys
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, cast
 
 import pytest
 from nats.aio.msg import Msg
@@ -160,11 +164,15 @@ def placed(request_id: str, worker_id: str = "w0", attempt: int = 0) -> RequestP
 
 
 async def answer(
-    bus: Bus, request_id: str, script: Script, place: bool = True
+    bus: Bus,
+    request_id: str,
+    script: Script,
+    place: bool = True,
+    take: Callable[[AsyncIterator[GatewayEvent]], Awaitable[list[GatewayEvent]]] = collect,
 ) -> list[GatewayEvent]:
     """Submit ``request_id`` and answer it, once accepted, with its placement on w0 (unless not
     ``place``) and ``script``: each token batch or terminal published, flushed, and given time
-    to be taken before the next goes out."""
+    to be taken before the next goes out. ``take`` reads the gateway's events (all of them)."""
     gateway = NatsGateway(bus, INGRESS, Recovery(completion_wait_s=0.3))
     await gateway.start()
     accepted = asyncio.Event()
@@ -186,10 +194,45 @@ async def answer(
 
     publishing = asyncio.create_task(worker())
     received = await asyncio.wait_for(
-        collect(gateway.submit(request_id, None, request_spec(INGRESS))), 5
+        take(gateway.submit(request_id, None, request_spec(INGRESS))), 5
     )
     await publishing
     return received
+
+
+async def _until_terminal(events: AsyncIterator[GatewayEvent]) -> list[GatewayEvent]:
+    """As the ingress's exchange reads: up to the terminal, then the stream is closed."""
+    received: list[GatewayEvent] = []
+    async for event in events:
+        received.append(event)
+        if not isinstance(event, TokensGenerated):
+            break
+    await cast(AsyncGenerator[GatewayEvent, None], events).aclose()
+    return received
+
+
+async def test_a_stream_read_up_to_its_terminal_leaves_no_generator_to_the_finalizer(
+    bus: Bus,
+) -> None:
+    """Left suspended, the gateway's inner generators would be closed by the event loop's
+    finalizer of abandoned ones, in a task of its own for every request."""
+    first_iter, finalizer = sys.get_asyncgen_hooks()
+    abandoned: list[str] = []
+
+    def finalize(generator: AsyncGenerator[Any, Any]) -> None:
+        abandoned.append(generator.ag_code.co_qualname)
+        if finalizer is not None:
+            finalizer(generator)
+
+    sys.set_asyncgen_hooks(first_iter, finalize)
+    try:
+        script: Script = [("tokens", batch(0, "ab", "read")), ("terminal", finished(2, "read"))]
+        received = await answer(bus, "read", script, take=_until_terminal)
+        gc.collect()
+    finally:
+        sys.set_asyncgen_hooks(first_iter, finalizer)
+    assert text_of(received) == "ab" and isinstance(received[-1], RequestFinished)
+    assert abandoned == []
 
 
 async def test_the_last_batch_overtaken_by_the_terminal_still_reaches_the_client(
