@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -120,7 +120,7 @@ class Follow:
         self._drained = False  # since the terminal was held
         self.ended: TerminalEvent | None = None
 
-    async def events(self) -> AsyncIterator[GatewayEvent]:
+    async def events(self) -> AsyncGenerator[GatewayEvent, None]:
         """The request's batches in order, then its terminal event. Batches that came while
         the client was being written to go out together, as one: an ingress that falls behind
         writes fewer, larger chunks instead of working through a backlog of small ones."""

@@ -8,6 +8,7 @@ import gc
 import itertools
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from types import AsyncGeneratorType
 from typing import Any, cast
 
 import pytest
@@ -220,7 +221,7 @@ async def test_a_stream_read_up_to_its_terminal_leaves_no_generator_to_the_final
     abandoned: list[str] = []
 
     def finalize(generator: AsyncGenerator[Any, Any]) -> None:
-        abandoned.append(generator.ag_code.co_qualname)
+        abandoned.append(cast(AsyncGeneratorType[Any, Any], generator).ag_code.co_qualname)
         if finalizer is not None:
             finalizer(generator)
 
