@@ -180,21 +180,29 @@ class Bus:
         keeps a publisher's order)."""
         delivery = topic.delivery
         if delivery == "confirmed":
-            await (await self.send_confirmed(topic, event))
+            data, headers = self._confirmed(topic, event)
+            sent = await self._confirms.send(topic.subject, data, headers)
+            await self._confirms.stored(topic.subject, data, headers, sent)
         else:
             headers = event_headers(event, stored=delivery == "stored")
             await self._nc.publish(topic.subject, encode(event), headers=headers or None)
 
-    async def send_confirmed(self, topic: Topic[E], event: E) -> Coroutine[Any, Any, None]:
+    async def send_confirmed(
+        self, topic: Topic[E], event: E, retry: Callable[[Coroutine[Any, Any, None]], object]
+    ) -> None:
         """Publish an event of a confirmed channel now, behind what went before on the
         connection (so it goes out in one write with what is published next, before the loop
-        turns); returns what waits for (and retries until) the stream's confirmation, which
-        must be awaited, as :meth:`publish` would."""
+        turns), without waiting for its stream's confirmation: that is checked when it comes. A
+        publish the stream did not confirm at once is tried again, or its error raised, in the
+        coroutine handed to ``retry`` to run (in a task of the publisher's)."""
+        data, headers = self._confirmed(topic, event)
+        sent = await self._confirms.send(topic.subject, data, headers)
+        self._confirms.settle(topic.subject, data, headers, sent, retry)
+
+    def _confirmed(self, topic: Topic[E], event: E) -> tuple[bytes, dict[str, str]]:
         if topic.delivery != "confirmed":
             raise ValueError(f"{topic.subject} is not a confirmed channel")
-        data, headers = encode(event), event_headers(event)
-        first = await self._confirms.send(topic.subject, data, headers)
-        return self._confirms.stored(topic.subject, data, headers, first)
+        return encode(event), event_headers(event)
 
     async def publish_bytes(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         """Core NATS, no stream: bulk data that is not an event (see :mod:`bus.blobs`)."""

@@ -7,9 +7,9 @@ this about 27 (the server the same). Every request is confirmed three times on i
 routed, ended), so that is some 50 us of a request's CPU.
 
 A publish is sent first and confirmed after (:meth:`Confirmations.send`, then
-:meth:`Confirmations.stored`), so that a publisher
-can queue it on the connection with other messages, to go out in one write, and wait for its
-stream's answer elsewhere.
+:meth:`Confirmations.stored`, or :meth:`Confirmations.settle` for a publisher that does not wait),
+so that a publisher can queue it on the connection with other messages, to go out in one write,
+and wait for its stream's answer elsewhere.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import nats.errors
@@ -38,6 +38,9 @@ CONFIRM_WITHIN_S = 30.0
 _RETRIED = (nats.errors.TimeoutError, NoStreamResponseError, ServiceUnavailableError)
 # The server's answer for a subject no stream takes (it tells requesters there is nobody).
 _NO_RESPONDERS = "503"
+# In a stream's answer only when it refused the message (a PubAck names stream, seq,
+# duplicate and domain): most answers are told stored without parsing them.
+_ERROR = b'"error"'
 
 
 class Confirmations:
@@ -47,64 +50,55 @@ class Confirmations:
         self._sub: Subscription | None = None
         self._starting = asyncio.Lock()
         self._tokens = itertools.count()
-        self._waiting: dict[str, asyncio.Future[bytes]] = {}
+        # A try's answer and the timer that gives up on it, by the token of its reply subject.
+        self._waiting: dict[str, tuple[asyncio.Future[bytes], asyncio.TimerHandle]] = {}
 
     async def send(
         self, subject: str, data: bytes, headers: dict[str, str]
-    ) -> Coroutine[Any, Any, None]:
-        """Queue one try on the connection now, behind what was published before; returns what
-        waits for its stream's answer, which must be awaited: it returns once the stream stored
-        the message, or raises as nats-py's JetStream publish does: ``nats.errors.TimeoutError``
-        (no answer in time), ``NoStreamResponseError`` (no stream takes ``subject``), an
-        ``APIError`` (the stream refused it)."""
+    ) -> asyncio.Future[bytes]:
+        """Queue one try on the connection now, behind what was published before; returns the
+        future of its stream's answer (the reply's bytes: :func:`check` it), which fails with
+        ``nats.errors.TimeoutError`` when none comes in ``ATTEMPT_S``, or
+        ``NoStreamResponseError`` when no stream takes ``subject``."""
         if self._sub is None:
             await self._start()
         token = str(next(self._tokens))
-        answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._waiting[token] = answer
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[bytes] = loop.create_future()
+        # A timer, not asyncio.timeout around an await: no task needs to wait for the answer.
+        self._waiting[token] = (answer, loop.call_later(ATTEMPT_S, self._expire, token))
         try:
             await self._nc.publish(subject, data, reply=self._prefix + token, headers=headers)
         except BaseException:
-            self._waiting.pop(token, None)
+            self._forget(token)
             raise
-        return self._answered(token, answer)
-
-    async def _answered(self, token: str, answer: asyncio.Future[bytes]) -> None:
-        try:
-            async with asyncio.timeout(ATTEMPT_S):
-                reply = await answer
-        except TimeoutError:
-            raise nats.errors.TimeoutError from None
-        finally:
-            self._waiting.pop(token, None)
-        ack = orjson.loads(reply)
-        if "error" in ack:
-            APIError.from_error(ack["error"])
+        return answer
 
     async def stored(
         self,
         subject: str,
         data: bytes,
         headers: dict[str, str],
-        sent: Coroutine[Any, Any, None],
+        sent: asyncio.Future[bytes],
     ) -> None:
         """Return once a stream has stored the message whose first try :meth:`send` sent
-        (``sent``, its answer). A stream whose leader was on a server that went answers nothing
-        until its others elect one (seconds): the publish is repeated until then
-        (``CONFIRM_WITHIN_S``), and the message id has the stream drop a copy it had stored
-        unconfirmed."""
+        (``sent``, its answer), or raise as nats-py's JetStream publish does: an ``APIError``
+        (the stream refused it), ``NoStreamResponseError``, ``nats.errors.TimeoutError``. A
+        stream whose leader was on a server that went answers nothing until its others elect
+        one (seconds): the publish is repeated until then (``CONFIRM_WITHIN_S``), and the
+        message id has the stream drop a copy it had stored unconfirmed."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         attempts = 0
-        attempt: Coroutine[Any, Any, None] | None = sent
+        answer: asyncio.Future[bytes] | None = sent
         while True:
             try:
-                await (attempt or await self.send(subject, data, headers))
+                check(await (answer or await self.send(subject, data, headers)))
                 break
             except _RETRIED:
                 if loop.time() > started + CONFIRM_WITHIN_S:
                     raise
-                attempt = None
+                answer = None
                 attempts += 1
                 await asyncio.sleep(0.1)
         if attempts:
@@ -113,17 +107,59 @@ class Confirmations:
                 "the stream of %s confirmed after %.1f s (%d tries)", subject, waited, attempts + 1
             )
 
+    def settle(
+        self,
+        subject: str,
+        data: bytes,
+        headers: dict[str, str],
+        sent: asyncio.Future[bytes],
+        retry: Callable[[Coroutine[Any, Any, None]], object],
+    ) -> None:
+        """Have the answer to ``sent`` (:meth:`send`'s first try) checked when it comes, by a
+        callback: a message its stream stored costs no task. Otherwise :meth:`stored`'s tries
+        go on, or its error is raised, in the coroutine handed to ``retry`` to run."""
+
+        def answered(answer: asyncio.Future[bytes]) -> None:
+            if not answer.cancelled() and answer.exception() is None:
+                reply = answer.result()
+                if _ERROR not in reply:
+                    return
+            retry(self.stored(subject, data, headers, answer))
+
+        sent.add_done_callback(answered)
+
     async def _start(self) -> None:
         async with self._starting:
             if self._sub is None:
                 self._prefix = self._nc.new_inbox() + "."
                 self._sub = await self._nc.subscribe(self._prefix + "*", cb=self._on_reply)
 
+    def _forget(self, token: str) -> asyncio.Future[bytes] | None:
+        waiting = self._waiting.pop(token, None)
+        if waiting is None:
+            return None
+        answer, timer = waiting
+        timer.cancel()
+        return answer
+
+    def _expire(self, token: str) -> None:
+        answer = self._forget(token)
+        if answer is not None and not answer.done():
+            answer.set_exception(nats.errors.TimeoutError())
+
     async def _on_reply(self, msg: Msg) -> None:
-        answer = self._waiting.pop(msg.subject[len(self._prefix) :], None)
+        answer = self._forget(msg.subject[len(self._prefix) :])
         if answer is None or answer.done():  # given up on already
             return
         if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
             answer.set_exception(NoStreamResponseError())
         else:
             answer.set_result(msg.data)
+
+
+def check(reply: bytes) -> None:
+    """Raise the stream's refusal if its answer ``reply`` is one (an ``APIError``)."""
+    if _ERROR in reply:
+        ack = orjson.loads(reply)
+        if "error" in ack:
+            APIError.from_error(ack["error"])

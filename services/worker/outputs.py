@@ -114,8 +114,8 @@ class Outputs:
         for reply_to, event in terminals:
             subject = Subjects.request_terminal(reply_to, self.worker_id)
             # Sent now; its stream's confirmation, awaited here, would stall every other
-            # request's next step.
-            self._background.spawn(await self._bus.send_confirmed(subject, event))
+            # request's next step. A try not confirmed at once goes on in the background.
+            await self._bus.send_confirmed(subject, event, self._background.spawn)
         if runs or terminals:
             # The connection writes from a task of its own: let it, before an engine stepped on
             # this thread computes the next step (the batches would wait that long).

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
+import nats.errors
 import pytest
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NoStreamResponseError
 
+from bus import confirms as confirms_module
 from bus.client import Bus
-from bus.confirms import Confirmations
+from bus.confirms import Confirmations, check
 from bus.topology import REQUESTS, Subjects
 from schemas.codec import decode_event
 from schemas.events import RequestCancelled
@@ -23,8 +26,8 @@ from tests.helpers import eventually
 
 
 async def once(confirms: Confirmations, subject: str, data: bytes, headers: dict[str, str]) -> None:
-    """One try, sent and its answer awaited."""
-    await (await confirms.send(subject, data, headers))
+    """One try, sent and its answer awaited and checked."""
+    check(await (await confirms.send(subject, data, headers)))
 
 
 @contextlib.asynccontextmanager
@@ -61,25 +64,63 @@ async def test_no_stream_and_a_refusal_are_told_apart(bus: Bus) -> None:
         assert not confirms._waiting
 
 
-async def test_sent_now_and_stored_once_its_confirmation_is_awaited(bus: Bus) -> None:
+async def test_sent_now_and_confirmed_without_a_task(bus: Bus) -> None:
     """`send_confirmed` has the message on the connection when it returns (what is published
-    next goes out behind it); awaiting what it returns waits for the stream to store it."""
+    next goes out behind it); the stream's confirmation is checked when it comes, and a stored
+    message leaves nothing to retry."""
     ended = RequestCancelled(
         source="worker/w1", request_id="r1", worker_id="w1", reason="client_disconnected"
     )
     topic = Subjects.request_terminal("i1", "w1")
     seen: list[bytes] = []
+    retried: list[Coroutine[Any, Any, None]] = []
 
     async def on_msg(msg: Msg) -> None:
         seen.append(msg.data)
 
     await bus.nc.subscribe(topic.subject, cb=on_msg)
-    confirmation = await bus.send_confirmed(topic, ended)
-    # Out before its confirmation was awaited.
-    await eventually(lambda: bool(seen), message="not sent before its confirmation")
-    await confirmation
+    await bus.send_confirmed(topic, ended, retried.append)
+    await eventually(lambda: bool(seen), message="not sent")
     js = bus.nc.jetstream()
     stored = await js.get_last_msg(REQUESTS.name, topic.subject)
-    assert decode_event(stored.data) == ended
+    assert stored.data is not None and decode_event(stored.data) == ended
+    await eventually(lambda: not bus._confirms._waiting, message="its answer never came")
+    assert retried == []
     with pytest.raises(ValueError, match="not a confirmed channel"):
-        await bus.send_confirmed(Subjects.placements("i1"), ended)
+        await bus.send_confirmed(Subjects.placements("i1"), ended, retried.append)
+
+
+async def test_a_refusal_is_raised_by_what_is_left_to_retry(bus: Bus) -> None:
+    async with stream(bus, "SETTLES"):
+        confirms = Confirmations(bus.nc)
+        retried: list[Coroutine[Any, Any, None]] = []
+        headers = {"Nats-Expected-Stream": "ANOTHER"}
+        sent = await confirms.send("settles.x", b"x", headers)
+        confirms.settle("settles.x", b"x", headers, sent, retried.append)
+        await eventually(lambda: bool(retried), message="the refusal was not handed on")
+        with pytest.raises(BadRequestError):
+            await retried[0]
+
+
+async def test_an_unanswered_try_times_out_and_is_tried_again(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subscriber that never answers stands for a stream without a leader: each try gives up
+    after ``ATTEMPT_S``, and the tries stop with the timeout after ``CONFIRM_WITHIN_S``."""
+    monkeypatch.setattr(confirms_module, "ATTEMPT_S", 0.05)
+    monkeypatch.setattr(confirms_module, "CONFIRM_WITHIN_S", 0.3)
+    tries: list[Msg] = []
+
+    async def silent(msg: Msg) -> None:
+        tries.append(msg)
+
+    await bus.nc.subscribe("silent.x", cb=silent)
+    confirms = Confirmations(bus.nc)
+    retried: list[Coroutine[Any, Any, None]] = []
+    sent = await confirms.send("silent.x", b"x", {})
+    confirms.settle("silent.x", b"x", {}, sent, retried.append)
+    await eventually(lambda: bool(retried), message="the timeout was not handed on")
+    with pytest.raises(nats.errors.TimeoutError):
+        await retried[0]
+    assert len(tries) >= 3
+    assert not confirms._waiting

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from bus.channels import Topic
-
-
-async def _confirmed() -> None:
-    return None
 
 
 class RecordingBus:
@@ -23,7 +19,8 @@ class RecordingBus:
     async def publish(self, topic: Topic[Any], event: object) -> None:
         self.sent.append((topic.subject, event))
 
-    async def send_confirmed(self, topic: Topic[Any], event: object) -> Coroutine[Any, Any, None]:
-        """Recorded as sent at once; its confirmation waits for nothing."""
+    async def send_confirmed(
+        self, topic: Topic[Any], event: object, retry: Callable[[Coroutine[Any, Any, None]], object]
+    ) -> None:
+        """Recorded as sent at once and confirmed: nothing is left to ``retry``."""
         self.sent.append((topic.subject, event))
-        return _confirmed()
