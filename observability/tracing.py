@@ -22,10 +22,10 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import Span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from observability.carried import CarriedSpan, CarryingTracerProvider, carried_context
 from schemas.events import Envelope, TraceContext
 
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -78,35 +78,39 @@ def _exporter(spec: str) -> SpanExporter | None:
     raise ValueError(f"unknown trace exporter {spec!r}: use none, console, otlp or file:PATH")
 
 
-def setup_tracing(service: str, instance: str, exporter: str) -> TracerProvider:
-    """With no exporter nothing could read a span, so none is recorded: spans still carry ids
-    (a request's events name its trace, which ``laneway explain`` shows) but go on unsampled,
-    about half the cost of a recorded one. A process that exports samples by OpenTelemetry's
-    settings (``OTEL_TRACES_SAMPLER``; by default every trace whose parent was sampled), so
-    every service of a cluster is given the same exporter (``laneway up`` and the manifests
-    do)."""
+def setup_tracing(service: str, instance: str, exporter: str) -> trace.TracerProvider:
+    """With no exporter nothing could read a span, so none is made: a request's trace context
+    goes from event to event as it came (:mod:`observability.carried`), so its events still
+    name its trace, which ``laneway explain`` shows. A process that exports samples by
+    OpenTelemetry's settings (``OTEL_TRACES_SAMPLER``; by default every trace whose parent was
+    sampled), so every service of a cluster is given the same exporter (``laneway up`` and the
+    manifests do)."""
     span_exporter = _exporter(exporter)
+    if span_exporter is None:
+        carrying = CarryingTracerProvider()
+        trace.set_tracer_provider(carrying)
+        return carrying
     provider = TracerProvider(
-        resource=Resource.create({"service.name": service, "service.instance.id": instance}),
-        sampler=ALWAYS_OFF if span_exporter is None else None,
+        resource=Resource.create({"service.name": service, "service.instance.id": instance})
     )
-    if span_exporter is not None:
-        # Files are read by tests right after a request: write them at span end.
-        processor = (
-            SimpleSpanProcessor(span_exporter)
-            if isinstance(span_exporter, JsonLinesSpanExporter)
-            else BatchSpanProcessor(span_exporter)
-        )
-        provider.add_span_processor(processor)
+    # Files are read by tests right after a request: write them at span end.
+    processor = (
+        SimpleSpanProcessor(span_exporter)
+        if isinstance(span_exporter, JsonLinesSpanExporter)
+        else BatchSpanProcessor(span_exporter)
+    )
+    provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
     return provider
 
 
 def trace_context(span: Span | None = None) -> TraceContext | None:
     """The context of ``span`` (default: the active span), for the envelope of events it causes."""
+    current = span if span is not None else trace.get_current_span()
+    if isinstance(current, CarriedSpan):
+        return current.carried
     carrier: dict[str, str] = {}
-    ctx = trace.set_span_in_context(span) if span is not None else None
-    _PROPAGATOR.inject(carrier, context=ctx)
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(current))
     if "traceparent" not in carrier:
         return None
     return TraceContext(traceparent=carrier["traceparent"], tracestate=carrier.get("tracestate"))
@@ -114,17 +118,18 @@ def trace_context(span: Span | None = None) -> TraceContext | None:
 
 def context_of(event: Envelope) -> otel_context.Context:
     """The trace context that caused ``event``: new spans for its work continue that trace."""
-    if event.trace is None:
-        return otel_context.Context()
-    carrier = {"traceparent": event.trace.traceparent}
-    if event.trace.tracestate:
-        carrier["tracestate"] = event.trace.tracestate
-    return context_of_headers(carrier)
+    return carried_context(event.trace)
 
 
 def trace_headers() -> dict[str, str]:
     """The active span's context as W3C ``traceparent``/``tracestate`` headers (empty outside a
     span): a query is no event and has no envelope, so its trace rides in the NATS headers."""
+    current = trace.get_current_span()
+    if isinstance(current, CarriedSpan):
+        carried = current.carried
+        if carried.tracestate:
+            return {"traceparent": carried.traceparent, "tracestate": carried.tracestate}
+        return {"traceparent": carried.traceparent}
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier)
     return carrier

@@ -6,6 +6,7 @@ import os
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
+from annotated_types import MaxLen
 from pydantic import BaseModel, ConfigDict, Field
 
 TokenIds = tuple[int, ...]
@@ -39,8 +40,16 @@ class Frozen(BaseModel):
 class TraceContext(Frozen):
     """W3C trace context of the span that caused this event."""
 
-    traceparent: str = Field(description="W3C `traceparent` header value")
-    tracestate: str | None = Field(default=None, description="W3C `tracestate` header value")
+    # The W3C form (a later version may add fields): what is carried on unparsed, as it came,
+    # where no span is recorded (observability.carried) is well-formed at least.
+    traceparent: str = Field(
+        pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-[0-9a-zA-Z._-]*)?$",
+        max_length=256,
+        description="W3C `traceparent` header value",
+    )
+    tracestate: Annotated[str, MaxLen(512)] | None = Field(
+        default=None, description="W3C `tracestate` header value"
+    )
 
 
 class Envelope(Frozen):

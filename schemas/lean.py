@@ -55,9 +55,12 @@ def _annotated(tp: Any, metadata: list[Any], where: str) -> Any:
     constraints: dict[str, Any] = {}
     for item in metadata:
         name = _CONSTRAINTS.get(type(item))
-        if name is None:
+        if name is not None:
+            constraints[name] = getattr(item, name)
+        elif set(getattr(item, "__dict__", ())) == {"pattern"}:  # pydantic's, for a string
+            constraints["pattern"] = item.pattern
+        else:
             raise TypeError(f"{where}: no msgspec equivalent of {item!r}")
-        constraints[name] = getattr(item, name)
     return Annotated[inner, msgspec.Meta(**constraints)]
 
 

@@ -120,6 +120,21 @@ def test_explain_shows_the_timeline_and_every_candidates_terms(
     assert f"request {request_id}" in text and "decode candidates" in text and "cost" in text
 
 
+def test_each_requests_events_name_one_trace(log: list[Recorded]) -> None:
+    """The cluster records no spans (no exporter): each hop carries the trace it was given."""
+    traces: dict[str, set[str]] = {}
+    for recorded in log:
+        event = recorded.event
+        if event.request_id and event.trace is not None:
+            traces.setdefault(event.request_id, set()).add(event.trace.traceparent.split("-")[1])
+    finished = _finished_ids(log)
+    assert finished and all(len(traces[request_id]) == 1 for request_id in finished)
+    assert len({next(iter(traces[request_id])) for request_id in finished}) == len(finished)
+    for request_id in finished:
+        kinds = {r.event.type for r in log if r.event.request_id == request_id and r.event.trace}
+        assert {"RequestAccepted", "RouteDecided", "RequestFinished"} <= kinds
+
+
 def test_replay_makes_every_decision_again_identically(
     log: list[Recorded], source: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

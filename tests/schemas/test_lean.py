@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import orjson
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -33,7 +34,13 @@ def _model_takes(data: bytes) -> bool:
 
 @pytest.mark.parametrize(
     "batch",
-    [_batch(), _batch(trace=TraceContext(traceparent="00-ab-cd-01"), request_id="x")],
+    [
+        _batch(),
+        _batch(
+            trace=TraceContext(traceparent="00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"),
+            request_id="x",
+        ),
+    ],
 )
 def test_a_worker_s_batch_reads_as_the_model_reads_it(batch: TokenBatch) -> None:
     data = codec.encode(batch)
@@ -113,10 +120,21 @@ def test_out_of_range_and_mistyped_runs_are_refused() -> None:
     assert lean_batch(lone_surrogate) is None and not _model_takes(lone_surrogate)
 
 
-def test_a_model_the_struct_cannot_mirror_exactly_is_refused_at_once() -> None:
+def test_a_strings_pattern_carries_over() -> None:
     class Pattern(BaseModel):
         model_config = ConfigDict(extra="forbid")
         name: str = Field(pattern="^a+$")
+
+    decode = msgspec.json.Decoder(struct_of(Pattern)).decode
+    assert decode(b'{"name": "aaa"}').name == "aaa"
+    with pytest.raises(msgspec.ValidationError):
+        decode(b'{"name": "aab"}')
+
+
+def test_a_model_the_struct_cannot_mirror_exactly_is_refused_at_once() -> None:
+    class Multiple(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        count: int = Field(multiple_of=2)
 
     class Checked(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -134,6 +152,6 @@ def test_a_model_the_struct_cannot_mirror_exactly_is_refused_at_once() -> None:
         model_config = ConfigDict(extra="forbid")
         names: dict[str, int]
 
-    for model in (Pattern, Checked, Open, Mapping):
+    for model in (Multiple, Checked, Open, Mapping):
         with pytest.raises(TypeError):
             struct_of(model)
