@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from schemas.events import RequestCancelled, TokenRun
 from services.worker.token_log import TokenLog
 
@@ -79,3 +81,34 @@ def test_the_kept_attempt_is_known_while_running_and_after_the_end() -> None:
     assert log.attempt("r") == 2
     log.expire(now=60.0)
     assert log.attempt("r") is None
+
+
+def test_a_reply_gives_back_each_run_as_published() -> None:
+    log = new_log()
+    log.started("r", attempt=2)
+    runs = [
+        TokenRun(request_id="r", index=0, token_ids=(1, 2), text="ab", attempt=2),
+        TokenRun(request_id="r", index=2, token_ids=(195,), text="", attempt=2),  # half a char
+        TokenRun(request_id="r", index=3, token_ids=(169, 33), text="é!", attempt=2),
+        TokenRun(request_id="r", index=9, token_ids=(7,), text="z", attempt=2),  # after a gap
+    ]
+    for run in runs:
+        log.published(run)
+    reply = log.reply("r", 0, attempt=2)
+    assert reply is not None
+    back = [(b.index, b.token_ids, b.text, b.attempt) for b in reply.batches]
+    assert back == [(r.index, r.token_ids, r.text, r.attempt) for r in runs]
+    assert log.reply("r", 0, attempt=1) is None
+
+
+def test_kept_runs_are_not_objects_the_garbage_collector_walks() -> None:
+    log = new_log()
+    log.started("r")
+    gc.collect()
+    tracked = len(gc.get_objects())
+    for index in range(2_000):
+        log.published(batch("r", index, "x"))
+    gc.collect()
+    assert len(gc.get_objects()) - tracked < 20
+    reply = log.reply("r", 1_999)
+    assert reply is not None and [b.index for b in reply.batches] == [1_999]
