@@ -80,3 +80,26 @@ async def test_a_taker_waits_no_longer_than_its_deadline() -> None:
     await asyncio.sleep(0)
     box.put_nowait(finished(0))
     assert await asyncio.wait_for(waiting, 1)
+
+
+async def test_each_wait_ends_at_its_own_deadline_whatever_the_waits_before() -> None:
+    """A timer is left armed when an arrival wakes the taker: a later wait with a later
+    deadline is not woken by it early, one with an earlier deadline not late."""
+    box = Mailbox()
+    loop = asyncio.get_running_loop()
+
+    async def woken(deadline: float) -> None:
+        waiting = asyncio.create_task(box.arrival(deadline))
+        await asyncio.sleep(0)
+        box.put_nowait(finished(0))
+        assert await waiting
+        box.get_nowait()
+
+    await woken(loop.time() + 1.0)  # its timer, at 1 s, stays
+    started = loop.time()
+    assert await asyncio.wait_for(box.arrival(started + 0.02), 1) is False
+    assert 0.02 <= loop.time() - started < 0.5
+    await woken(loop.time() + 0.05)  # its timer, at 50 ms, stays
+    started = loop.time()
+    assert await asyncio.wait_for(box.arrival(started + 0.15), 1) is False
+    assert loop.time() - started >= 0.15
