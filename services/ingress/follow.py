@@ -92,11 +92,12 @@ class Follow:
         ask: Ask,
         resubmit: Resubmit,
         source: str,
-        hold: Callable[[], float] | None = None,
+        hold: Callable[[float], float] | None = None,
         drain: Drain | None = None,
     ) -> None:
         """``hold``: how long to wait after passing events on before taking the next (seconds;
-        what comes meanwhile goes on together), e.g. :meth:`LoopLag.hold_s`. ``drain``: what a
+        what comes meanwhile goes on together), given how long the request has run (seconds),
+        e.g. :meth:`LoopLag.hold_s`. ``drain``: what a
         terminal that came before tokens it counts waits for first (none: the wait for them is
         counted from the terminal)."""
         self._accepted = accepted
@@ -113,7 +114,7 @@ class Follow:
         self.attempt = 0
         self._worker: str | None = None  # this attempt's, once the planner placed it
         self._unplaced: deque[GatewayEvent] = deque(maxlen=UNPLACED_LIMIT)
-        now = self._loop.time()
+        now = self._started = self._loop.time()
         self._heard = now  # this attempt's latest sign of life
         self._next_ask = now + recovery.silence_s
         self._held_since: float | None = None
@@ -135,7 +136,12 @@ class Follow:
                 ready.extend(await self._take(queue.get_nowait()))
             for out in coalesced(ready):
                 yield out
-            if ready and self.ended is None and self._hold and (hold := self._hold()) > 0:
+            if (
+                ready
+                and self.ended is None
+                and self._hold
+                and (hold := self._hold(self._loop.time() - self._started)) > 0
+            ):
                 await asyncio.sleep(hold)
 
     async def _take(self, event: Heard) -> list[GatewayEvent]:

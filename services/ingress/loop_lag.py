@@ -22,9 +22,15 @@ from collections.abc import Callable
 BEHIND_S = 0.5
 # Late ticks in a row that make the loop behind.
 STREAK = 2
-# A loop whose ticks come this late, STREAK in a row, is busy: each stream is then written less
-# often (``hold_s``), well before it is behind.
-BUSY_S = 0.2
+# A loop whose ticks come this late, STREAK in a row, is busy: each stream that has run
+# ``HOLD_AFTER_S`` is then written less often (``hold_s``), well before the loop is behind. Every
+# new request's way through the ingress (its HTTP request, its first tokens) waits about this
+# long per turn of the loop: at 0.2 s, 2,000 long streams kept the loop 85-100 ms late, under
+# the bar, and a new request's first token took up to 1.1 s.
+BUSY_S = 0.05
+# A stream is held only once it has run this long: a request's first tokens, and all of a short
+# answer's, go out as they come however busy the loop.
+HOLD_AFTER_S = 1.0
 # The longest a stream's tokens are held back for a busy loop: under the silence after which a
 # stream's worker is asked (``Recovery.silence_s``, 1 s).
 MAX_HOLD_S = 0.8
@@ -71,11 +77,12 @@ class LoopLag:
         overdue = self._loop.time() - self._due >= self._behind_s
         return self.late_ticks + overdue >= self._streak
 
-    def hold_s(self) -> float:
-        """How long a stream waits after a write before its next: none while the loop keeps up;
-        while it is busy, twice the latest lateness (up to ``MAX_HOLD_S``). A busy loop writes
+    def hold_s(self, age_s: float) -> float:
+        """How long a stream that has run ``age_s`` waits after a write before its next: none
+        while the loop keeps up or the stream is new (``HOLD_AFTER_S``); while the loop is busy,
+        twice the latest lateness (up to ``MAX_HOLD_S``). A busy loop writes
         every stream at every turn, each turn longer for it; held, each stream is written less
         often with more tokens at once, and the turns shorten again."""
-        if self.busy_ticks < self._streak:
+        if age_s < HOLD_AFTER_S or self.busy_ticks < self._streak:
             return 0.0
         return min(MAX_HOLD_S, 2 * self.late_s)

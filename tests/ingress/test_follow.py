@@ -117,7 +117,9 @@ async def test_held_back_a_stream_passes_on_what_came_meanwhile_as_one() -> None
     async def run(hold: float) -> list[GatewayEvent]:
         queue = Mailbox()
         accepted = RequestAccepted(source="ingress/t", request_id="r1", spec=request_spec("t"))
-        out = Follow(accepted, queue, FAST, _no_resend, _no_resubmit, "ingress/t", lambda: hold)
+        out = Follow(
+            accepted, queue, FAST, _no_resend, _no_resubmit, "ingress/t", lambda age_s: hold
+        )
         queue.put_nowait(placed("w1", 0))
         queue.put_nowait(of(batch(0, "a"), "w1", 0))
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from services.ingress.loop_lag import BUSY_S, MAX_HOLD_S, LoopLag
+from services.ingress.loop_lag import BUSY_S, HOLD_AFTER_S, MAX_HOLD_S, LoopLag
 
 
 async def _ticks_run() -> None:
@@ -60,18 +60,20 @@ async def test_streak_is_checked() -> None:
 
 async def test_a_busy_loop_holds_streams_back_and_a_keeping_up_one_does_not() -> None:
     lag = LoopLag(interval_s=0.01, behind_s=10.0)
+    old = HOLD_AFTER_S
     ticking = asyncio.create_task(lag.run())
     try:
         await asyncio.sleep(0.05)
-        assert lag.hold_s() == 0.0
+        assert lag.hold_s(old) == 0.0
         await _turn(BUSY_S + 0.05)
-        assert lag.hold_s() == 0.0  # one long turn is no busy loop
+        assert lag.hold_s(old) == 0.0  # one long turn is no busy loop
         await _turn(BUSY_S + 0.05)
-        assert 2 * BUSY_S <= lag.hold_s() <= MAX_HOLD_S
+        assert 2 * BUSY_S <= lag.hold_s(old) <= MAX_HOLD_S
+        assert lag.hold_s(HOLD_AFTER_S / 2) == 0.0  # a new stream's tokens go out as they come
         await _turn(1.0)
-        assert lag.hold_s() == MAX_HOLD_S
+        assert lag.hold_s(old) == MAX_HOLD_S
         await asyncio.sleep(0.05)
-        assert lag.hold_s() == 0.0
+        assert lag.hold_s(old) == 0.0
     finally:
         ticking.cancel()
 
