@@ -78,7 +78,7 @@ class TokenLog:
 
     def published(self, run: TokenRun) -> None:
         kept = self._running.get(run.request_id)
-        if kept is None:
+        if kept is None or run.attempt != kept.attempt:  # not of the attempt held here
             return
         kept.starts.append(len(kept.token_ids))
         kept.token_ids.extend(run.token_ids)

@@ -94,6 +94,7 @@ def test_a_reply_gives_back_each_run_as_published() -> None:
     ]
     for run in runs:
         log.published(run)
+    log.published(TokenRun(request_id="r", index=10, token_ids=(8,), text="y", attempt=1))
     reply = log.reply("r", 0, attempt=2)
     assert reply is not None
     back = [(b.index, b.token_ids, b.text, b.attempt) for b in reply.batches]
