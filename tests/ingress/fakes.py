@@ -48,7 +48,14 @@ class Raise:
     error: Exception
 
 
-Step = Tokens | Finish | Fail | Hang | Raise
+@dataclass(frozen=True)
+class Pause:
+    """The worker takes this long before the next step."""
+
+    seconds: float
+
+
+Step = Tokens | Finish | Fail | Hang | Raise | Pause
 
 
 @dataclass
@@ -118,6 +125,8 @@ class FakeGateway:
                         return
                     case Raise(error):
                         raise error
+                    case Pause(seconds):
+                        await asyncio.sleep(seconds)
         finally:
             self.closed.append(request_id)
 

@@ -12,8 +12,9 @@ import orjson
 from bus.runtime import loop_factory
 from services.common.tokenizer import ByteTokenizer
 from services.ingress.api import create_app
+from services.ingress.exchange import WATCH_AFTER_S
 from services.ingress.settings import IngressApiSettings
-from tests.ingress.fakes import FakeGateway
+from tests.ingress.fakes import FakeGateway, Finish, Pause, Tokens
 from tests.ingress.helpers import chat_body, served
 
 _REQUESTS = 20
@@ -34,7 +35,11 @@ async def _post(port: int, stream: bool) -> bytes:
 
 
 async def _garbage_in_cycles() -> tuple[int, list[bytes]]:
-    app = create_app(FakeGateway(), ByteTokenizer(), IngressApiSettings(instance_id="ingress-1"))
+    # Long enough that the client is watched for leaving (WATCH_AFTER_S).
+    script = [Tokens("Hel"), Pause(WATCH_AFTER_S + 0.01), Tokens("lo"), Finish()]
+    app = create_app(
+        FakeGateway(script=script), ByteTokenizer(), IngressApiSettings(instance_id="ingress-1")
+    )
     async with served(app) as port:
         for stream in (True, False):  # whatever is made once, on first use
             await _post(port, stream)
