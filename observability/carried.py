@@ -24,7 +24,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from schemas.envelope import TraceContext
 
-_PROPAGATOR = TraceContextTextMapPropagator()
+PROPAGATOR = TraceContextTextMapPropagator()
 
 
 class CarriedSpan(NonRecordingSpan):
@@ -36,12 +36,16 @@ class CarriedSpan(NonRecordingSpan):
         self.carried = carried
         self._parsed: SpanContext | None = None
 
+    def headers(self) -> dict[str, str]:
+        """The carried context as W3C ``traceparent``/``tracestate`` headers."""
+        carried = self.carried
+        if carried.tracestate:
+            return {"traceparent": carried.traceparent, "tracestate": carried.tracestate}
+        return {"traceparent": carried.traceparent}
+
     def get_span_context(self) -> SpanContext:
         if self._parsed is None:
-            carrier = {"traceparent": self.carried.traceparent}
-            if self.carried.tracestate:
-                carrier["tracestate"] = self.carried.tracestate
-            parent = _PROPAGATOR.extract(carrier, context=otel_context.Context())
+            parent = PROPAGATOR.extract(self.headers(), context=otel_context.Context())
             self._parsed = trace.get_current_span(parent).get_span_context()
         return self._parsed
 
@@ -77,18 +81,11 @@ class CarryingTracer(trace.Tracer):
         return parent if isinstance(parent, CarriedSpan) else CarriedSpan(new_trace())
 
     def start_as_current_span(  # type: ignore[override]
-        self,
-        name: str,
-        context: otel_context.Context | None = None,
-        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
-        attributes: Any = None,
-        links: Sequence[trace.Link] | None = None,
-        start_time: int | None = None,
-        record_exception: bool = True,
-        set_status_on_exception: bool = True,
-        end_on_exit: bool = True,
+        self, name: str, context: otel_context.Context | None = None, *_: Any, **__: Any
     ) -> AbstractContextManager[trace.Span]:
-        # A plain context manager, not the API's generator-based one: a third of the cost.
+        """As :meth:`start_span`, current while the block runs; the API's other arguments are
+        taken and ignored, as nothing is recorded. A plain context manager, not the API's
+        generator-based one: a third of the cost."""
         return _Current(self.start_span(name, context))
 
 

@@ -23,12 +23,14 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 from opentelemetry.trace import Span
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from observability.carried import CarriedSpan, CarryingTracerProvider, carried_context
+from observability.carried import (
+    PROPAGATOR,
+    CarriedSpan,
+    CarryingTracerProvider,
+    carried_context,
+)
 from schemas.events import Envelope, TraceContext
-
-_PROPAGATOR = TraceContextTextMapPropagator()
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -110,7 +112,7 @@ def trace_context(span: Span | None = None) -> TraceContext | None:
     if isinstance(current, CarriedSpan):
         return current.carried
     carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(current))
+    PROPAGATOR.inject(carrier, context=trace.set_span_in_context(current))
     if "traceparent" not in carrier:
         return None
     return TraceContext(traceparent=carrier["traceparent"], tracestate=carrier.get("tracestate"))
@@ -126,16 +128,13 @@ def trace_headers() -> dict[str, str]:
     span): a query is no event and has no envelope, so its trace rides in the NATS headers."""
     current = trace.get_current_span()
     if isinstance(current, CarriedSpan):
-        carried = current.carried
-        if carried.tracestate:
-            return {"traceparent": carried.traceparent, "tracestate": carried.tracestate}
-        return {"traceparent": carried.traceparent}
+        return current.headers()
     carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier)
+    PROPAGATOR.inject(carrier)
     return carrier
 
 
 def context_of_headers(headers: Mapping[str, str] | None) -> otel_context.Context:
     """The trace context that message ``headers`` carry (an empty one if none): never the
     receiver's own, so unrelated work is not parented to whatever span happens to be active."""
-    return _PROPAGATOR.extract(dict(headers or {}), context=otel_context.Context())
+    return PROPAGATOR.extract(dict(headers or {}), context=otel_context.Context())

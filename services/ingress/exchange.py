@@ -85,6 +85,7 @@ class _DisconnectWatch:
 
     def _start(self) -> None:
         self._timer = None
+        # Referenced here: the loop holds its tasks only weakly.
         self._watcher = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
