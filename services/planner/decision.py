@@ -149,13 +149,18 @@ def _view_of(candidate: RouteCandidate) -> WorkerView:
     )
 
 
-def rebind(decision: Decision, inputs: DecisionInputs, worker_id: str, reason: str) -> Decision:
+# The reason of a decision rebound to the worker another planner replica bound its session to
+# first: etcd's answer, which a replay takes from the record as it takes the other inputs.
+REBOUND = "session claimed by another planner replica first"
+
+
+def rebind(decision: Decision, inputs: DecisionInputs, worker_id: str) -> Decision:
     """The same decision, decoded on ``worker_id`` instead (a session another planner replica
     bound first); a KV move it planned to another worker is off."""
     return replace(
         decision,
         worker_id=worker_id,
-        reason=reason,
+        reason=REBOUND,
         queued_tokens=_queued_tokens(inputs, worker_id, decision.prefill),
         kv_move=None,
     )

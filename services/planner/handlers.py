@@ -239,9 +239,7 @@ class Planner:
             winner = await self._sessions.claim(session_id, chosen)
             self.metrics.session_claims.labels("claimed" if winner == chosen else "lost").inc()
             if winner != chosen and any(c.worker_id == winner for c in inputs.decoders):
-                return rebind(
-                    decision, inputs, winner, "session claimed by another planner replica first"
-                )
+                return rebind(decision, inputs, winner)
         elif owner != chosen:
             await self._sessions.move(session_id, chosen)
             self.metrics.session_claims.labels("moved").inc()

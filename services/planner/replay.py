@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from schemas.events import PlannerConfigured, RouteCandidate, RouteDecided
 from services.common.kv_transfer import KvTransferModel
 from services.planner.cluster import decided_reason
-from services.planner.decision import Decision, decide, inputs_of
+from services.planner.decision import REBOUND, Decision, decide, inputs_of, rebind
 from services.planner.disagg import DisaggSettings
 from services.planner.kv_policy import KvSettings
 from services.planner.policies import make_policy
@@ -58,9 +58,15 @@ def _known(kind: type[_D], values: dict[str, Any]) -> _D:
 
 def redecide(event: RouteDecided, policy: Policy, disagg: DisaggSettings) -> Decision:
     """The decision the current code makes from ``event``'s inputs, with the policy set to the
-    turn the recorded decision saw."""
+    turn the recorded decision saw; one another replica's session binding moved is moved alike."""
     policy.turn = event.policy_turn
-    return decide(policy, disagg, inputs_of(event))
+    inputs = inputs_of(event)
+    decision = decide(policy, disagg, inputs)
+    rebound = decided_reason(event.reason, event.spec.attempt) == REBOUND
+    if rebound and decision.worker_id != event.worker_id:
+        # Another replica had bound the session first: the recorded worker is etcd's answer.
+        return rebind(decision, inputs, event.worker_id)
+    return decision
 
 
 def differences(event: RouteDecided, decision: Decision) -> list[str]:

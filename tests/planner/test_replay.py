@@ -3,7 +3,7 @@ changed input or setting shows as the terms that moved."""
 
 from __future__ import annotations
 
-from services.planner.decision import inputs_of
+from services.planner.decision import REBOUND, decide, inputs_of, rebind
 from services.planner.kv_policy import KvAware, KvSettings
 from services.planner.replay import differences, redecide
 from tests.planner.recorded import DISAGG, decision_inputs, recorded
@@ -27,3 +27,17 @@ def test_other_settings_show_as_the_terms_that_moved() -> None:
     assert any(line.startswith("a.cost: ") for line in moved)
     # Terms the setting does not touch stay out of the list.
     assert not any(".predicted_queue_ms" in line or ".waiting:" in line for line in moved)
+
+
+def test_a_decision_another_replicas_session_binding_moved_is_moved_alike() -> None:
+    event = recorded(KvAware())
+    policy = KvAware()
+    policy.turn = event.policy_turn
+    other = "b" if event.worker_id == "a" else "a"
+    rebound = rebind(decide(policy, DISAGG, inputs_of(event)), inputs_of(event), other)
+    moved = event.model_copy(update=rebound.route_fields())
+    assert moved.reason == REBOUND and moved.worker_id == other
+    assert differences(moved, redecide(moved, KvAware(), DISAGG)) == []
+    # Without the record saying so, the replay decides as the policy does.
+    unsaid = moved.model_copy(update={"reason": event.reason})
+    assert differences(unsaid, redecide(unsaid, KvAware(), DISAGG))
