@@ -3,6 +3,10 @@ limits and the SHA-256 of the key; never the key itself, which only its creator 
 
 A key carries 256 random bits, so an unsalted fast hash is enough: nothing smaller than the key
 space can be searched, and the ingress can hash each request's key in microseconds.
+
+A record also names the key's prefix-cache group (its tenant's unless ``cache_group`` names
+another) and holds the group's secret, which every key of the group shares: the group's cache
+salt is a keyed hash under it (:mod:`schemas.cache_salt`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bus.registry import watch_records
 from bus.skipped import Skipped
+from schemas.cache_salt import group_salt
 from schemas.events import utc_now
 
 KEYS_PREFIX = b"/laneway/keys/"
@@ -50,9 +55,30 @@ class ApiKeyRecord(BaseModel):
     expires_at: datetime | None = Field(
         default=None, description="refused from then on, as if revoked; None: until revoked"
     )
+    cache_group: str | None = Field(
+        default=None,
+        pattern=TENANT_PATTERN,
+        description="whose prefix cache its requests share (a tenant's name); None: its tenant's",
+    )
+    cache_secret: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{32}$",
+        description="the cache group's secret, hex, the same in every key of the group; None in "
+        "a record made before groups",
+    )
 
     def expired(self, now: datetime) -> bool:
         return self.expires_at is not None and now >= self.expires_at
+
+    @property
+    def group(self) -> str:
+        return self.cache_group or self.tenant
+
+    def cache_salt(self) -> str:
+        """The salt of its requests' block hashes. A record made before groups has no secret:
+        its key's own hash stands in (as secret as the group's), so its cache is its own."""
+        secret = self.cache_secret or self.sha256
+        return group_salt(bytes.fromhex(secret), self.group)
 
 
 def key_hash(key: str) -> str:
@@ -75,10 +101,16 @@ async def create_key(
     max_priority: KeyPriority = "normal",
     startup: bool = False,
     expires_in_s: float | None = None,
+    cache_group: str | None = None,
 ) -> tuple[ApiKeyRecord, str]:
-    """Store a new key's record; returns it with the key, which is not kept anywhere."""
+    """Store a new key's record; returns it with the key, which is not kept anywhere.
+    ``cache_group``: whose prefix cache it shares (a tenant's name); None: its tenant's. The
+    group's secret is that of a key already in the group, else a new one."""
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     now = utc_now()
+    group = cache_group or tenant
+    known = (r.cache_secret for r in await list_keys(client) if r.group == group)
+    cache_secret = next((s for s in known if s is not None), None) or secrets.token_hex(16)
     record = ApiKeyRecord(
         key_id=secrets.token_hex(8),
         tenant=tenant,
@@ -90,6 +122,8 @@ async def create_key(
         startup=startup,
         created_at=now,
         expires_at=None if expires_in_s is None else now + timedelta(seconds=expires_in_s),
+        cache_group=None if group == tenant else group,
+        cache_secret=cache_secret,
     )
     await client.put(record_key(record.key_id), record.model_dump_json().encode())
     return record, key

@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def session_key(tenant: str | None, session_id: str) -> str:
+    """Whose conversation a client's session id names: its tenant's (``tenant/id``), so that two
+    tenants sending the same id never share its owner or what is learnt of it; the id as given
+    where the API takes no keys. A tenant's name has no '/', so tenants' keys never meet."""
+    return session_id if tenant is None else f"{tenant}/{session_id}"
+
+
 class SessionRefused(Exception):
     """etcd will not store or read a session's binding, and asking again will not change that
     (a key past its request limit, its space quota reached): the request must not be retried."""

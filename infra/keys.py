@@ -70,6 +70,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "until revoked",
     )
     create.add_argument(
+        "--cache-group",
+        metavar="TENANT",
+        help="share the prefix cache of this tenant's group (the keys made with the same "
+        "--cache-group, or for that tenant without one): for tenants that trust each other; "
+        "default: the key's own tenant's",
+    )
+    create.add_argument(
         "--scope",
         action="append",
         choices=SCOPES,
@@ -102,6 +109,8 @@ def _create(args: argparse.Namespace) -> int:
             f"--tenant {args.tenant[:70]!r}: 1-64 letters, digits, '_', '.' or '-' "
             "(a letter or digit first)"
         )
+    if args.cache_group is not None and not re.fullmatch(TENANT_PATTERN, args.cache_group):
+        return _fail(f"--cache-group {args.cache_group[:70]!r}: a tenant's name, as --tenant")
     if args.rate is not None and not 0 < args.rate < math.inf:
         return _fail("--rate must be a positive number (leave it out for any rate)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -116,10 +125,15 @@ def _create(args: argparse.Namespace) -> int:
             scopes=tuple(dict.fromkeys(args.scope or ["inference"])),
             max_priority=args.max_priority,
             expires_in_s=args.expires_in,
+            cache_group=args.cache_group,
         ),
     )
     expires = "" if record.expires_at is None else f", expires {record.expires_at:{_TIME}}"
-    print(f"created key {record.key_id} for tenant {record.tenant} ({_limits(record)}{expires})")
+    group = "" if record.cache_group is None else f", cache group {record.cache_group}"
+    print(
+        f"created key {record.key_id} for tenant {record.tenant} "
+        f"({_limits(record)}{expires}{group})"
+    )
     print(key)
     return 0
 
@@ -127,9 +141,22 @@ def _create(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     records = _run(args, list_keys)
     if args.json:
-        print(json.dumps([r.model_dump(mode="json", exclude={"sha256"}) for r in records]))
+        # Neither the key's hash nor its cache group's secret leaves etcd.
+        hidden = {"sha256", "cache_secret"}
+        print(json.dumps([r.model_dump(mode="json", exclude=hidden) for r in records]))
         return 0
-    rows = [("KEY ID", "TENANT", "LIMITS", "SCOPES", "MAX PRIORITY", "CREATED", "EXPIRES")]
+    rows = [
+        (
+            "KEY ID",
+            "TENANT",
+            "LIMITS",
+            "SCOPES",
+            "MAX PRIORITY",
+            "CACHE GROUP",
+            "CREATED",
+            "EXPIRES",
+        )
+    ]
     now = utc_now()
     rows += [
         (
@@ -138,6 +165,7 @@ def _list(args: argparse.Namespace) -> int:
             _limits(r),
             ",".join(r.scopes),
             r.max_priority,
+            r.group,
             r.created_at.strftime(_TIME),
             "never"
             if r.expires_at is None

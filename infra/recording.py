@@ -70,10 +70,15 @@ class Window:
 
 def redacted(event: Event) -> Event:
     """The event without prompt text: token ids dropped, their count, block hashes and
-    everything else kept."""
+    everything else kept but the cache salt, without which a salted prompt's hashes cannot be
+    matched against guessed prompts (a replay reads the hashes, never the salt)."""
     if isinstance(event, RequestAccepted | RouteDecided):
         spec = event.spec.model_copy(
-            update={"prompt_token_ids": (), "prompt_tokens": event.spec.prompt_length}
+            update={
+                "prompt_token_ids": (),
+                "prompt_tokens": event.spec.prompt_length,
+                "cache_salt": None,
+            }
         )
         return event.model_copy(update={"spec": spec})
     if isinstance(event, PrefillCompleted) and event.first_token_id is not None:

@@ -2,6 +2,10 @@
 
 A block's hash covers its parent's hash and its own token ids, so two equal hashes imply two equal
 prefixes, not just two equal blocks. Only full blocks are hashed: engines cache whole blocks only.
+
+A request's cache salt (``RequestSpec.cache_salt``, :mod:`schemas.cache_salt`) enters the first
+block's hash only, as its parent (:func:`salt_root`); the chain carries it to every later block,
+so the same tokens under two salts share no block, in any cache or index keyed by these hashes.
 """
 
 from __future__ import annotations
@@ -16,6 +20,14 @@ ROOT_HASH = 0
 _MASK = (1 << 64) - 1
 # array("I") is in native order: a byte widens to a uint32 by three zero bytes after it.
 _LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def salt_root(cache_salt: str | None) -> int:
+    """The parent of a prompt's first block: ``ROOT_HASH`` unsalted (every request before salts
+    existed, and every one with keys off), else a hash of the salt."""
+    if cache_salt is None:
+        return ROOT_HASH
+    return int(xxhash.xxh3_64_intdigest(b"laneway cache salt\0" + cache_salt.encode()))
 
 
 def hash_block(parent: int, token_ids: Sequence[int]) -> int:

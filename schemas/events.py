@@ -96,6 +96,7 @@ class RequestSpec(Frozen):
         default="normal",
         description="admission control's class: the kv policy weighs a first token's delay by it",
     )
+    cache_salt: str | None = Field(None, max_length=64, description="the salt of its block hashes")
 
     @property
     def prompt_length(self) -> int:

@@ -5,15 +5,17 @@ cluster's events."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from bus.api_keys import key_hash, list_keys
 from bus.client import Bus
 from bus.registry import WORKERS_PREFIX, connect_etcd
 from bus.topology import Subjects
 from infra.cluster import LocalCluster
 from infra.cluster_auth import ClusterAuth, secure
 from infra.embedded import NATS_MAX_PAYLOAD, EmbeddedServer, start_etcd, start_nats
+from schemas.block_hash import chain_block_hashes, salt_root
 from schemas.deltas import runs_delta
 from schemas.events import Event, TokenBatch
 from schemas.messages import WorkerRegistration
@@ -57,8 +59,27 @@ async def registrations(etcd_endpoints: str) -> dict[str, WorkerRegistration]:
         await etcd.close()
 
 
+async def api_block_hashes(
+    cluster: LocalCluster, token_ids: Sequence[int], block_size: int
+) -> tuple[int, ...]:
+    """The block hashes the ingress gives a prompt the cluster's clients send (with
+    ``cluster.api_key``): in the chain of the key's cache group (``schemas.cache_salt``), read
+    from its record in etcd; unsalted where the API takes no keys."""
+    salt = None
+    if cluster.api_key is not None:
+        etcd = connect_etcd(cluster.etcd_endpoints)
+        try:
+            sha256 = key_hash(cluster.api_key)
+            (record,) = [r for r in await list_keys(etcd) if r.sha256 == sha256]
+        finally:
+            await etcd.close()
+        salt = record.cache_salt()
+    return chain_block_hashes(token_ids, block_size, salt_root(salt))
+
+
 class Observed:
-    """The routes, terminal events and token deltas a cluster published, by event type."""
+    """The routes, hand-offs, terminal events and token deltas a cluster published, by event
+    type."""
 
     def __init__(self) -> None:
         self.events: dict[str, list[Event]] = defaultdict(list)

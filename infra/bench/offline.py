@@ -29,6 +29,7 @@ from infra.bench.sim_worker import SimWorker
 from infra.bench.stepping import PREFILL, STEP_END, ReplaySteps
 from infra.bench.tiers import OutputLengths, TierSettings, placement
 from infra.bench.traces import PromptFactory, TraceRequest
+from schemas.block_hash import salt_root
 from schemas.events import Role, SamplingParams
 from schemas.latency import LatencyHistogram
 from services.engine.continuation import Continuation, continuation, handoff_tokens
@@ -191,7 +192,9 @@ class OfflineReplay(ReplaySteps):
         w = self._accept(i, decision.worker_id)
         remote = decision.prefill_worker_id
         sampling = SamplingParams(max_tokens=request.output_length, ignore_eos=True)
-        whole = EngineRequest(request_id, self._prompts.prompt(request), sampling, hashes)
+        root = salt_root(request.cache_salt)
+        prompt = self._prompts.prompt(request)
+        whole = EngineRequest(request_id, prompt, sampling, hashes, root)
         move = decision.kv_move
         if remote is None:
             if move is None:
@@ -208,7 +211,7 @@ class OfflineReplay(ReplaySteps):
         cached = next(v.cached_blocks for v in inputs.decoders if v.worker_id == decision.worker_id)
         self._handoffs[i] = (w, whole, cached)
         one = SamplingParams(max_tokens=1, ignore_eos=True)
-        prefill = EngineRequest(request_id + PREFILL, whole.prompt_token_ids, one, hashes)
+        prefill = EngineRequest(request_id + PREFILL, whole.prompt_token_ids, one, hashes, root)
         self._submit(now, self._index_of(remote), i, prefill)
 
     def _pool(self, role: Role) -> list[SimWorker]:

@@ -16,7 +16,7 @@ from infra.bench.metrics import ReplayResult
 from infra.bench.offline import OfflineReplay
 from infra.bench.report import format_table, write_json
 from infra.bench.tiers import TierSettings, add_tier_arguments, live_env, tier_settings
-from infra.bench.traces import TraceRequest, load_trace
+from infra.bench.traces import TraceRequest, load_trace, with_tenants
 from infra.progress import Progress
 from services.common.kv_transfer import KvTransferModel
 from services.common.perf_model import PERF_MODEL_NAMES
@@ -170,6 +170,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="sim engine: tokens in a step",
     )
     bench.add_argument("--limit", type=at_least(1), help="replay only the first N requests")
+    tenants = "offline: the conversations dealt out to N tenants, each with its salted cache"
+    bench.add_argument("--tenants", type=at_least(1), help=tenants)
     bench.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
     bench.add_argument(
         "--time-scale",
@@ -345,6 +347,9 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.tenants is not None and args.mode == "live":
+        print("laneway bench: --tenants is offline only", file=sys.stderr)
+        return 2
     if not args.trace.exists():
         print(f"laneway bench: no trace at {args.trace} (give one with --trace)", file=sys.stderr)
         return 2
@@ -354,6 +359,8 @@ def main(args: argparse.Namespace) -> int:
             live_env(args.tiers, args.num_gpu_blocks)
         # A line of the wrong format is named with its number: one line, not a traceback.
         trace = load_trace(args.trace, args.format, args.speedup, args.limit)
+        if args.tenants is not None:
+            trace = with_tenants(trace, args.tenants)
     except ValueError as e:
         print(f"laneway bench: {e}", file=sys.stderr)
         return 2

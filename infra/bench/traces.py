@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Literal, overload
 
 from infra.recording import HEADER_KEY, Recorded, RecordingError, read_recording
-from schemas.block_hash import ROOT_HASH, chain_block_hashes
+from schemas.block_hash import chain_block_hashes, salt_root
+from schemas.cache_salt import group_salt, request_salt
 from schemas.events import RequestAccepted, RequestFinished
 
 TraceFormat = Literal["mooncake", "azure", "recording"]
@@ -43,6 +44,8 @@ class TraceRequest:
     index: int
     # Tokens each hash id names: Mooncake's 512, a recording's engine block size.
     block_unit: int = TRACE_BLOCK_SIZE
+    # Its tenant's cache salt (``with_tenants``), as the ingress would give it; None: unsalted.
+    cache_salt: str | None = None
 
 
 def block_tokens(hash_id: int, length: int = TRACE_BLOCK_SIZE) -> bytes:
@@ -152,7 +155,7 @@ class PromptFactory:
         per_chunk = math.lcm(unit, self.block_size) // unit
         full_blocks = request.input_length // self.block_size
         hashes: list[int] = []
-        parent = ROOT_HASH
+        parent = salt_root(request.cache_salt)
         for start in range(0, len(ids), per_chunk):
             if len(hashes) >= full_blocks:
                 break
@@ -170,6 +173,32 @@ class PromptFactory:
     def _sub_hashes(self, parent: int, unit: int, chunk: tuple[int, ...]) -> tuple[int, ...]:
         tokens = b"".join(block_tokens(hash_id, unit) for hash_id in chunk)
         return chain_block_hashes(tokens, self.block_size, parent)
+
+
+def with_tenants(trace: Sequence[TraceRequest], tenants: int) -> list[TraceRequest]:
+    """``trace`` served to ``tenants`` tenants, each with a key of its own: its conversations
+    dealt out in turn as they first arrive, each request salted as the ingress salts a tenant's
+    (``ApiKeyRecord.cache_salt``'s functions: ``schemas.cache_salt``). A conversation is the
+    requests whose prompts begin with the same two blocks: a Mooncake turn extends its
+    conversation's last prompt, whose first block is a system prompt all conversations share."""
+    if tenants < 1:
+        raise ValueError("tenants must be at least 1")
+    groups = [group_salt(tenant_secret(t), f"tenant-{t}") for t in range(tenants)]
+    salts = [request_salt(group, None) for group in groups]
+    conversations: dict[tuple[int, ...], int] = {}
+    salted = []
+    for r in trace:
+        # A request without block ids shares nothing: a conversation of its own.
+        conversation = r.hash_ids[:2] or (-r.index - 1,)
+        tenant = conversations.setdefault(conversation, len(conversations)) % tenants
+        salted.append(replace(r, cache_salt=salts[tenant]))
+    return salted
+
+
+def tenant_secret(tenant: int) -> bytes:
+    """The cache group secret of the bench's tenant ``tenant`` (``tenant-<n>``): made up, the
+    same every run (a live key's is random)."""
+    return hashlib.sha256(b"laneway bench tenant %d" % tenant).digest()[:16]
 
 
 def detect_format(path: Path) -> TraceFormat:

@@ -68,5 +68,6 @@ def continuation(
             update={"max_tokens": sampling.max_tokens - 1, "offset": sampling.offset + 1}
         ),
         hashes,
+        request.root_hash,
     )
     return Continuation(first, rest, handed_off)

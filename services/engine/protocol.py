@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, cast
 
+from schemas.block_hash import ROOT_HASH
 from schemas.events import KvTier, SamplingParams
 
 
@@ -23,6 +24,10 @@ class EngineRequest:
     # Chained hashes of the prompt's full blocks at the engine's block size; empty means
     # "compute them yourself".
     block_hashes: tuple[int, ...] = ()
+    # The parent of the first block's hash: the request's cache salt (schemas.block_hash.
+    # salt_root), for the blocks the engine hashes itself (all of them where ``block_hashes``
+    # is empty, the answer's always), so that they join the same salted chain.
+    root_hash: int = ROOT_HASH
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,8 @@ from services.ingress.responses import JSON_HEADERS, Headers, send_json
 
 TENANT = "laneway.tenant"
 """The ASGI scope's entry for the tenant of an authenticated request."""
+CACHE_SALT = "laneway.cache_salt"
+"""The ASGI scope's entry for the salt of the key's cache group (``ApiKeyRecord.cache_salt``)."""
 _MAX_PRIORITY = "laneway.max_priority"
 # A longer header is no key of ours; it is refused without hashing it.
 _MAX_AUTHORIZATION = 256
@@ -38,9 +40,12 @@ class KeyBook:
         self.gate = gate or TenantGate()
         self._loaded = asyncio.Event()
         self._by_hash: dict[str, ApiKeyRecord] = {}
+        self._salts: dict[str, str] = {}
 
     async def on_keys(self, records: list[ApiKeyRecord]) -> None:
         self._by_hash = {record.sha256: record for record in records}
+        # An HMAC each: made once per key, not once per request.
+        self._salts = {record.sha256: record.cache_salt() for record in records}
         newest = sorted(records, key=lambda record: record.created_at)
         self.gate.set_limits(
             {r.tenant: TenantLimits(r.rate_per_s, r.max_concurrency) for r in newest}
@@ -60,6 +65,10 @@ class KeyBook:
         if record is None or record.expires_at is None:
             return record
         return None if record.expired(utc_now()) else record
+
+    def cache_salt(self, record: ApiKeyRecord) -> str:
+        salt = self._salts.get(record.sha256)
+        return record.cache_salt() if salt is None else salt
 
 
 class AuthGate:
@@ -110,6 +119,7 @@ class AuthGate:
             )
             return
         scope[TENANT] = record.tenant
+        scope[CACHE_SALT] = self._book.cache_salt(record)
         scope[_MAX_PRIORITY] = record.max_priority
         try:
             await self._app(scope, receive, send)

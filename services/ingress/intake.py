@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
-from schemas.block_hash import chain_block_hashes
+from schemas.block_hash import chain_block_hashes, salt_root
+from schemas.cache_salt import request_salt
 from schemas.events import RequestSpec, SamplingParams
 from schemas.trusted import trusted
 from services.common.tokenizer import Tokenizer
@@ -26,8 +27,11 @@ class Intake:
         self._worker_limit = worker_limit
         self._models = frozenset(settings.served_model_names)
 
-    def spec(self, request: ParsedRequest, tenant: str | None = None) -> RequestSpec:
-        """``tenant``: whose API key the request came with (none: the API takes no keys)."""
+    def spec(
+        self, request: ParsedRequest, tenant: str | None = None, group_salt: str | None = None
+    ) -> RequestSpec:
+        """``tenant``: whose API key the request came with, ``group_salt``: the salt of that
+        key's cache group (both none: the API takes no keys)."""
         params = request.params
         if params.model not in self._models:
             raise model_not_found(params.model)
@@ -61,13 +65,14 @@ class Intake:
             "seed": params.seed, "stop": params.stop, "stop_token_ids": params.stop_token_ids,
             "ignore_eos": params.ignore_eos, "offset": 0,
         })  # fmt: skip
+        salt = request_salt(group_salt, params.cache_salt)
         return trusted(RequestSpec, {
             "model": params.model, "prompt_token_ids": prompt_ids, "prompt_tokens": None,
             "block_size": settings.block_size,
-            "block_hashes": chain_block_hashes(prompt_ids, settings.block_size),
+            "block_hashes": chain_block_hashes(prompt_ids, settings.block_size, salt_root(salt)),
             "sampling": sampling, "reply_to": settings.instance_id,
             "deadline": datetime.now(UTC) + timedelta(seconds=settings.request_timeout_s),
-            "tenant": tenant, "attempt": 0, "priority": "normal",
+            "tenant": tenant, "attempt": 0, "priority": "normal", "cache_salt": salt,
         })  # fmt: skip
 
     def _max_model_len(self) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schemas.block_hash import chain_block_hashes
+from schemas.block_hash import chain_block_hashes, salt_root
 from schemas.events import RequestFailed, RequestFinished, RequestSpec, TerminalEvent, Usage
 
 MIGRATION_LIMIT = 3
@@ -20,7 +20,7 @@ def continued(spec: RequestSpec, delivered: Sequence[int], attempt: int) -> Requ
     return spec.model_copy(
         update={
             "prompt_token_ids": prompt,
-            "block_hashes": chain_block_hashes(prompt, spec.block_size),
+            "block_hashes": chain_block_hashes(prompt, spec.block_size, salt_root(spec.cache_salt)),
             "sampling": sampling.model_copy(
                 update={
                     "max_tokens": sampling.max_tokens - len(delivered),

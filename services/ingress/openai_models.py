@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import orjson
 
+from schemas.cache_salt import MAX_CLIENT_SALT_CHARS
 from services.ingress.admission import PRIORITIES, Priority
 from services.ingress.errors import InvalidRequest
 from services.ingress.json_fields import (
@@ -68,6 +69,8 @@ class Params:
     ignore_eos: bool
     priority: Priority | None = None
     """The body's ``priority``; None: not given (the header's, else normal)."""
+    cache_salt: str | None = None
+    """The body's ``cache_salt`` (vLLM's): narrows prefix-cache sharing (``schemas.cache_salt``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +174,19 @@ def _params(data: dict[str, Any], max_tokens: int | None) -> Params:
         stop_token_ids=_int_list(data, "stop_token_ids"),
         ignore_eos=optional_bool(data, "ignore_eos"),
         priority=None if data.get("priority") is None else _priority(data["priority"], "priority"),
+        cache_salt=_cache_salt(data.get("cache_salt")),
     )
+
+
+def _cache_salt(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise type_error("cache_salt", "a string", value)
+    if not value:  # as vLLM: an empty salt is a mistake, not "no salt"
+        raise InvalidRequest("'cache_salt' must be a non-empty string.", "cache_salt")
+    check_length("cache_salt", value, MAX_CLIENT_SALT_CHARS)
+    return value
 
 
 def _refuse_logprobs(data: dict[str, Any]) -> None:

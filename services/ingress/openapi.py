@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.cache_salt import MAX_CLIENT_SALT_CHARS
 from schemas.events import FinishReason
 from services.ingress.admission import Priority
 from services.ingress.openai_models import (
@@ -72,6 +73,13 @@ class _Params(_Doc):
     ignore_eos: bool | None = None
     priority: Priority | None = Field(
         None, description="who waits first and is shed last; the x-laneway-priority header wins"
+    )
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CLIENT_SALT_CHARS,
+        description="prefix-cache blocks are shared only between requests of one cache group "
+        "with the same cache_salt (vLLM's field): it narrows sharing, never widens it",
     )
 
 

@@ -51,6 +51,8 @@ class Routed:
     """Times the request moved to another worker before this route (migration)."""
     expected_tokens: int | None = None
     """The output length it was routed with, when a predictor gave one."""
+    session_key: str | None = None
+    """Its session within its tenant (``bus.sessions.session_key``), what is learnt per session."""
 
 
 class ClusterView:

@@ -12,7 +12,7 @@ from opentelemetry import trace
 
 from bus.client import Bus
 from bus.kv_follow import KvFollower
-from bus.sessions import SessionRefused, SessionStore
+from bus.sessions import SessionRefused, SessionStore, session_key
 from bus.topology import PLANNER_INTAKE, Subjects
 from observability.tracing import context_of, trace_context
 from schemas.events import (
@@ -127,9 +127,11 @@ class Planner:
         assert event.request_id is not None
         spec = event.spec
         prompt_tokens, max_tokens = len(spec.prompt_token_ids), spec.sampling.max_tokens
+        # The session as the planner keeps it: within the request's tenant.
+        session = None if event.session_id is None else session_key(spec.tenant, event.session_id)
         expected = None
         if self._lengths is not None:
-            expected = self._lengths.predict(event.session_id, prompt_tokens, max_tokens)
+            expected = self._lengths.predict(session, prompt_tokens, max_tokens)
         route = RouteRequest(
             event.request_id,
             prompt_tokens,
@@ -144,8 +146,8 @@ class Planner:
         if spec.block_hashes and self._policy.wants_overlap(route):
             overlaps, host_runs = await self._overlaps.ask(spec.block_hashes)
         owner = None
-        if self._sessions is not None and event.session_id is not None:
-            owner = await self._sessions.owner(event.session_id)
+        if self._sessions is not None and session is not None:
+            owner = await self._sessions.owner(session)
         inputs = self.cluster.decision_inputs(route, overlaps, owner, host_runs)
         if not inputs.decoders:
             # Workers come and go (a start, a restart): give one a moment before giving up.
@@ -158,10 +160,10 @@ class Planner:
         decision = decide(self._policy, self._disagg, inputs)
         # Booked before any wait, so the requests routed meanwhile (a burst is routed at once)
         # see this one queued there rather than all picking the same idle worker.
-        self._book(event, decision, expected)
-        if self._sessions is not None and event.session_id is not None:
+        self._book(event, decision, expected, session)
+        if self._sessions is not None and session is not None:
             try:
-                bound = await self._bind_session(event.session_id, owner, decision, inputs)
+                bound = await self._bind_session(session, owner, decision, inputs)
             except BaseException:
                 # Not routed after all (etcd refused or failed: failed or redelivered); the
                 # worker's queue counts the prompt until its next load report.
@@ -170,7 +172,7 @@ class Planner:
             if bound.worker_id != decision.worker_id:
                 # Rare (another replica claimed the session first): booked again; the first
                 # worker's queue counts the prompt until its next load report.
-                self._book(event, bound, expected)
+                self._book(event, bound, expected, session)
             decision = bound
         self.metrics.decided(decision)
         if spec.attempt:
@@ -218,12 +220,16 @@ class Planner:
             )
             await self._bus.publish(Subjects.route(remote), prefill_copy)
 
-    def _book(self, event: RequestAccepted, decision: Decision, expected: int | None) -> None:
+    def _book(
+        self, event: RequestAccepted, decision: Decision, expected: int | None, session: str | None
+    ) -> None:
         assert event.request_id is not None
         spec = event.spec
         self.cluster.routed(
             event.request_id,
-            Routed(decision.worker_id, spec.reply_to, event.session_id, spec.attempt, expected),
+            Routed(
+                decision.worker_id, spec.reply_to, event.session_id, spec.attempt, expected, session
+            ),
             decision.queued_tokens,
             time.time(),
             decision.prefill_worker_id,
@@ -267,7 +273,10 @@ class Planner:
             route = self.cluster.finished(event.request_id, event.worker_id)
         if self._lengths is not None and isinstance(event, RequestFinished):
             usage = event.usage
-            self._lengths.observe(event.session_id, usage.prompt_tokens, usage.completion_tokens)
+            # Its session within its tenant, which only the route knows (a request another
+            # replica routed teaches this one lengths by prompt length alone).
+            session = route.session_key if route is not None else None
+            self._lengths.observe(session, usage.prompt_tokens, usage.completion_tokens)
             if route is not None and route.expected_tokens is not None:
                 error = abs(route.expected_tokens - usage.completion_tokens)
                 self.metrics.output_length_error.observe(error)

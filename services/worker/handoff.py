@@ -18,6 +18,7 @@ from bus.blobs import BlobAssembler, send_blob
 from bus.client import Bus
 from bus.topology import Subjects
 from observability.tracing import context_of, trace_context
+from schemas.block_hash import salt_root
 from schemas.events import (
     FinishReason,
     KvTransferred,
@@ -187,7 +188,8 @@ class PrefillSide:
         span.set_attribute("laneway.decode_worker_id", event.worker_id)
         job = PrefillJob(event.worker_id, hashes, span, event.session_id)
         one = event.spec.sampling.model_copy(update={"max_tokens": 1})
-        return job, EngineRequest(event.request_id, event.spec.prompt_token_ids, one, hashes)
+        root = salt_root(event.spec.cache_salt)
+        return job, EngineRequest(event.request_id, event.spec.prompt_token_ids, one, hashes, root)
 
     async def done(self, request_id: str, job: PrefillJob, output: RequestOutput) -> None:
         """Runs between steps, so the prompt's blocks are still cached when they are exported."""

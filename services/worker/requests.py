@@ -16,6 +16,7 @@ from opentelemetry.trace import Span
 
 from bus.blobs import BlobAssembler
 from observability.tracing import trace_context
+from schemas.block_hash import salt_root
 from schemas.events import (
     FailureCode,
     RequestCancelled,
@@ -124,7 +125,11 @@ class Requests:
 
     def engine_request(self, request_id: str, spec: RequestSpec) -> EngineRequest:
         return EngineRequest(
-            request_id, spec.prompt_token_ids, spec.sampling, self.block_hashes(spec)
+            request_id,
+            spec.prompt_token_ids,
+            spec.sampling,
+            self.block_hashes(spec),
+            salt_root(spec.cache_salt),
         )
 
     def block_hashes(self, spec: RequestSpec) -> tuple[int, ...]:

@@ -13,12 +13,11 @@ import pytest
 from bus.client import Bus
 from bus.topology import Subjects
 from infra.cluster import LocalCluster
-from schemas.block_hash import chain_block_hashes
 from schemas.events import Event, RequestCancelled
 from schemas.messages import OverlapQuery, OverlapReply
 from services.common.tokenizer import ByteTokenizer
 from tests.helpers import eventually
-from tests.live import ClusterFactory
+from tests.live import ClusterFactory, api_block_hashes
 
 MODEL = "laneway-sim"
 
@@ -268,7 +267,7 @@ async def test_kv_indexer_knows_where_a_prompt_is_cached(
     prompt = "index this prefix please " * 8  # 200 bytes: 12 full blocks of 16
     reply = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     assert reply.usage is not None
-    hashes = chain_block_hashes(ByteTokenizer().encode(prompt), 16)
+    hashes = await api_block_hashes(cluster, ByteTokenizer().encode(prompt), 16)
     bus = await Bus.connect(cluster.nats_url, "test-indexer-query")
 
     async def overlaps() -> dict[str, int]:

@@ -7,7 +7,7 @@ import openai
 
 from bus.client import Bus
 from bus.topology import Subjects
-from tests.live import ClusterFactory
+from tests.live import ClusterFactory, api_block_hashes
 
 MODEL = "laneway-sim"
 
@@ -16,7 +16,6 @@ async def test_engines_without_kv_events_are_indexed_from_routing(
     cluster_factory: ClusterFactory,
 ) -> None:
     from infra.bench.traces import block_tokens
-    from schemas.block_hash import chain_block_hashes
     from schemas.messages import OverlapQuery, OverlapReply
 
     cluster = cluster_factory(workers=2, env={"LANEWAY_KV_EVENTS": "false"})
@@ -25,7 +24,7 @@ async def test_engines_without_kv_events_are_indexed_from_routing(
     )
     prompt = block_tokens(42, 160).decode()
     await client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
-    hashes = chain_block_hashes(list(prompt.encode()), 16)
+    hashes = await api_block_hashes(cluster, list(prompt.encode()), 16)
     bus = await Bus.connect(cluster.nats_url, "test-approx")
     answer = await bus.request(
         Subjects.overlap_query, OverlapQuery(block_hashes=hashes), OverlapReply, timeout=2

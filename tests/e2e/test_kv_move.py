@@ -11,12 +11,11 @@ import httpx
 
 from bus.topology import Subjects
 from infra.cluster import LocalCluster
-from schemas.block_hash import chain_block_hashes
 from schemas.events import KvTransferred, RequestFinished, RouteDecided
 from tests.e2e.exact import MODEL, Streamed, mismatch, stream_body
 from tests.helpers import eventually, stored_blocks
 from tests.ingress.helpers import sse_data
-from tests.live import ClusterFactory, Observed, observe, registrations
+from tests.live import ClusterFactory, Observed, api_block_hashes, observe, registrations
 
 BLOCK = 16
 # A 6,000-token prefix (the sim's tokenizer: a token a byte) and 3,000 tokens of each request's
@@ -56,7 +55,7 @@ async def test_a_hot_prefix_moves_to_an_idle_worker_and_every_stream_is_exact(
     bus, seen = await observe(cluster.nats_url)
     await bus.subscribe(Subjects.all_kv, seen.on_event)
     workers = await registrations(cluster.etcd_endpoints)
-    prefix_hashes = chain_block_hashes(list(PREFIX.encode()), BLOCK)
+    prefix_hashes = await api_block_hashes(cluster, list(PREFIX.encode()), BLOCK)
     async with httpx.AsyncClient(
         base_url=cluster.config.base_url, headers=cluster.api_headers, timeout=60.0
     ) as http:

@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from bus.registry import connect_etcd
-from bus.sessions import SESSIONS_PREFIX
+from bus.sessions import SESSIONS_PREFIX, session_key
+from infra.keys import STARTUP_TENANT
 from services.ingress.openai_models import MAX_MODEL_CHARS, MAX_SESSION_ID_CHARS, MAX_STOP_CHARS
 from tests.ingress.helpers import chat_body, completion_body, harness
 from tests.live import ClusterFactory
@@ -71,7 +72,8 @@ async def test_an_oversized_session_id_never_reaches_etcd(cluster_factory: Clust
         keys = [kv.key for kv in await etcd.get_prefix(SESSIONS_PREFIX, keys_only=True)]
     finally:
         await etcd.close()
-    assert keys == [SESSIONS_PREFIX + b"fits"]
+    # The session within the tenant of the key the cluster's clients send.
+    assert keys == [SESSIONS_PREFIX + session_key(STARTUP_TENANT, "fits").encode()]
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,6 @@ from infra.bench.live import replay_live
 from infra.bench.traces import load_trace
 from infra.cluster_auth import ClusterAuth
 from infra.embedded import EmbeddedServer
-from schemas.block_hash import chain_block_hashes
 from schemas.events import KvBlocksStored, KvEvent, RouteDecided, new_id
 from schemas.messages import (
     IndexStateQuery,
@@ -35,7 +34,7 @@ from schemas.messages import (
 from services.planner.overlaps import Overlaps
 from tests.helpers import eventually, registration
 from tests.kv_indexer.helpers import index_state
-from tests.live import ClusterFactory, admin_nats, observe
+from tests.live import ClusterFactory, admin_nats, api_block_hashes, observe
 from tests.planner.helpers import asker, indexer
 
 BLOCK = 16
@@ -202,7 +201,7 @@ async def test_kv_events_reach_each_replicas_routing_with_no_indexer_and_after_a
     started again (its fold rebuilt from the stream)."""
     cluster = cluster_factory(workers=2, indexers=0, planners=2)
     bus, seen = await observe(cluster.nats_url)
-    hashes = chain_block_hashes(list(PREFIX.encode()), BLOCK)
+    hashes = await api_block_hashes(cluster, list(PREFIX.encode()), BLOCK)
     async with httpx.AsyncClient(
         base_url=cluster.config.base_url, headers=cluster.api_headers, timeout=30.0
     ) as http:

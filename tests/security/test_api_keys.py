@@ -6,8 +6,6 @@ limit gets 429."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -22,26 +20,9 @@ from bus.credentials import ETCD_CREDS_ENV, Credentials
 from bus.registry import EtcdCluster, etcd_endpoints
 from infra.cluster import LocalCluster
 from tests.live import ClusterFactory
+from tests.security.keys_cli import create, keys
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = "laneway-sim"
-
-
-def keys(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "infra.cli", "keys", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
-def create(cluster: LocalCluster, *args: str) -> str:
-    made = keys(cluster, "create", "--etcd-endpoints", cluster.etcd_endpoints, *args)
-    assert made.returncode == 0, made.stderr
-    return made.stdout.splitlines()[-1]
 
 
 def client(cluster: LocalCluster, key: str) -> openai.OpenAI:
@@ -91,6 +72,7 @@ def test_created_key_works_then_is_refused_within_a_second_of_revocation(
     records = json.loads(listed.stdout)
     (acme,) = [r for r in records if r["tenant"] == "acme"]
     assert "sha256" not in acme and key not in listed.stdout
+    assert "cache_secret" not in acme and acme["cache_group"] is None
     revoked = keys(cluster, "revoke", acme["key_id"], "--etcd-endpoints", cluster.etcd_endpoints)
     assert revoked.returncode == 0, revoked.stderr
     since = time.monotonic()

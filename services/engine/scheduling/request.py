@@ -21,6 +21,8 @@ class SimRequest:
     words: WordStream
     # Chained hashes of the full blocks of prompt + output, extended as output blocks fill.
     hashes: list[int]
+    # The first block's parent: the request's cache salt (EngineRequest.root_hash).
+    root_hash: int = ROOT_HASH
     output: list[int] = field(default_factory=list)
     # len(prompt) + len(output), kept as a field because the scheduler reads it for every request
     # in every step.
@@ -46,7 +48,8 @@ class SimRequest:
         prompt = request.prompt_token_ids
         if not prompt:
             raise ValueError(f"request {request.request_id} has an empty prompt")
-        hashes = list(request.block_hashes or chain_block_hashes(prompt, block_size))
+        root = request.root_hash
+        hashes = list(request.block_hashes or chain_block_hashes(prompt, block_size, root))
         if len(hashes) != len(prompt) // block_size:
             raise ValueError(
                 f"request {request.request_id} has {len(hashes)} block hashes for "
@@ -55,7 +58,9 @@ class SimRequest:
         sampling = request.sampling
         seed = sampling.seed
         if seed is None and sampling.temperature == 0:
-            seed = _greedy_seed(prompt, hashes, block_size, sampling.offset)
+            # The unsalted chain: a greedy answer is the prompt's, whoever's cache holds it.
+            plain = hashes if root == ROOT_HASH else chain_block_hashes(prompt, block_size)
+            seed = _greedy_seed(prompt, plain, block_size, sampling.offset)
         elif seed is None:
             # crc32, not hash(): str hashes change with every interpreter run.
             seed = zlib.crc32(request.request_id.encode())
@@ -69,6 +74,7 @@ class SimRequest:
             stop_token_ids=frozenset(sampling.stop_token_ids),
             words=words,
             hashes=hashes,
+            root_hash=root,
             num_tokens=len(prompt),
             prefill_len=len(prompt),
         )
@@ -82,7 +88,7 @@ class SimRequest:
         hashes = self.hashes
         while len(hashes) < num_blocks:
             k = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else self.root_hash
             hashes.append(hash_block(parent, self._block_tokens(k, block_size)))
         return hashes
 
@@ -95,7 +101,7 @@ class SimRequest:
         return [*self.prompt[start:], *self.output[: end - split]]
 
 
-def _greedy_seed(prompt: Sequence[int], hashes: list[int], block_size: int, offset: int) -> int:
+def _greedy_seed(prompt: Sequence[int], hashes: Sequence[int], block_size: int, offset: int) -> int:
     """Greedy decoding (temperature 0) is a function of the prompt alone: the same prompt, the
     same text, whichever request or worker it is. The prompt is the client's, without the
     ``offset`` tokens a migrated or handed-off request carries on it, so that its text goes on
