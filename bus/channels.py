@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Generic, Literal, TypeVar
 
-from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    StorageType,
+    StreamConfig,
+)
 
 from schemas.events import Envelope
 
@@ -47,6 +54,9 @@ class Stream:
     # Past this the oldest messages go, so that a burst fills the stream, not the server's disk
     # or memory. The server reserves it up front: streams it cannot fit are refused. -1: none.
     max_bytes: int = -1
+    # The largest message the stream stores (-1: the server's max payload): a bound on what
+    # one publish may take of the stream's room, above the largest event its channels carry.
+    max_msg_size: int = -1
 
     def config(self, subjects: list[str], replicas: int = 1) -> StreamConfig:
         return StreamConfig(
@@ -57,6 +67,7 @@ class Stream:
             max_age=self.max_age_s,
             max_msgs_per_subject=1 if self.keep_last_per_subject else -1,
             max_bytes=self.max_bytes,
+            max_msg_size=self.max_msg_size,
             discard=DiscardPolicy.OLD,
             duplicate_window=min(self.duplicate_window_s, self.max_age_s),
         )
@@ -70,6 +81,7 @@ _DECLARED = (
     "max_age",
     "max_msgs_per_subject",
     "max_bytes",
+    "max_msg_size",
     "discard",
     "duplicate_window",
 )
@@ -269,12 +281,28 @@ class Consumer(Generic[E]):
         return stream
 
     @property
-    def deliver_subject(self) -> str | None:
-        """Where a shared durable delivers: replicas starting together may each create it, and
-        with an inbox of their own as its deliver subject the last create would take every
-        message; a subject named after the durable makes the creates identical. None: the
-        subscriber's own inbox."""
-        return f"_lw.deliver.{self.durable}" if self.queue else None
+    def deliver_subject(self) -> str:
+        """Where the durable delivers: a subject named after it, which only its own service may
+        subscribe to. Fixed, so that replicas starting together make identical creates (with
+        an inbox of each, the last create would take every message), and so that a service
+        binds to a durable the admin made without asking the server for it."""
+        return f"_lw.deliver.{self.durable}"
+
+    def config(self) -> ConsumerConfig:
+        """The durable as the admin (or, on an open server, its own service) creates it."""
+        return ConsumerConfig(
+            durable_name=self.durable,
+            # Named, a create request names its filter in its subject.
+            name=self.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait_s,
+            filter_subject=self.topic.subject,
+            inactive_threshold=self.inactive_threshold_s,
+            deliver_policy=DeliverPolicy.ALL,
+            max_ack_pending=4096,
+            deliver_subject=self.deliver_subject,
+            deliver_group=self.queue,
+        )
 
 
 def stream_subjects(channels: tuple[Channel[Any], ...]) -> dict[Stream, list[str]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import ssl
 from collections.abc import Awaitable, Callable, Coroutine
@@ -15,19 +14,26 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from opentelemetry import context as otel_context
 from pydantic import BaseModel, ValidationError
 
-from bus.channels import Consumer, Topic, as_declared
+from bus.channels import Consumer, Topic
 from bus.confirms import Confirmations
-from bus.credentials import NATS_CREDS_ENV, Credentials, inbox_prefix, split_credentials
+from bus.credentials import (
+    NATS_CREDS_ENV,
+    Credentials,
+    inbox_prefix,
+    is_inbox,
+    split_credentials,
+)
+from bus.provision import ensure_consumer, ensure_streams
+from bus.received import drops, for_handler, received, undecodable
 from bus.tls import nats_tls_from_env
-from bus.topology import RETIRED_STREAMS, STREAM_SUBJECTS
+from observability.drops import first_line
 from observability.tracing import context_of_headers, trace_headers
 from schemas.codec import decode_as, decode_event, encode
-from schemas.events import Envelope, Event
+from schemas.events import Envelope
 
 log = logging.getLogger(__name__)
 
@@ -59,32 +65,6 @@ def event_headers(event: Envelope, stored: bool = True) -> dict[str, str]:
     return headers
 
 
-def _for_handler(topic: Topic[E], event: Event, subject: str) -> E | None:
-    """The event if the topic's handler takes its type and it can have come on ``subject``;
-    None (with a warning for a type the channel does not carry at all, or an event that names
-    another publisher than its subject's) if not."""
-    if isinstance(event, topic.events):
-        wrong = topic.impostor(event, subject)
-        if wrong is None:
-            return event
-        log.warning("dropping a %s on %s: %s", event.type, subject, wrong)
-        return None
-    if not isinstance(event, topic.carried):
-        log.warning("dropping a %s on %s: the channel does not carry it", event.type, subject)
-    return None
-
-
-def received(topic: Topic[E], data: bytes, subject: str) -> E | None:
-    """The event a message on ``topic`` carries, if its handler takes it (see _for_handler);
-    None, logged, for one that does not decode."""
-    try:
-        event = decode_event(data)
-    except (ValidationError, ValueError):
-        log.exception("dropping undecodable message on %s", subject)
-        return None
-    return _for_handler(topic, event, subject)
-
-
 async def at_server(nc: NatsClient) -> None:
     """Returns once the server has read everything sent on ``nc`` so far (its subscriptions
     included). nats-py's ``flush`` writes its PING at once, ahead of commands still queued for
@@ -106,6 +86,8 @@ class Bus:
         self._js: JetStreamContext = nc.jetstream()
         self._confirms = Confirmations(nc)
         self._subs: list[Subscription] = []
+        # Whether the admin made the streams and durables (see ``provision``).
+        self._by_admin = False
         # Handlers of consumed messages running in tasks of their own (``consume``'s
         # concurrency): each acks its message, so closing waits for them.
         self._handling: set[asyncio.Task[None]] = set()
@@ -148,31 +130,22 @@ class Bus:
         return self._nc
 
     @property
+    def js(self) -> JetStreamContext:
+        return self._js
+
+    @property
     def reconnects(self) -> int:
         """Times the connection was made again: what was sent before one may not have gone."""
         return int(self._nc.stats["reconnects"])
 
-    async def ensure_streams(self, replicas: int = 1) -> None:
-        """Create or update the streams, stored on ``replicas`` servers (an existing stream
-        moves to that count); every service calls this, so start order is free. Streams
-        already as declared are only read, which is all the NATS permissions let most
-        services do (the planner and the admin keep them)."""
-        for stream, subjects in STREAM_SUBJECTS.items():
-            config = stream.config(subjects, replicas)
-            try:
-                found = await self._js.stream_info(stream.name)
-            except NotFoundError:
-                try:
-                    await self._js.add_stream(config)
-                    continue
-                except BadRequestError:  # another service created it just now
-                    found = await self._js.stream_info(stream.name)
-            if not as_declared(found.config, config):
-                await self._js.update_stream(config)
-        for name in RETIRED_STREAMS:
-            with contextlib.suppress(NotFoundError):
-                await self._js.stream_info(name)
-                await self._js.delete_stream(name)
+    async def provision(self, replicas: int, by_admin: bool) -> None:
+        """What a service needs of the bus's state (streams, the object store's bucket, its
+        durable). ``by_admin``: the admin made it all (``laneway up`` with bus auth), as the
+        services' own NATS users may not; else each service makes what is missing, so that
+        start order is free on an open server."""
+        self._by_admin = by_admin
+        if not by_admin:
+            await ensure_streams(self._js, replicas)
 
     async def publish(self, topic: Topic[E], event: E) -> None:
         """Publish an event the way its channel declares: ``confirmed`` returns once the stream
@@ -236,29 +209,21 @@ class Bus:
 
         ``concurrency``: how many messages' handlers may run at once, each in a task of its
         own, started in delivery order (1: one after the other). A handler that waits on round
-        trips (the planner's) then no longer holds every message behind it."""
-        config = ConsumerConfig(
-            durable_name=consumer.durable,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=consumer.ack_wait_s,
-            filter_subject=consumer.topic.subject,
-            inactive_threshold=consumer.inactive_threshold_s,
-            deliver_policy=DeliverPolicy.ALL,
-            max_ack_pending=4096,
-            deliver_subject=consumer.deliver_subject,
-            # Named, the create request names its filter in its subject, which is what lets
-            # the NATS permissions hold a worker to the durable of its own routes.
-            name=consumer.durable,
-        )
+        trips (the planner's) then no longer holds every message behind it.
+
+        The durable is made here unless the admin made it (``provision``); either way it is
+        bound to by subscribing to its deliver subject, which needs no JetStream API call."""
+        if not self._by_admin:
+            await ensure_consumer(self._js, consumer)
 
         async def on_msg(msg: Msg) -> None:
             try:
                 event = decode_event(msg.data)
-            except (ValidationError, ValueError):
-                log.exception("terminating undecodable message on %s", msg.subject)
+            except (ValidationError, ValueError) as error:
+                undecodable(msg.subject, error, "terminating")
                 await msg.term()
                 return
-            typed = _for_handler(consumer.topic, event, msg.subject)
+            typed = for_handler(consumer.topic, event, msg.subject)
             if typed is None:
                 await msg.ack()
                 return
@@ -272,14 +237,10 @@ class Bus:
                 return
             await msg.ack()
 
-        sub = await self._js.subscribe(
-            consumer.topic.subject,
-            queue=consumer.queue,
-            durable=consumer.durable,
-            stream=consumer.stream.name,
-            config=config,
+        sub = await self._nc.subscribe(
+            consumer.deliver_subject,
+            queue=consumer.queue or "",
             cb=on_msg if concurrency == 1 else self._in_tasks(on_msg, concurrency),
-            manual_ack=True,
         )
         self._subs.append(sub)
 
@@ -319,10 +280,10 @@ class Bus:
         async def on_msg(msg: Msg) -> None:
             try:
                 event = decode_event(msg.data)
-            except (ValidationError, ValueError):
-                log.exception("skipping undecodable message on %s", msg.subject)
+            except (ValidationError, ValueError) as error:
+                undecodable(msg.subject, error, "skipping")
                 return
-            typed = _for_handler(topic, event, msg.subject)
+            typed = for_handler(topic, event, msg.subject)
             if typed is not None:
                 await handler(typed, msg.metadata.sequence.stream)
 
@@ -335,18 +296,6 @@ class Bus:
             config=ConsumerConfig(opt_start_seq=after + 1),
         )
         self._subs.append(sub)
-
-    async def save_object(self, bucket: str, name: str, data: bytes) -> None:
-        store = await self._js.create_object_store(bucket)
-        await store.put(name, data)
-
-    async def load_object(self, bucket: str, name: str) -> bytes | None:
-        try:
-            store = await self._js.object_store(bucket)
-            found = await store.get(name)
-        except NotFoundError:
-            return None
-        return found.data
 
     async def request(self, subject: str, query: BaseModel, reply: type[R], timeout: float) -> R:
         """Ask and wait for the answer; the active span's trace goes along in the headers."""
@@ -367,11 +316,14 @@ class Bus:
         handler runs in the trace of the asker (its headers), so its spans join that trace."""
 
         async def on_msg(msg: Msg) -> None:
+            if not is_inbox(msg.reply):
+                drops("not_an_inbox", "no answer on %s to %.80r: not an inbox", subject, msg.reply)
+                return
             token = otel_context.attach(context_of_headers(msg.headers))
             try:
                 answer = await handler(decode_as(query, msg.data))
-            except ValidationError:
-                log.exception("bad query on %s", subject)
+            except ValidationError as error:
+                drops("malformed_query", "bad query on %s: %s", subject, first_line(error))
                 return
             finally:
                 otel_context.detach(token)

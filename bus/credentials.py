@@ -86,6 +86,14 @@ def inbox_prefix(user: str) -> str:
     return f"_i.{user}"
 
 
+def is_inbox(subject: str) -> bool:
+    """Whether ``subject`` is a reply inbox (a user's own, or nats-py's shared one where the
+    bus takes no users). An answer goes only to one: the asker names where it goes, and one
+    sent to any subject it named (a stream's, an ingress's answers) would write there in the
+    answerer's name, past the asker's permissions."""
+    return subject.startswith((inbox_prefix(""), "_INBOX."))
+
+
 def split_credentials(addresses: str) -> tuple[Credentials | None, str]:
     """The credentials ``addresses`` carry (those of its first address that has any) and the
     addresses without them."""

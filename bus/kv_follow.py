@@ -15,6 +15,7 @@ import logging
 import aetcd
 
 from bus.client import Bus
+from bus.objects import load_object
 from bus.registry import watch_workers
 from bus.settings import ServiceSettings
 from bus.topology import INDEX_SNAPSHOT_NAME, INDEX_SNAPSHOTS, Subjects
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 async def restore(bus: Bus) -> PrefixIndex:
-    data = await bus.load_object(INDEX_SNAPSHOTS, INDEX_SNAPSHOT_NAME)
+    data = await load_object(bus.js, INDEX_SNAPSHOTS, INDEX_SNAPSHOT_NAME)
     if data is None:
         return PrefixIndex()
     index = PrefixIndex.restore(data)

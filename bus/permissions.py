@@ -4,8 +4,19 @@ Each service role gets a NATS user whose permissions come from the channels of
 :mod:`bus.topology`: a role named among a channel's producers may publish to it, one named among
 its consumers may subscribe. On a channel with a subject per worker or instance, the role that
 key stands for (a worker for ``{worker}``) gets only its own subject, unless the channel lists it
-in ``publish_any`` (a prefill worker sends to its decode worker's). Added to that: the JetStream
-API calls each role makes, on its own streams, durables and reply inbox only.
+in ``publish_any`` (a prefill worker sends KV to its decode worker's). A subject naming two of
+the same role names its reader first and its publisher last (``lw.prefilled.{worker}.
+{prefill_worker}``): a publisher fills in its own id last, a reader its own first.
+
+Added to that: the JetStream API calls each role makes, and no more. The admin makes every
+stream, the object store's bucket and every durable (``laneway up``, before the services
+start): no service may create, update, delete or purge a stream, as the server applies a
+stream's ``subjects`` and ``republish`` itself, past any publish or subscribe permission. Nor
+may a service make a durable: a consumer's deliveries go to the subject its create names, and
+the server delivers there past the creator's permissions too. A service binds to its durable by
+subscribing to the durable's own deliver subject and acks on it. What the server may still be
+made to write anywhere (a reply to a request, an ordered consumer's deliveries) is in the
+README's threat notes.
 
 Workers, ingress and kv-indexer instances therefore each have a user of their own; the planner's
 replicas share one. The admin user (``laneway status``, recording, tests) may do everything.
@@ -28,16 +39,20 @@ from bus.topology import (
     ENDPOINTS,
     INDEX_SNAPSHOTS,
     PLANNER_INTAKE,
-    RETIRED_STREAMS,
-    STREAM_SUBJECTS,
     Subjects,
+    bucket_stream,
     worker_routes,
 )
 
 Role = Literal["ingress", "planner", "kv-indexer", "worker", "admin"]
 ROLES: tuple[Role, ...] = ("ingress", "planner", "kv-indexer", "worker", "admin")
 # The role a subject key stands for.
-KEY_ROLES: dict[str, Role] = {"worker": "worker", "ingress": "ingress", "indexer": "kv-indexer"}
+KEY_ROLES: dict[str, Role] = {
+    "worker": "worker",
+    "prefill_worker": "worker",
+    "ingress": "ingress",
+    "indexer": "kv-indexer",
+}
 _INSTANCE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _JS = "$JS.API"
 
@@ -80,11 +95,10 @@ class NatsPermissions:
         return found
 
 
-# Beyond the channels: the JetStream state each role keeps. The planner keeps the streams
-# themselves (creates and updates them; others only read their settings).
-_STREAM_KEEPERS: tuple[Role, ...] = ("planner",)
-# The planner folds the KV stream too (bus/kv_follow.py): it replays it and
-# reads the indexer's snapshots, but writes none.
+# Beyond the channels, the JetStream state each role uses. The planner folds the KV stream too
+# (bus/kv_follow.py): it replays it and reads the indexer's snapshots, but writes none. A role
+# replays only a stream it cannot write to, or its replay's deliveries (sent where it says)
+# could carry words of its own.
 _REPLAYS = {"kv-indexer": (Subjects.all_kv,), "planner": (Subjects.all_kv,)}
 _OBJECT_STORES = {"kv-indexer": (INDEX_SNAPSHOTS,)}
 _OBJECT_READS = {"planner": (INDEX_SNAPSHOTS,)}
@@ -112,25 +126,20 @@ def nats_permissions(identity: Identity) -> NatsPermissions:
             subscribe.append(_subject(declared, identity, publishing=False))
             # An endpoint that carries `Query` → `Reply` is answered by its consumers.
             responds |= isinstance(declared, Endpoint) and "→" in declared.carries
-    streams = [stream.name for stream in STREAM_SUBJECTS]
-    publish += [f"{_JS}.STREAM.INFO.{name}" for name in (*streams, *RETIRED_STREAMS)]
-    if identity.role in _STREAM_KEEPERS:
-        publish += [f"{_JS}.STREAM.{op}.{name}" for name in streams for op in ("CREATE", "UPDATE")]
-        publish += [f"{_JS}.STREAM.DELETE.{name}" for name in RETIRED_STREAMS]
     for consumer in _durables(identity):
-        stream, durable = consumer.stream.name, consumer.durable
-        publish += [
-            f"{_JS}.CONSUMER.CREATE.{stream}.{durable}.{consumer.topic.subject}",
-            f"{_JS}.CONSUMER.INFO.{stream}.{durable}",
-            f"$JS.ACK.{stream}.{durable}.>",
-        ]
-        if consumer.deliver_subject is not None:
-            subscribe.append(consumer.deliver_subject)
+        # The admin made it; its deliveries come on its own subject and are acked on theirs.
+        publish.append(f"$JS.ACK.{consumer.stream.name}.{consumer.durable}.>")
+        subscribe.append(consumer.deliver_subject)
     for topic in _REPLAYS.get(identity.role, ()):
         # An ordered consumer: ephemeral, unnamed (so any filter, on a stream it reads whole),
-        # with flow control answered by the client.
+        # with flow control answered by the client; the stream's head tells how far behind.
         assert topic.stream is not None
-        publish += [f"{_JS}.CONSUMER.CREATE.{topic.stream.name}", f"$JS.FC.{topic.stream.name}.>"]
+        stream = topic.stream.name
+        publish += [
+            f"{_JS}.STREAM.INFO.{stream}",
+            f"{_JS}.CONSUMER.CREATE.{stream}",
+            f"$JS.FC.{stream}.>",
+        ]
     for bucket in _OBJECT_STORES.get(identity.role, ()):
         publish += _object_store(bucket)
     for bucket in _OBJECT_READS.get(identity.role, ()):
@@ -143,30 +152,19 @@ def nats_permissions(identity: Identity) -> NatsPermissions:
 
 
 def _object_store(bucket: str) -> list[str]:
-    """Everything on one JetStream object store: its stream's API and its chunk subjects."""
-    stream = f"OBJ_{bucket}"
-    return [
-        f"{_JS}.*.*.{stream}",
-        f"{_JS}.*.*.{stream}.>",
-        f"{_JS}.STREAM.MSG.GET.{stream}",
-        # Reading an object finds its stream by subject.
-        f"{_JS}.STREAM.NAMES",
-        f"$JS.FC.{stream}.>",
-        f"$O.{bucket}.>",
-    ]
+    """Writing one JetStream object store's objects (the admin made its bucket): chunks and
+    descriptions published to its subjects, and an object's old chunks purged once its new
+    ones are in. Reading as for ``_object_reads``."""
+    return [*_object_reads(bucket), f"{_JS}.STREAM.PURGE.{bucket_stream(bucket)}", f"$O.{bucket}.>"]
 
 
 def _object_reads(bucket: str) -> list[str]:
-    """Reading one JetStream object store's objects: its stream's settings, an object's
-    description, and an ordered consumer over its chunks (found by subject)."""
-    stream = f"OBJ_{bucket}"
-    return [
-        f"{_JS}.STREAM.INFO.{stream}",
-        f"{_JS}.STREAM.MSG.GET.{stream}",
-        f"{_JS}.STREAM.NAMES",
-        f"{_JS}.CONSUMER.CREATE.{stream}",
-        f"$JS.FC.{stream}.>",
-    ]
+    """Reading one JetStream object store's objects: its stream's settings, and each message
+    (an object's description, then its chunks) fetched by subject. No consumer: its
+    deliveries would go where the asker says, and a writer of the bucket could make them carry
+    anything (bus.objects.load_object)."""
+    stream = bucket_stream(bucket)
+    return [f"{_JS}.STREAM.INFO.{stream}", f"{_JS}.STREAM.MSG.GET.{stream}"]
 
 
 def _role_of(entry: str) -> str:
@@ -175,12 +173,17 @@ def _role_of(entry: str) -> str:
 
 
 def _subject(declared: Channel[Any] | Endpoint, identity: Identity, publishing: bool) -> str:
-    """Each key the role stands for is its own instance (a worker publishes tokens to
-    ``lw.tok.*.<itself>``, an ingress reads ``lw.tok.<itself>.*``), any other key any."""
-    anywhere = publishing and identity.role in declared.publish_any
+    """The key that names a publisher is the last, the one naming a reader the first (one key
+    names both): where that key stands for the role, it is its own instance (a worker publishes
+    tokens to ``lw.tok.*.<itself>``, an ingress reads ``lw.tok.<itself>.*``); any other key is
+    any."""
+    names = declared.key_names
+    own = len(names) - 1 if publishing else 0
+    if publishing and identity.role in declared.publish_any:
+        own = -1
     tokens = tuple(
-        identity.instance if KEY_ROLES.get(key) == identity.role and not anywhere else "*"
-        for key in declared.key_names
+        identity.instance if i == own and KEY_ROLES.get(key) == identity.role else "*"
+        for i, key in enumerate(names)
     )
     return declared.at(*tokens).subject if isinstance(declared, Channel) else declared.at(*tokens)
 

@@ -11,7 +11,7 @@ import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 # Supervisors (laneway up, the tests) fork servers while a client of theirs may be live; gRPC's
 # fork handlers, run in such a child before it execs, can crash it. Read when gRPC starts.
@@ -23,12 +23,11 @@ from bus.credentials import ETCD_CREDS_ENV, Credentials, split_credentials
 from bus.etcd_tls import TlsClient
 from bus.skipped import Skipped
 from bus.tls import TlsFiles
+from bus.watch import watch_records as watch_records  # its readers import it from here too
 from schemas.events import Role
 from schemas.messages import WorkerRegistration
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 WORKERS_PREFIX = b"/laneway/workers/"
 PLANNERS_PREFIX = b"/laneway/planners/"
@@ -280,66 +279,15 @@ WorkersChanged = Callable[[dict[str, WorkerRegistration]], Awaitable[None]]
 
 async def watch_workers(client: aetcd.Client, on_change: WorkersChanged) -> None:
     """Call ``on_change`` with the full live worker set now and after every change, forever.
-    A value that is not a worker's registration is left out."""
+    A value that is not a worker's registration, or a key without a lease, is left out."""
 
     async def changed(workers: dict[bytes, WorkerRegistration]) -> None:
         await on_change({reg.worker_id: reg for reg in workers.values()})
 
-    await watch_records(client, WORKERS_PREFIX, "worker registration", _registration, changed)
-
-
-async def watch_records(
-    client: aetcd.Client,
-    prefix: bytes,
-    what: str,
-    parse: Callable[[bytes, bytes], T],
-    on_change: Callable[[dict[bytes, T]], Awaitable[None]],
-) -> None:
-    """Call ``on_change`` with every record under ``prefix`` (by key) now and after every change,
-    forever; a value ``parse`` refuses (ValueError) is left out, with one warning per key.
-
-    A broken watch (etcd restarting, a network blip) is re-established from a fresh snapshot,
-    so no change is missed for good."""
-    skipped = Skipped(what)
-    while True:
-        try:
-            await _watch_once(client, prefix, parse, on_change, skipped)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.warning("%s watch broke; re-reading from etcd", what, exc_info=True)
-            await asyncio.sleep(1.0)
-
-
-async def _watch_once(
-    client: aetcd.Client,
-    prefix: bytes,
-    parse: Callable[[bytes, bytes], T],
-    on_change: Callable[[dict[bytes, T]], Awaitable[None]],
-    skipped: Skipped,
-) -> None:
-    # By key, not by the id a value names: a delete names only its key.
-    records: dict[bytes, T] = {}
-
-    def put(key: bytes, value: bytes) -> None:
-        record = skipped.parse(key, value, parse)
-        if record is None:
-            records.pop(key, None)
-        else:
-            records[key] = record
-
-    snapshot = await client.get_prefix(prefix)
-    for kv in snapshot:
-        put(kv.key, kv.value)
-    await on_change(dict(records))
-    watch = await client.watch_prefix(prefix, start_revision=snapshot.header.revision + 1)
-    async for event in watch:
-        if event.kind == aetcd.EventKind.PUT:
-            put(event.kv.key, event.kv.value)
-        else:
-            skipped.forget(event.kv.key)
-            records.pop(event.kv.key, None)
-        await on_change(dict(records))
+    # A registration without a lease would stand for good, its worker dead or not.
+    await watch_records(
+        client, WORKERS_PREFIX, "worker registration", _registration, changed, leased=True
+    )
 
 
 def _registration(key: bytes, value: bytes) -> WorkerRegistration:

@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable
 
 import uvloop
 
+from observability.log_text import EscapingFormatter
+
 ServiceMain = Callable[[asyncio.Event], Awaitable[None]]
 
 # After SIGINT/SIGTERM, how long a service may take to wind down before it is cancelled: one
@@ -54,10 +56,11 @@ def run_service(main: ServiceMain, log_level: str = "INFO") -> None:
     """Run ``main(stop)`` until SIGINT/SIGTERM sets ``stop``; ``main`` then cleans up. A second
     signal, or the grace period running out, cancels it. If ``main`` fails, the process says why
     in one line and exits with code 1."""
-    logging.basicConfig(
-        level=log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    # Every message escaped: what a client or another service sends (a URL path, a model name,
+    # an error quoting its input) must not end a line and start a forged one.
+    handler = logging.StreamHandler()
+    handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=log_level.upper(), handlers=[handler])
     last_error = _LastError()
     logging.getLogger().addHandler(last_error)
 

@@ -14,6 +14,10 @@ class ServiceSettings(BaseSettings):
     etcd_endpoints: str = "127.0.0.1:2379"
     # Servers that store each stream: 1 on a single NATS, 3 on a cluster.
     stream_replicas: int = Field(default=1, ge=1, le=5)
+    # The admin made the streams, the object store's bucket and the durables (`laneway up`
+    # with bus auth), which the services' own NATS users may not: use them, make nothing.
+    # False: each service makes what is missing (an open NATS).
+    bus_provisioned: bool = False
     # none | console | otlp | file:PATH (see observability.tracing)
     trace_exporter: str = "none"
     log_level: str = "INFO"

@@ -53,12 +53,28 @@ DAY_S = 24 * 3600.0
 
 MIB = 1 << 20
 
-# Their byte limits together (1,088 MiB on file, 32 MiB in memory) fit the smallest store they
+# Their byte limits together (1,216 MiB on file, 32 MiB in memory) fit the smallest store they
 # are deployed on: a 2 GiB volume, of which JetStream takes 75 %, and 256 MB of memory.
+#
+# Who may fill each stream is who may publish to its subjects (bus.permissions), and a full
+# stream drops its oldest messages, whoever wrote them. So the history of requests and
+# decisions (LW_REQUESTS: ingress and planner; LW_ROUTES and LW_CONTROL: planner) takes nothing
+# from a worker, whose reports go to streams of their own (LW_OUTCOMES, LW_KV, LW_LOAD): junk
+# from one worker can push other workers' reports out, never a request or a decision.
 REQUESTS = Stream("LW_REQUESTS", StorageType.FILE, DAY_S, max_bytes=384 * MIB)
 ROUTES = Stream("LW_ROUTES", StorageType.FILE, DAY_S, max_bytes=384 * MIB)
+# A terminal is a few hundred bytes, a hand-off's report its prompt's block hashes.
+OUTCOMES = Stream("LW_OUTCOMES", StorageType.FILE, DAY_S, max_bytes=128 * MIB, max_msg_size=MIB)
 KV = Stream("LW_KV", StorageType.FILE, DAY_S, max_bytes=256 * MIB)
-LOAD = Stream("LW_LOAD", StorageType.MEMORY, 600.0, keep_last_per_subject=True, max_bytes=32 * MIB)
+# One report per worker is kept, a few hundred bytes: no worker takes more than its share.
+LOAD = Stream(
+    "LW_LOAD",
+    StorageType.MEMORY,
+    600.0,
+    keep_last_per_subject=True,
+    max_bytes=32 * MIB,
+    max_msg_size=16 * 1024,
+)
 CONTROL = Stream("LW_CONTROL", StorageType.FILE, DAY_S, max_bytes=64 * MIB)
 
 ACCEPTED: Channel[RequestAccepted] = Channel(
@@ -110,23 +126,36 @@ TERMINALS: Channel[TerminalEvent] = Channel(
     ("worker",),
     ("ingress (its own instance)", "planner (all)"),
     "confirmed",
-    REQUESTS,
+    OUTCOMES,
     "a subject per ingress instance and worker; the end of every request, replayable",
     key_field="worker_id",
 )
-ROUTE: Channel[RouteDecided | PrefillCompleted] = Channel(
+# Only the planner decides: a worker acts on a route (a new attempt included) from this
+# subject alone, which no worker may publish to.
+ROUTE: Channel[RouteDecided] = Channel(
     "lw.route.{worker}",
-    (RouteDecided, PrefillCompleted),
-    ("planner", "worker (prefill side)"),
+    (RouteDecided,),
+    ("planner",),
     (
         "worker (durable per worker)",
-        "kv-indexer (`RouteDecided`)",
-        "planner (`RouteDecided`, its own fold)",
+        "kv-indexer",
+        "planner (its own fold)",
     ),
     "confirmed",
     ROUTES,
     "one subject per worker: its work, in order; the why of every request",
-    publish_any=("worker",),
+)
+# A prefill worker's word to the decode worker it computed a prompt for, on a subject that names
+# them both: the decode worker takes it only from the prefill worker its route named.
+PREFILLED: Channel[PrefillCompleted] = Channel(
+    "lw.prefilled.{worker}.{prefill_worker}",
+    (PrefillCompleted,),
+    ("worker (prefill side)",),
+    ("worker (decode side, its own)", "operators"),
+    "stored",
+    OUTCOMES,
+    "a remote prefill's first token and KV announcement; the decode worker hears it live",
+    key_field="worker_id",
 )
 TRANSFERRED: Channel[KvTransferred] = Channel(
     "lw.route.{worker}.transferred",
@@ -134,8 +163,8 @@ TRANSFERRED: Channel[KvTransferred] = Channel(
     ("worker (decode side)",),
     ("bench", "operators"),
     "stored",
-    ROUTES,
-    "a hand-off's arrival, next to its decision but outside the worker's own subject",
+    OUTCOMES,
+    "a hand-off's arrival, next to its decision's subject but in the workers' stream",
     key_field="to_worker_id",
 )
 # One `KvChanged` per engine step (all of that step's changes); the single-change events are still
@@ -199,6 +228,7 @@ CHANNELS: tuple[Channel[Any], ...] = (
     PLANNER_FAILURES,
     TERMINALS,
     ROUTE,
+    PREFILLED,
     TRANSFERRED,
     KV_EVENTS,
     TOKEN_DELTAS,
@@ -274,12 +304,10 @@ class Subjects:
     all_load = LOAD_REPORTS.every
     roles_rebalanced = ROLE_MOVES.subject
     planner_configured = PLANNER_SETTINGS.subject
-    # Decisions, prefill completions and hand-off arrivals: the whole routes stream.
-    all_routes: Topic[RouteDecided | PrefillCompleted | KvTransferred] = view(
-        "lw.route.>", ROUTE, TRANSFERRED
-    )
-    # Every worker's routing decisions, without the prefill completions beside them.
-    route_decisions = ROUTE.every.only(RouteDecided)
+    # Decisions and hand-off arrivals.
+    all_routes: Topic[RouteDecided | KvTransferred] = view("lw.route.>", ROUTE, TRANSFERRED)
+    route_decisions = ROUTE.every
+    all_prefilled = PREFILLED.every
     overlap_query = OVERLAP_QUERY.pattern
     overlap_queries = OVERLAP_QUERIES.pattern
     resend = staticmethod(RESEND.at)
@@ -288,6 +316,7 @@ class Subjects:
     planner_failures = staticmethod(PLANNER_FAILURES.at)
     request_terminal = staticmethod(TERMINALS.at)
     route = staticmethod(ROUTE.at)
+    prefilled = staticmethod(PREFILLED.at)
     kv_transferred = staticmethod(TRANSFERRED.at)
     kv_handoff = staticmethod(KV_HANDOFF.at)
     kv_pull = staticmethod(KV_PULL.at)
@@ -301,10 +330,20 @@ PLANNER_INTAKE = Consumer("planner", Subjects.request_accepted, queue="planner")
 # The kv-indexer's snapshots (JetStream object store): the index folded up to a KV stream position.
 INDEX_SNAPSHOTS = "LW_INDEX_SNAPSHOTS"
 INDEX_SNAPSHOT_NAME = "prefix-index"
+# Room for two snapshots (a new one is written before the old one's chunks go) of an index of
+# millions of blocks; past it a snapshot is refused, never another stream's room taken.
+INDEX_SNAPSHOTS_MAX_BYTES = 256 * MIB
 
 
-def worker_routes(worker_id: str) -> Consumer[RouteDecided | PrefillCompleted]:
-    return Consumer(f"worker-{worker_id}", ROUTE.at(worker_id), inactive_threshold_s=300.0)
+def bucket_stream(bucket: str) -> str:
+    """The stream that holds a JetStream object store's bucket."""
+    return f"OBJ_{bucket}"
+
+
+def worker_routes(worker_id: str) -> Consumer[RouteDecided]:
+    # Made by the admin with the worker's credentials, as a worker may not make consumers
+    # (bus.permissions): it outlives a day away; the worker's retirement deletes it.
+    return Consumer(f"worker-{worker_id}", ROUTE.at(worker_id), inactive_threshold_s=DAY_S)
 
 
 TABLE_BEGIN = "<!-- channels: generated by `python -m bus.topology --readme README.md` -->"

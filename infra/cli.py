@@ -11,11 +11,15 @@ import threading
 from collections.abc import Callable
 from importlib import import_module
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from infra.arg_types import at_least, port, positive
 from infra.bench import run as bench
 from infra.recording import RecordingError
 from services.planner.policies import POLICY_NAMES
+
+if TYPE_CHECKING:  # imported by `laneway up` alone: see _COMMANDS
+    from infra.cluster import LocalCluster
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -92,7 +96,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--no-auth",
         action="store_true",
         help="local experiments: the API takes requests without a key (by default it needs "
-        "one; a key for this run is printed at start, `laneway keys` makes more)",
+        "one; a key for this run is kept in STATE_DIR/api-key, `laneway keys` makes more)",
     )
     up.add_argument(
         "--no-bus-auth",
@@ -225,9 +229,7 @@ def _up(args: argparse.Namespace) -> int:
         return 1
     try:
         print(f"Laneway is serving the OpenAI API at {cluster.config.base_url}", flush=True)
-        if cluster.api_key:
-            print(f"  API key of this run: {cluster.api_key}", flush=True)
-        print(f"  NATS {cluster.nats_url}\n  etcd {cluster.etcd_endpoints}", flush=True)
+        _print_where_secrets_are(cluster)
         for name, pid in cluster.pids().items():
             print(f"  {name:<18} pid {pid}", flush=True)
         print(f"logs: {cluster.logs}   (Ctrl-C stops everything)", flush=True)
@@ -239,6 +241,24 @@ def _up(args: argparse.Namespace) -> int:
         print("stopping …", flush=True)
         cluster.stop()
     return 0
+
+
+def _print_where_secrets_are(cluster: LocalCluster) -> None:
+    """The servers' addresses and the files of the run's key and of the admin's credentials,
+    never what those hold: what `laneway up` prints ends up in terminals' scrollback, CI logs
+    and journald, which the secrets would outlive (the files are 0600, in a 0700 state dir)."""
+    from bus.credentials import split_credentials
+    from infra.cluster_auth import admin_files
+    from infra.keys import STARTUP_KEY_FILE
+
+    state = cluster.config.state_dir
+    if cluster.api_key:
+        print(f"  API key of this run in {state / STARTUP_KEY_FILE}", flush=True)
+    admin = admin_files(state)
+    for server, addresses in (("NATS", cluster.nats_url), ("etcd", cluster.etcd_endpoints)):
+        plain = split_credentials(addresses)[1]
+        creds = admin.get(server.lower())
+        print(f"  {server} {plain}" + (f"  (admin: {creds})" if creds else ""), flush=True)
 
 
 # Each command's parser, in `laneway --help`'s order: added by a function here or by the

@@ -25,13 +25,20 @@ import httpx
 from bus.registry import PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
 from bus.tls import BusTlsDir
 from infra.bus_servers import bus_tls, embedded_etcd, embedded_nats
-from infra.cluster_auth import ClusterAuth, identity_of, open_etcd, secure
+from infra.cluster_auth import (
+    AUTH_FOLDER,
+    BY_ADMIN_ENV,
+    ClusterAuth,
+    identity_of,
+    open_etcd,
+    secure,
+)
 from infra.cluster_plan import ClusterConfig, Service, plan_services
 from infra.embedded import EmbeddedServer, die_with_parent, is_nats
 from infra.keys import STARTUP_KEY_FILE, startup_key
 from infra.metrics_targets import assign_metrics_ports
 from infra.startup import StartupError, check_port_free, check_reachable, log_cause
-from infra.statedir import StateDir
+from infra.statedir import StateDir, open_log
 from infra.supervisor import Child, Supervisor
 from schemas.events import new_id
 
@@ -71,11 +78,11 @@ class LocalCluster:
                 )
             self._check_ports()
             tls = bus_tls(cfg.bus_tls)
-            self.logs.mkdir(parents=True, exist_ok=True)
+            self.logs.mkdir(mode=0o700, parents=True, exist_ok=True)
             # Planned first: the embedded servers' users are the services' identities.
             self.services = plan_services(cfg)
             self._auth = auth = (
-                ClusterAuth(cfg.state_dir / "auth", [identity_of(s) for s in self.services])
+                ClusterAuth(cfg.state_dir / AUTH_FOLDER, [identity_of(s) for s in self.services])
                 if cfg.auth
                 else None
             )
@@ -137,7 +144,7 @@ class LocalCluster:
             )
         elif not cfg.etcd_endpoints:
             try:
-                open_etcd(cfg.state_dir / "auth", self.etcd_endpoints)
+                open_etcd(cfg.state_dir / AUTH_FOLDER, self.etcd_endpoints)
             except PermissionError as exc:
                 raise StartupError(
                     f"{exc}: remove {cfg.state_dir}/etcd* (worker leases and session owners "
@@ -147,10 +154,12 @@ class LocalCluster:
             service.env.update(common)
             if auth is not None:
                 service.env.update(auth.env(identity_of(service)))
+                if not cfg.nats_url:
+                    service.env.update(BY_ADMIN_ENV)
 
     def spawn(self, service: Service) -> None:
         service.log_file = self.logs / f"{service.name}.log"
-        log = open(service.log_file, "ab")  # noqa: SIM115 - the child owns it
+        log = open_log(service.log_file)  # the child owns it
         service.proc = subprocess.Popen(
             [sys.executable, "-m", service.module],
             env={**os.environ, **service.env},
@@ -185,12 +194,14 @@ class LocalCluster:
         """A restarted worker is a new worker: its KV events count from 1 again, and its
         predecessor's lease and route consumer must not be taken for its own. With auth on it
         gets credentials for the new id."""
+        before = identity_of(service)
         service.env["LANEWAY_WORKER_ID"] = new_id()
         if self._auth is not None:
             identity = identity_of(service)
             cfg = self.config
             nats = [] if cfg.nats_url else [s for s in self.servers if is_nats(s)]
-            self._auth.add(identity, nats, None if cfg.etcd_endpoints else self.etcd_endpoints)
+            etcd = None if cfg.etcd_endpoints else self.etcd_endpoints
+            self._auth.add(identity, nats, etcd, replaces=before)
             service.env.update(self._auth.env(identity))
 
     def service(self, name: str) -> Service:

@@ -18,10 +18,17 @@ from bus.client import Bus
 from bus.credentials import ETCD_CREDS_ENV, NATS_CREDS_ENV, Credentials
 from bus.etcd_auth import ROOT, disable_auth, enable_auth
 from bus.permissions import Identity, nats_permissions
+from bus.provision import delete_consumer, ensure_consumer, ensure_streams
 from bus.tls import nats_tls_from_env
+from bus.topology import worker_routes
 from infra.embedded import EmbeddedServer, reload_nats
 
 ADMIN = Identity("admin")
+# The credentials' folder in a `laneway up`'s state dir.
+AUTH_FOLDER = "auth"
+# A service whose NATS user ClusterAuth made on the embedded servers: the admin made the streams
+# and its durable, which its own user may not.
+BY_ADMIN_ENV = {"LANEWAY_BUS_PROVISIONED": "true"}
 logger = logging.getLogger(__name__)
 
 
@@ -77,12 +84,26 @@ def admin_within(service_creds: str | None, addresses: str) -> str:
     return Credentials.read(admin).within(addresses) if admin.exists() else addresses
 
 
+def admin_files(state_dir: Path) -> dict[str, Path]:
+    """The files of the admin's credentials that `laneway up` on ``state_dir`` made, by server
+    (``nats``, ``etcd``: the embedded ones that take users), for tools of the same user; it names
+    them, never prints what they hold."""
+    folder = state_dir / AUTH_FOLDER
+    files = {server: _file(folder, server, ADMIN.user) for server in ("nats", "etcd")}
+    return {server: path for server, path in files.items() if path.exists()}
+
+
+def _file(folder: Path, server: str, user: str) -> Path:
+    return folder / server / f"{user}.json"
+
+
 def secure(
     auth: ClusterAuth, nats_url: str, etcd_endpoints: str, replicas: int, nats: bool, etcd: bool
 ) -> tuple[str, str]:
     """Once the embedded servers listen: etcd's users and auth turned on (where ``etcd``), the
-    streams made as the admin (where ``nats``: the services may only read them), and the
-    servers' addresses with the admin's credentials in them."""
+    streams, the object store's bucket and every durable made as the admin (where ``nats``: the
+    services may only use them), and the servers' addresses with the admin's credentials in
+    them."""
 
     async def run() -> None:
         if etcd:
@@ -90,7 +111,9 @@ def secure(
         if nats:
             bus = await Bus.connect(auth.admin("nats").within(nats_url), "laneway-up")
             try:
-                await bus.ensure_streams(replicas)
+                await ensure_streams(bus.js, replicas)
+                for identity in auth.identities:
+                    await _durables(bus, identity, made=True)
             finally:
                 await bus.close()
 
@@ -101,6 +124,15 @@ def secure(
         auth.admin("nats").within(nats_url) if nats else nats_url,
         auth.admin("etcd").within(etcd_endpoints) if etcd else etcd_endpoints,
     )
+
+
+async def _durables(bus: Bus, identity: Identity, made: bool) -> None:
+    """The durable a worker identity consumes its routes from, made (or deleted) as the admin:
+    the worker may not make it itself (bus.permissions)."""
+    if identity.role != "worker":
+        return
+    consumer = worker_routes(identity.instance)
+    await (ensure_consumer if made else delete_consumer)(bus.js, consumer)
 
 
 def open_etcd(folder: Path, etcd_endpoints: str) -> None:
@@ -121,7 +153,7 @@ class ClusterAuth:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def path(self, server: str, user: str) -> Path:
-        return self.folder / server / f"{user}.json"
+        return _file(self.folder, server, user)
 
     def credentials(self, server: str, user: str) -> Credentials:
         """The user's, made on first use."""
@@ -146,10 +178,15 @@ class ClusterAuth:
         return "authorization: " + json.dumps({"users": users}, indent=1) + "\n"
 
     def add(
-        self, identity: Identity, nats_servers: list[EmbeddedServer], etcd_endpoints: str | None
+        self,
+        identity: Identity,
+        nats_servers: list[EmbeddedServer],
+        etcd_endpoints: str | None,
+        replaces: Identity | None = None,
     ) -> None:
-        """A new identity on the running embedded servers (a worker restarted under a new id):
-        the NATS servers reload their users, etcd (None: not ours) gets its user and role.
+        """A new identity on the running embedded servers (a worker restarted under a new id,
+        ``replaces`` the one it had): the NATS servers reload their users, the admin makes its
+        durable and deletes its predecessor's, etcd (None: not ours) gets its user and role.
         Returns once NATS lets it in, or says in the log why it may not."""
         self.identities = list(dict.fromkeys([*self.identities, identity]))
         users = self.nats_authorization()
@@ -160,6 +197,15 @@ class ClusterAuth:
             if etcd_endpoints is not None:
                 creds = {identity: self.credentials("etcd", identity.user)}
                 await enable_auth(etcd_endpoints, self.etcd_root, creds)
+            if nats_servers:
+                urls = ",".join(server.url for server in nats_servers)
+                bus = await Bus.connect(self.admin("nats").within(urls), "laneway-up")
+                try:
+                    await _durables(bus, identity, made=True)
+                    if replaces is not None:
+                        await _durables(bus, replaces, made=False)
+                finally:
+                    await bus.close()
             login = self.credentials("nats", identity.user)
             for server in nats_servers:
                 await _wait_login(login.within(server.url))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from infra.ports import free_port, free_ports
 from infra.startup import StartupError, log_cause
+from infra.statedir import open_log
 
 _PR_SET_PDEATHSIG = 1
 # Loaded here, not in the forked child, where loading a library is not safe.
@@ -92,7 +93,7 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
 def _spawn(args: list[str], log_file: Path | None) -> subprocess.Popen[bytes]:
     # A session of its own: Ctrl-C in the terminal reaches the supervisor, which stops the
     # servers last, after the services that use them.
-    with open(log_file or os.devnull, "ab") as out:
+    with open_log(log_file) if log_file else open(os.devnull, "ab") as out:
         return subprocess.Popen(
             args,
             stdout=out,

@@ -221,7 +221,7 @@ async def read_log(
     import nats
     from nats.errors import Error as NatsError
 
-    from bus.topology import CONTROL, KV, LOAD, REQUESTS, ROUTES, STREAM_SUBJECTS
+    from bus.topology import CONTROL, KV, LOAD, OUTCOMES, REQUESTS, ROUTES, STREAM_SUBJECTS
 
     causes: list[str] = []
 
@@ -244,7 +244,7 @@ async def read_log(
     try:
         out: list[Recorded] = []
         # In the order a reader folds them: the requests, then what was decided and what followed.
-        for stream in (REQUESTS, ROUTES, KV, LOAD, CONTROL):
+        for stream in (REQUESTS, ROUTES, OUTCOMES, KV, LOAD, CONTROL):
             # A planner records its settings once, when it starts: a window that begins later
             # takes them from before it, or its decisions could not be made again.
             start = None if stream is CONTROL else since

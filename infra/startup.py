@@ -50,8 +50,16 @@ def check_reachable(addresses: str, default_port: int, what: str, flag: str) -> 
             socket.create_connection((parts.hostname or "127.0.0.1", port), timeout=2).close()
             return
         except (OSError, ValueError) as exc:
-            causes.append(f"{address.strip()}: {getattr(exc, 'strerror', None) or exc}")
+            causes.append(f"{_shown(address)}: {getattr(exc, 'strerror', None) or exc}")
     raise StartupError(f"cannot reach {what} ({'; '.join(causes)}): start it or fix {flag}")
+
+
+def _shown(address: str) -> str:
+    """An address without the ``user:password@`` it may carry: the line it goes in is printed."""
+    scheme, sep, rest = address.strip().partition("://")
+    if not sep:
+        scheme, rest = "", scheme
+    return scheme + sep + rest.rpartition("@")[2]
 
 
 def log_cause(log: Path) -> str | None:

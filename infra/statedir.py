@@ -1,5 +1,9 @@
 """One `laneway up` per state directory: a lock its owner holds while it runs, and the PIDs of
-what it started, so that a start after a killed owner stops whatever that owner left behind."""
+what it started, so that a start after a killed owner stops whatever that owner left behind.
+
+The directory is its owner's alone (0700, tightened if it was not), and so is each log in it
+(0600): they hold the bus credentials, the run's API key, and logs that quote what clients sent.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 from infra.startup import StartupError
 
@@ -31,6 +36,14 @@ def start_time(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])
 
 
+def open_log(path: Path) -> BinaryIO:
+    """``path`` opened for a child's output to be appended to, readable by its owner only (one
+    an earlier run left readable to others is made so too)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
+
+
 class StateDir:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -39,8 +52,15 @@ class StateDir:
     def acquire(self) -> list[int]:
         """Take the lock, or say in one line who holds it. Then stop what an owner that died
         without cleaning up left running; returns those PIDs."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            os.chmod(self.path, 0o700)
+        except PermissionError:
+            raise StartupError(
+                f"state dir {self.path} belongs to another user and cannot be made private: "
+                "pass a --state-dir of your own"
+            ) from None
+        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             # The kernel lets go of it when the owner dies, however it dies.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from bus.client import Bus
+from bus.provision import ensure_streams
 from infra.cluster import LocalCluster
 from infra.cluster_auth import ClusterAuth, secure
 from infra.cluster_plan import ClusterConfig
@@ -107,7 +108,7 @@ def etcd_server(
 @pytest.fixture
 async def bus(nats_server: EmbeddedServer) -> AsyncIterator[Bus]:
     client = await Bus.connect(nats_server.url, "test")
-    await client.ensure_streams()
+    await ensure_streams(client.js)
     yield client
     await client.close()
 

@@ -98,6 +98,7 @@ async def observe(nats_url: str) -> tuple[Bus, Observed]:
     bus = await Bus.connect(nats_url, "test-observer")
     seen = Observed()
     await bus.subscribe(Subjects.all_routes, seen.on_event)
+    await bus.subscribe(Subjects.all_prefilled, seen.on_event)
     await bus.subscribe(Subjects.all_request_terminals, seen.on_event)
     await bus.subscribe(Subjects.all_tokens, seen.on_event)
     return bus, seen

@@ -1,5 +1,6 @@
 """`laneway up` as a benchmark's child: started on free ports in a state dir of its own, its
-URL, API key and service pids read from what it prints, stopped as Ctrl-C would."""
+URL and service pids read from what it prints, its API key and the admin's NATS credentials from
+the files it names (it prints no secret), stopped as Ctrl-C would."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bus.credentials import Credentials
+from infra.cluster_auth import admin_files
+from infra.keys import read_startup_key
 from infra.ports import free_port
 
 _SERVING = re.compile(r"serving the OpenAI API at (\S+)")
-_KEY = re.compile(r"API key of this run: (\S+)")
 _PID = re.compile(r"^  (\S+)(?: \(embedded\))?\s+pid (\d+)$")
 _NATS = re.compile(r"^  NATS (\S+)")
 
@@ -43,22 +46,30 @@ def _read_banner(proc: subprocess.Popen[str]) -> tuple[RunningUp | None, str]:
     bounds its own start-up)."""
     assert proc.stdout is not None
     seen: list[str] = []
-    url = key = nats = None
+    url = nats = None
     pids: dict[str, int] = {}
     # `laneway up` prints its banner in one go once every service is ready.
     for line in proc.stdout:
         seen.append(line.rstrip("\n"))
         if m := _SERVING.search(line):
             url = m.group(1)
-        elif m := _KEY.search(line):
-            key = m.group(1)
         elif m := _NATS.match(line):
             nats = m.group(1)
         elif m := _PID.match(line.rstrip("\n")):
             pids[m.group(1)] = int(m.group(2))
         elif line.startswith("logs:") and url and nats:
-            return RunningUp(url, key, nats, Path(), pids), ""
+            return RunningUp(url, None, nats, Path(), pids), ""
     return None, "\n".join(seen[-20:])
+
+
+def _with_secrets(running: RunningUp, state_dir: Path) -> RunningUp:
+    """``running`` with the run's key and the admin's NATS credentials, from the state dir."""
+    running.state_dir = state_dir
+    running.api_key = read_startup_key(state_dir)
+    admin = admin_files(state_dir).get("nats")
+    if admin is not None:
+        running.nats_url = Credentials.read(admin).within(running.nats_url)
+    return running
 
 
 @contextlib.contextmanager
@@ -96,7 +107,7 @@ def laneway_up(
             running, said = _read_banner(proc)
             if running is None:
                 raise RuntimeError(f"laneway up did not start:\n{said}")
-            running.state_dir = state_dir
+            running = _with_secrets(running, state_dir)
             # Its later lines (restarts, the stop) read and dropped: a full pipe would block it.
             drain = threading.Thread(target=deque, args=(proc.stdout, 0), daemon=True)
             drain.start()

@@ -11,6 +11,7 @@ import logging
 
 from starlette.types import Scope
 
+from observability.log_text import escaped
 from schemas.events import Usage
 
 log = logging.getLogger(__name__)
@@ -30,17 +31,18 @@ def log_request(
     ttft_s: float | None = None,
 ) -> None:
     """Fields a request never reached (no id before it was accepted, no tokens for a failure)
-    are written as ``-``."""
+    are written as ``-``. The client's path and model are escaped (``observability.log_text``):
+    neither may start another line or another field."""
     if not log.isEnabledFor(logging.INFO):
         return
     log.info(
         "%s %s status=%d id=%s model=%s stream=%s prompt_tokens=%s cached_tokens=%s "
         "completion_tokens=%s ttft_ms=%s total_ms=%s",
         scope["method"],
-        scope["path"],
+        escaped(scope["path"], field=True),
         status,
         request_id or _NONE,
-        model or _NONE,
+        escaped(model, field=True) if model else _NONE,
         _NONE if stream is None else str(stream).lower(),
         _NONE if usage is None else usage.prompt_tokens,
         _NONE if usage is None else usage.cached_tokens,

@@ -24,6 +24,8 @@ a slow consumer.
 
 No bound is known until a worker registers (or ``max_in_flight`` is set): until then every
 request goes on, as the context limit does, and the planner answers if no worker can serve it.
+A registered worker that is not live (silent: services.common.liveness, as the planner judges
+it) adds no room, unless none is live: the planner then routes to them all the same.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Literal
 
 from schemas.events import WorkerLoadReported
 from schemas.messages import WorkerRegistration
+from services.common.liveness import Liveness
 from services.ingress.errors import Overloaded
 from services.ingress.metrics import IngressMetrics
 
@@ -113,8 +116,12 @@ class Admission:
         metrics: IngressMetrics,
         clock: Callable[[], float] = time.monotonic,
         pressure: Callable[[], bool] | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
+        """``liveness``: the workers as the ingress hears of them (fed by its caller; None:
+        every registered worker counts)."""
         self._settings = settings
+        self._liveness = liveness
         self._pressure = pressure
         self._metrics = metrics
         self._clock = clock
@@ -133,8 +140,17 @@ class Admission:
         """The most requests the cluster may hold; None: no bound known yet."""
         bounds = [self._settings.max_in_flight]
         if self._worker_slots:
-            bounds.append(sum(self._worker_slots.values()))
+            bounds.append(self._live_slots())
         return min((b for b in bounds if b is not None), default=None)
+
+    def _live_slots(self) -> int:
+        slots = self._worker_slots
+        if self._liveness is not None:
+            live = self._liveness.live()
+            room = [n for worker, n in slots.items() if worker in live]
+            if room:
+                return sum(room)
+        return sum(slots.values())
 
     @property
     def in_cluster(self) -> int:

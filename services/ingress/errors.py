@@ -19,9 +19,11 @@ _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     502: "server_error",
     503: "service_unavailable_error",
@@ -83,6 +85,23 @@ def body_too_large(limit: int) -> ApiError:
         f"The request body is larger than this server's limit of {limit} bytes "
         "(LANEWAY_MAX_BODY_BYTES).",
         code="request_too_large",
+    )
+
+
+def headers_too_large(max_bytes: int, max_headers: int) -> ApiError:
+    return ApiError(
+        431,
+        f"The request's headers are larger than this server's limit of {max_bytes} bytes or "
+        f"{max_headers} headers (LANEWAY_MAX_HEADER_BYTES, LANEWAY_MAX_HEADERS).",
+        code="request_header_fields_too_large",
+    )
+
+
+def head_timeout(timeout_s: float) -> ApiError:
+    return ApiError(
+        408,
+        f"The request's headers did not arrive within {timeout_s:g} s (LANEWAY_HEADER_TIMEOUT_S).",
+        code="request_timeout",
     )
 
 

@@ -19,11 +19,13 @@ planner's own (a request it could not route).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from observability.drops import Drops
 from schemas.events import RequestAccepted, RequestFailed, RequestPlaced, TerminalEvent
 from schemas.messages import ResendReply
 from services.ingress.gateway import GatewayEvent
@@ -37,6 +39,21 @@ GAP_WAIT_S = 0.1
 UNPLACED_LIMIT = 256
 # What the ingress hears about one request: its worker's events and the planner's.
 Heard = GatewayEvent | RequestPlaced
+
+# Any worker may send under its own name for any request: each such event is counted, and
+# logged now and then (observability.drops).
+_drops = Drops(logging.getLogger(__name__))
+
+
+def _not_placed(event: GatewayEvent, placed: str) -> None:
+    _drops(
+        "not_placed_worker",
+        "dropping a %s of request %s from worker %r: the planner placed it on %r",
+        event.type,
+        event.request_id,
+        event.worker_id,
+        placed,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +171,8 @@ class Follow:
                 self._unplaced.append(event)
                 return []
             if event.worker_id != self._worker:
-                return []  # not the worker this attempt runs on: an impostor
+                _not_placed(event, self._worker)  # not the worker this attempt runs on
+                return []
         if isinstance(event, RequestFailed) and event.code == "worker_lost":
             return await self._migrate()
         self._heard = self._loop.time()
@@ -167,7 +185,12 @@ class Follow:
             # routes stream, so the first placement is the one its worker got.
             return []
         self._worker, self._heard = worker_id, self._loop.time()
-        early = [event for event in self._unplaced if event.worker_id == worker_id]
+        early = []
+        for event in self._unplaced:
+            if event.worker_id == worker_id:
+                early.append(event)
+            else:
+                _not_placed(event, worker_id)
         self._unplaced.clear()
         ready: list[GatewayEvent] = []
         for event in early:

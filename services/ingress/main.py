@@ -23,9 +23,10 @@ from bus.settings import ServiceSettings
 from bus.topology import Subjects
 from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
-from schemas.events import new_id
+from schemas.events import WorkerLoadReported, new_id
 from schemas.messages import WorkerRegistration
 from services.common.hf_tokenizer import HfTokenizer
+from services.common.liveness import Liveness
 from services.common.tokenizer import ByteTokenizer, Tokenizer
 from services.ingress.acceptor import EagerAcceptServer
 from services.ingress.admission import Admission, AdmissionSettings
@@ -34,6 +35,7 @@ from services.ingress.auth import KeyBook
 from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.follow import Recovery
 from services.ingress.health import Readiness
+from services.ingress.http_head import HeadLimits, bounded_head_protocol
 from services.ingress.metrics import IngressMetrics
 from services.ingress.migration import MIGRATION_LIMIT
 from services.ingress.nats_gateway import NatsGateway
@@ -42,6 +44,7 @@ from services.ingress.settings import IngressApiSettings
 # The API settings' defaults, written once there.
 _API = IngressApiSettings(instance_id="")
 _ADMISSION = AdmissionSettings()
+_HEAD = HeadLimits()
 
 
 class IngressSettings(ServiceSettings):
@@ -76,10 +79,18 @@ class IngressSettings(ServiceSettings):
     # pooled (httpx 5 s, aiohttp 15 s), so that the client closes first: a server closing one
     # just as the client reuses it fails that request ("Server disconnected"), never received.
     keep_alive_s: int = Field(default=75, gt=0)
+    # A request's head (request line and headers) is refused with 431 past these, and one not in
+    # within header_timeout_s gets 408: before the key is checked (services.ingress.http_head).
+    max_header_bytes: int = Field(default=_HEAD.max_bytes, gt=0)
+    max_headers: int = Field(default=_HEAD.max_headers, gt=0)
+    header_timeout_s: float = Field(default=_HEAD.timeout_s, gt=0)
 
     def api(self) -> IngressApiSettings:
         names = {field.name for field in fields(IngressApiSettings)}
         return IngressApiSettings(**self.model_dump(include=names))
+
+    def head_limits(self) -> HeadLimits:
+        return HeadLimits(self.max_header_bytes, self.max_headers, self.header_timeout_s)
 
     def admission(self) -> AdmissionSettings:
         names = {f"admission_{field.name}": field.name for field in fields(AdmissionSettings)}
@@ -98,9 +109,10 @@ def http_config(app: ASGIApp, settings: IngressSettings) -> uvicorn.Config:
         host=settings.host,
         port=settings.port,
         log_level="warning",
-        # Named, not "auto": a missing httptools fails at start instead of falling back to h11,
-        # which costs the ingress a tenth more CPU per request.
-        http="httptools",
+        # httptools, not "auto": a missing httptools fails at start instead of falling back to
+        # h11, which costs the ingress a tenth more CPU per request. Its head bounded, as uvicorn
+        # reads a head of any size, at any pace, before the app sees the request.
+        http=bounded_head_protocol(settings.head_limits()),
         access_log=False,
         timeout_graceful_shutdown=5,
         timeout_keep_alive=settings.keep_alive_s,
@@ -170,7 +182,7 @@ def main() -> None:
         listener = _bind(settings.host, settings.port, settings.reuse_port)
         setup_tracing("laneway-ingress", settings.instance_id, settings.trace_exporter)
         bus = await Bus.connect(settings.nats_url, f"ingress-{settings.instance_id}")
-        await bus.ensure_streams(settings.stream_replicas)
+        await bus.provision(settings.stream_replicas, settings.bus_provisioned)
         gateway = NatsGateway(
             bus, settings.instance_id, Recovery(migration_limit=settings.migration_limit)
         )
@@ -178,14 +190,18 @@ def main() -> None:
         await gateway.start(metrics.loop_late.observe)
         etcd = connect_etcd(settings.etcd_endpoints)
         limit = WorkerContextLimit()
-        readiness = Readiness(lambda: bus.nc.is_connected)
-        admission = Admission(settings.admission(), metrics, pressure=gateway.behind)
+        # Which workers are live, for /health and admission alike (the planner's rule).
+        liveness = Liveness()
+        readiness = Readiness(lambda: bus.nc.is_connected, liveness)
+        admission = Admission(
+            settings.admission(), metrics, pressure=gateway.behind, liveness=liveness
+        )
 
         workers_read = asyncio.Event()
 
         async def on_workers(workers: dict[str, WorkerRegistration]) -> None:
+            liveness.registered(workers)
             await limit.on_workers(workers)
-            await readiness.on_workers(workers)
             await admission.on_workers(workers)
             workers_read.set()
 
@@ -196,7 +212,12 @@ def main() -> None:
         keys = KeyBook() if settings.api_auth else None
         if keys is not None:
             watching.append(asyncio.create_task(watch_keys(etcd, keys.on_keys), name="key-watch"))
-        await bus.subscribe(Subjects.all_load, admission.on_load)
+
+        async def on_load(report: WorkerLoadReported) -> None:
+            liveness.reported(report.worker_id)
+            await admission.on_load(report)
+
+        await bus.subscribe(Subjects.all_load, on_load)
         app = create_app(
             gateway,
             _tokenizer(settings.model_dir),

@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics import MetricWrapperBase
 
+from observability.drops import count_drops_in
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Client closed the connection before the answer was complete (nginx's convention).
 CLIENT_CLOSED_STATUS = 499
@@ -24,6 +26,7 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120
 class IngressMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        count_drops_in(self.registry)
         self._requests = Counter(
             "laneway_ingress_requests",
             "HTTP requests by endpoint and final status (499: client went away).",

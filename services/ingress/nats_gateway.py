@@ -14,7 +14,8 @@ from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError
 from opentelemetry import trace
 
-from bus.client import Bus, received
+from bus.client import Bus
+from bus.received import received
 from bus.topology import TOKEN_DELTAS, Subjects
 from observability.tracing import trace_context
 from schemas.codec import encode

@@ -10,6 +10,7 @@ from pydantic import Field
 
 from bus.client import Bus
 from bus.kv_follow import FoldSettings, KvFollower
+from bus.objects import save_object
 from bus.registry import connect_etcd
 from bus.runtime import run_service
 from bus.topology import INDEX_SNAPSHOT_NAME, INDEX_SNAPSHOTS, Subjects
@@ -32,8 +33,8 @@ async def _snapshot(bus: Bus, indexer: Indexer) -> None:
     # Replicas share one snapshot name: each is a fold of the same stream, so any is valid.
     position = indexer.index.position
     if position > indexer.snapshotted_at:
-        await bus.save_object(
-            INDEX_SNAPSHOTS, INDEX_SNAPSHOT_NAME, indexer.index.snapshot(position)
+        await save_object(
+            bus.js, INDEX_SNAPSHOTS, INDEX_SNAPSHOT_NAME, indexer.index.snapshot(position)
         )
         indexer.snapshotted_at = position
 
@@ -44,7 +45,7 @@ def main() -> None:
     async def serve(stop: asyncio.Event) -> None:
         setup_tracing("laneway-kv-indexer", settings.instance_id, settings.trace_exporter)
         bus = await Bus.connect(settings.nats_url, f"kv-indexer-{settings.instance_id}")
-        await bus.ensure_streams(settings.stream_replicas)
+        await bus.provision(settings.stream_replicas, settings.bus_provisioned)
         etcd = connect_etcd(settings.etcd_endpoints)
         follower = KvFollower(bus, etcd, settings.predicted_ttl_s, settings.purge_interval_s)
         indexer = await follower.start()

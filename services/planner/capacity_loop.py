@@ -24,7 +24,7 @@ from services.planner.capacity import (
     observe_interval,
     workers_to_move,
 )
-from services.planner.cluster import QUIET_S, ClusterView
+from services.planner.cluster import ClusterView
 from services.planner.policy import WorkerView
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class CapacityLoop:
 
     def _pool(self, role: Role) -> list[WorkerView]:
         # Aggregated workers decode too: the loop may split them into a prefill pool.
-        quiet = self._cluster.quiet(QUIET_S)
+        quiet = self._cluster.quiet()
         if role == "prefill":
             return self._cluster.prefill_candidates(leave_out=quiet)
         return self._cluster.candidates(leave_out=quiet)

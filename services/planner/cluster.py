@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from schemas.events import WorkerLoadReported
 from schemas.messages import WorkerRegistration
+from services.common.liveness import QUIET_S, Liveness
 from services.planner.decision import DecisionInputs
 from services.planner.policy import RouteRequest, WorkerView
 from services.planner.room import with_room
@@ -35,12 +36,6 @@ def decided_reason(recorded: str, attempt: int) -> str:
 SERVING_ROLES = frozenset({"both", "decode"})
 PREFILL_ROLES = frozenset({"prefill"})
 
-# A worker reports its load at least every 0.5 s (every 50 ms while busy); one silent for four
-# such intervals is taken for dead or frozen. Its etcd lease may stand until it expires: a
-# request routed there would wait for a migration, and a capacity move counting it could take
-# the last worker that really serves.
-QUIET_S = 2.0
-
 
 @dataclass(frozen=True, slots=True)
 class Routed:
@@ -59,9 +54,8 @@ class ClusterView:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.workers: dict[str, WorkerRegistration] = {}
         self._load: dict[str, WorkerLoadReported] = {}
-        self._clock = clock
-        # Per worker, when it was last heard from (registered or reported), on ``clock``.
-        self._heard: dict[str, float] = {}
+        # Who is live, by the ingress's rule too (services.common.liveness).
+        self.liveness = Liveness(QUIET_S, clock)
         self._routed: dict[str, Routed] = {}
         self._in_flight: dict[str, int] = {}
         # Per worker, (when, prompt tokens) routed there that its last report may not include.
@@ -70,9 +64,7 @@ class ClusterView:
     def set_workers(self, workers: dict[str, WorkerRegistration]) -> dict[str, Routed]:
         """Replace the live set; returns the requests that were in flight on workers now gone."""
         gone = self.workers.keys() - workers.keys()
-        now = self._clock()
-        for worker_id in workers.keys() - self.workers.keys():
-            self._heard[worker_id] = now
+        self.liveness.registered(workers)
         self.workers = workers
         lost = {rid: r for rid, r in self._routed.items() if r.worker_id in gone}
         for request_id in lost:
@@ -81,24 +73,24 @@ class ClusterView:
             self._load.pop(worker_id, None)
             self._in_flight.pop(worker_id, None)
             self._unreported.pop(worker_id, None)
-            self._heard.pop(worker_id, None)
         return lost
 
     def report(self, load: WorkerLoadReported) -> None:
         if load.worker_id not in self.workers:
             return
         self._load[load.worker_id] = load
-        self._heard[load.worker_id] = self._clock()
+        self.liveness.reported(load.worker_id)
         pending = self._unreported.get(load.worker_id)
         reported_at = load.occurred_at.timestamp()
         while pending and pending[0][0] <= reported_at:
             pending.popleft()
 
-    def quiet(self, silent_s: float) -> set[str]:
-        """Workers not heard from for ``silent_s`` seconds: their lease may still stand (a
-        killed or frozen worker keeps it until it expires) while they serve nothing."""
-        horizon = self._clock() - silent_s
-        return {w for w, heard in self._heard.items() if heard < horizon}
+    def quiet(self) -> set[str]:
+        """Workers not heard from for ``QUIET_S``: their lease may still stand (a killed or
+        frozen worker keeps it until it expires, or for as long as anyone keeps it alive) while
+        they serve nothing. A request routed there would wait for a migration, and a capacity
+        move counting one could take the last worker that really serves."""
+        return self.liveness.quiet()
 
     def routed(
         self,
@@ -142,7 +134,7 @@ class ClusterView:
         """What a routing decision for ``request`` needs to know about the workers now;
         ``host_blocks``: the blocks each one's host tier holds after its GPU overlap."""
         slots = {worker_id: reg.max_num_seqs for worker_id, reg in self.workers.items()}
-        quiet = self.quiet(QUIET_S)
+        quiet = self.quiet()
         # When every server is silent the bus or this planner stalled, not all the workers:
         # routing to them then beats refusing. A silent prefill worker is simply not used.
         serving = self.candidates(

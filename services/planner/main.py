@@ -170,7 +170,7 @@ def main() -> None:
     async def serve(stop: asyncio.Event) -> None:
         setup_tracing("laneway-planner", settings.instance_id, settings.trace_exporter)
         bus = await Bus.connect(settings.nats_url, f"planner-{settings.instance_id}")
-        await bus.ensure_streams(settings.stream_replicas)
+        await bus.provision(settings.stream_replicas, settings.bus_provisioned)
         etcd = connect_etcd(settings.etcd_endpoints)
         policy = make_policy(settings.policy, settings.seed, settings.kv())
         source = f"planner/{settings.instance_id}"

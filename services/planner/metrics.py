@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from observability.drops import count_drops_in
 from services.planner.cluster import ClusterView
 from services.planner.decision import Decision
 
@@ -46,6 +47,7 @@ class _Pools(Collector):
 class PlannerMetrics:
     def __init__(self, cluster: ClusterView) -> None:
         self.registry = CollectorRegistry()
+        count_drops_in(self.registry)
         self._decisions = Counter(
             "laneway_planner_decisions",
             "Routing decisions by policy, reason (without its figures) and where the prompt is "

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span
 from prometheus_client import Counter
 
+from observability.drops import Drops
 from observability.tracing import context_of
 from schemas.events import PrefillCompleted, RouteDecided
 from services.engine.continuation import continuation
@@ -21,6 +23,12 @@ from services.worker.outputs import Background, Outputs
 from services.worker.requests import Active, Awaiting, Requests
 
 log = logging.getLogger(__name__)
+drops = Drops(log)
+
+# A remote prefill's answer travels apart from the decode worker's route (a core subscription,
+# beside the route's durable), so it may come first: kept for its route this long, this many.
+EARLY_PREFILLED_S = 30.0
+EARLY_PREFILLED_KEPT = 1024
 
 
 class DecodeSide:
@@ -41,6 +49,7 @@ class DecodeSide:
         self._outputs = outputs
         self._background = background
         self._tracer = trace.get_tracer("laneway.worker")
+        self._early: OrderedDict[str, tuple[float, PrefillCompleted]] = OrderedDict()
 
     def _child(self, name: str, state: Active, links: list[Link] | None = None) -> Span:
         return self._tracer.start_span(
@@ -58,13 +67,30 @@ class DecodeSide:
         wait.set_attribute("laneway.timeout_s", timeout)
         state.awaiting = Awaiting(placement.prefill_worker_id, cached, wait)
         state.awaiting.timer = self._background.spawn(self._deadline(request_id, timeout))
+        early = self._early.pop(request_id, None)
+        if early is not None:
+            self.on_prefilled(early[1])
 
     def on_prefilled(self, event: PrefillCompleted) -> None:
+        """``event`` came on this worker's subject from ``event.worker_id`` (the bus checked
+        the subject); it is taken only from the prefill worker the request's route named."""
         request_id = event.request_id or ""
         state = self._requests.active.get(request_id)
-        awaiting = state.awaiting if state is not None else None
-        if state is None or awaiting is None or awaiting.receiving:
+        if state is None:
+            self._keep_early(event)
+            return
+        awaiting = state.awaiting
+        if awaiting is None or awaiting.receiving:
             self._receiver.blobs.drop(request_id)  # fell back, cancelled, or a redelivery
+            return
+        if event.worker_id != awaiting.prefill_worker_id:
+            drops(
+                "not_placed_worker",
+                "dropping a PrefillCompleted for %s from %s: its route named %s",
+                request_id,
+                event.worker_id,
+                awaiting.prefill_worker_id,
+            )
             return
         if event.error is not None or event.first_token_id is None:
             self._fall_back(request_id, state, f"remote prefill failed: {event.error}")
@@ -132,6 +158,19 @@ class DecodeSide:
             return portable is not None
 
         await self._requests.admit(resumed.rest, adopt, resumed.handed_off_tokens)
+
+    def _keep_early(self, event: PrefillCompleted) -> None:
+        """Its route may not be here yet; an answer whose route never comes (it ended, or it
+        was forged) is forgotten after a while."""
+        now = time.monotonic()
+        request_id = event.request_id or ""
+        self._early.pop(request_id, None)
+        self._early[request_id] = (now, event)
+        while self._early:
+            at, _ = next(iter(self._early.values()))
+            if now - at <= EARLY_PREFILLED_S and len(self._early) <= EARLY_PREFILLED_KEPT:
+                break
+            self._early.popitem(last=False)
 
     async def _deadline(self, request_id: str, timeout_s: float) -> None:
         await asyncio.sleep(timeout_s)

@@ -44,10 +44,10 @@ class Handlers:
         self.draining = False
         self._tracer = trace.get_tracer("laneway.worker")
 
-    async def on_route(self, event: RouteDecided | PrefillCompleted) -> None:
-        if isinstance(event, PrefillCompleted):
-            self._decode.on_prefilled(event)
-            return
+    async def on_prefilled(self, event: PrefillCompleted) -> None:
+        self._decode.on_prefilled(event)
+
+    async def on_route(self, event: RouteDecided) -> None:
         if event.request_id is None:
             return
         request_id = event.request_id

@@ -106,7 +106,7 @@ class KvSender:
             decode_worker_id=job.decode_worker_id,
             **fields,
         )
-        await self._bus.publish(Subjects.route(job.decode_worker_id), event)
+        await self._bus.publish(Subjects.prefilled(job.decode_worker_id, self._worker_id), event)
 
 
 class KvReceiver:

@@ -20,9 +20,10 @@ from pydantic import ValidationError
 
 from bus.blobs import CHUNK_BYTES, send_blob
 from bus.client import Bus
-from bus.credentials import inbox_prefix
+from bus.credentials import inbox_prefix, is_inbox
 from bus.permissions import Identity
 from bus.topology import Subjects
+from observability.drops import Drops
 from observability.tracing import trace_context
 from schemas.codec import decode_as, encode
 from schemas.events import KvMove, KvTransferred, RouteDecided
@@ -34,6 +35,7 @@ from services.worker.outputs import Background, Outputs
 from services.worker.requests import Active, Awaiting, Requests
 
 log = logging.getLogger(__name__)
+_drops = Drops(log)
 
 # Users whose replies may take KV named for another worker: the cluster's admin (tests, tools).
 _ADMIN = Identity("admin").user
@@ -194,9 +196,10 @@ class KvMoves:
         try:
             query = decode_as(KvPullQuery, msg.data)
         except (ValidationError, ValueError):
-            log.warning("dropping a malformed KV pull")
+            _drops("malformed_query", "dropping a malformed KV pull")
             return
-        if not msg.reply:
+        if not is_inbox(msg.reply):
+            _drops("not_an_inbox", "no KV pull answered to %.80r: not an inbox", msg.reply)
             return
         reply = await self._send(query, msg.reply)
         self._moves.labels("sent", "failed" if reply.blocks == 0 else "ok").inc()

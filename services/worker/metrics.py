@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from observability.drops import count_drops_in
 from services.engine.protocol import EngineLoad, StepResult
 
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -30,6 +31,7 @@ class _Busy(Collector):
 class WorkerMetrics:
     def __init__(self, busy_s: Callable[[], float]) -> None:
         self.registry = CollectorRegistry()
+        count_drops_in(self.registry)
         self._waiting = Gauge(
             "laneway_worker_queue", "Requests waiting in the engine.", registry=self.registry
         )

@@ -11,7 +11,9 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from bus.client import Bus
+from bus.credentials import is_inbox
 from bus.topology import Subjects
+from observability.drops import Drops
 from schemas.codec import decode_as, encode
 from schemas.events import (
     KvTransferred,
@@ -31,6 +33,7 @@ from services.worker.stream import Chunk
 from services.worker.token_log import TokenLog
 
 log = logging.getLogger(__name__)
+_drops = Drops(log)
 
 
 class Background:
@@ -159,11 +162,11 @@ class Outputs:
         try:
             query = decode_as(ResendQuery, msg.data)
         except (ValidationError, ValueError):
-            log.warning("dropping a malformed resend query")
+            _drops("malformed_query", "dropping a malformed resend query")
             return
         self.kept.expire(time.monotonic())
         reply = self.kept.reply(query.request_id, query.index, query.attempt)
-        if reply is not None and msg.reply:
+        if reply is not None and is_inbox(msg.reply):
             await msg.respond(encode(reply))
 
     def terminal(self, reply_to: str, event: TerminalEvent) -> None:

@@ -140,6 +140,9 @@ class Worker:
             Subjects.kv_handoff(self._opt.worker_id), self._receiver.blobs.on_msg
         )
         await self._bus.subscribe_bytes(Subjects.kv_pull(self._opt.worker_id), self._moves.on_pull)
+        await self._bus.subscribe(
+            Subjects.prefilled(self._opt.worker_id), self._handlers.on_prefilled
+        )
         await self._bus.consume(worker_routes(self._opt.worker_id), self._handlers.on_route)
         loops = [
             asyncio.create_task(
@@ -256,7 +259,7 @@ def worker_main(default_role: Role) -> None:
         metrics = MetricsServer(CollectorRegistry())
         await metrics.start(settings.metrics_host, settings.metrics_port)
         bus = await Bus.connect(settings.nats_url, f"worker-{settings.worker_id}")
-        await bus.ensure_streams(settings.stream_replicas)
+        await bus.provision(settings.stream_replicas, settings.bus_provisioned)
         etcd = connect_etcd(settings.etcd_endpoints)
         engine, tokenizer = build_engine(settings)
         worker = Worker(bus, engine, tokenizer, worker_options(settings, engine))

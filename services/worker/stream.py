@@ -89,7 +89,12 @@ class RequestStream:
         gap = None
         if self.first_token is None:
             self.first_token = now
-            self.cached_tokens = output.cached_tokens or 0
+            # The engine counts the cached prefix of the prompt it ran, which for a continued
+            # request (a migration) ends with the answer tokens already delivered; the client's
+            # usage counts its own prompt, the first ``prompt_tokens`` of it (one migrated
+            # request told 144 cached of 98). A prefix cache holds a prefix, so that part of it
+            # is the client's prompt, up to its length.
+            self.cached_tokens = min(output.cached_tokens or 0, self.prompt_tokens)
         elif ids and self.last_token is not None:
             came = times or (now,)
             for at in came:

@@ -19,7 +19,7 @@ from nats.js.errors import BadRequestError, NoStreamResponseError
 from bus import confirms as confirms_module
 from bus.client import Bus
 from bus.confirms import Confirmations, check
-from bus.topology import REQUESTS, Subjects
+from bus.topology import Subjects
 from schemas.codec import decode_event
 from schemas.events import RequestCancelled
 from tests.helpers import eventually
@@ -82,7 +82,8 @@ async def test_sent_now_and_confirmed_without_a_task(bus: Bus) -> None:
     await bus.send_confirmed(topic, ended, retried.append)
     await eventually(lambda: bool(seen), message="not sent")
     js = bus.nc.jetstream()
-    stored = await js.get_last_msg(REQUESTS.name, topic.subject)
+    assert topic.stream is not None
+    stored = await js.get_last_msg(topic.stream.name, topic.subject)
     assert stored.data is not None and decode_event(stored.data) == ended
     await eventually(lambda: not bus._confirms._waiting, message="its answer never came")
     assert retried == []

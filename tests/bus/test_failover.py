@@ -17,6 +17,7 @@ from nats.js.client import JetStreamContext
 
 from bus.client import Bus
 from bus.permissions import Identity
+from bus.provision import ensure_streams
 from bus.registry import LeasedKey, connect_etcd, watch_workers
 from bus.topology import CANCELS, REQUESTS, STREAM_SUBJECTS
 from infra.cluster_auth import ClusterAuth, secure
@@ -129,8 +130,8 @@ async def test_bus_over_a_cluster_replicates_streams_and_survives_its_server(
     nats_nodes: list[EmbeddedServer],
 ) -> None:
     bus = await Bus.connect(",".join(node.url for node in nats_nodes), "failover")
-    await bus.ensure_streams(1)
-    await bus.ensure_streams(3)  # the streams made with one replica move to three
+    await ensure_streams(bus.js, 1)
+    await ensure_streams(bus.js, 3)  # the streams made with one replica move to three
     js = bus.nc.jetstream()
     for stream in STREAM_SUBJECTS:
         assert (await js.stream_info(stream.name)).config.num_replicas == 3
@@ -204,7 +205,7 @@ async def test_bus_leaves_a_server_that_stops_answering(nats_nodes: list[Embedde
 
     async def streams_answer() -> bool:
         try:
-            await bus.ensure_streams(3)
+            await ensure_streams(bus.js, 3)
         except nats.errors.TimeoutError:  # the server the last test restarted: still electing
             return False
         return True

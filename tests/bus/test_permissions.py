@@ -19,7 +19,7 @@ from bus.permissions import (
 )
 from bus.readme import section
 from bus.registry import WORKERS_PREFIX
-from bus.topology import CHANNELS
+from bus.topology import CHANNELS, STREAM_SUBJECTS
 
 WORKER = Identity("worker", "w1")
 
@@ -52,10 +52,66 @@ def test_a_worker_has_its_own_keyed_subjects_only() -> None:
     assert not {"lw.kv.*", "lw.load.*", "lw.kv.>", ">"} & set(found.publish)
     assert "lw.req.accepted" not in found.subscribe
     assert "_i.worker-w1.>" in found.subscribe and "_INBOX.>" not in found.subscribe
-    assert not any("DELETE" in s or "PURGE" in s for s in found.publish)
-    # Its durable only, and only over its own routes.
-    creates = [s for s in found.publish if ".CONSUMER.CREATE." in s]
-    assert creates == ["$JS.API.CONSUMER.CREATE.LW_ROUTES.worker-w1.lw.route.w1"]
+    # No JetStream API at all: the admin made its durable, whose deliveries it takes on the
+    # durable's own subject and acks there.
+    assert not [s for s in found.publish if s.startswith("$JS.API.")]
+    assert [s for s in found.publish if s.startswith("$")] == ["$JS.ACK.LW_ROUTES.worker-w1.>"]
+    assert "_lw.deliver.worker-w1" in found.subscribe
+    assert not [s for s in found.subscribe if s.startswith("_lw.") and s.endswith(("*", ">"))]
+    # Its routes come from the planner alone; hand-offs from a prefill worker name both.
+    assert not [s for s in found.publish if s.startswith("lw.route.") and s.count(".") == 2]
+    assert "lw.prefilled.*.w1" in found.publish and "lw.prefilled.w1.*" in found.subscribe
+
+
+def _meet(a: str, b: str) -> bool:
+    """Whether two NATS subjects (wildcards in either) match a subject in common."""
+    x, y = a.split("."), b.split(".")
+    for i, (p, q) in enumerate(zip(x, y, strict=False)):
+        if ">" in (p, q):
+            return True
+        if p != q and "*" not in (p, q):
+            return False
+        if i == min(len(x), len(y)) - 1:
+            return len(x) == len(y)
+    return False
+
+
+@pytest.mark.parametrize("identity", IDENTITIES, ids=lambda i: i.role)
+def test_no_role_administers_a_stream(identity: Identity) -> None:
+    """The server applies a stream's subjects and republish past every permission: only the
+    admin creates, updates, deletes or purges one. The kv-indexer purges its own bucket's old
+    chunks, nothing else."""
+    found = nats_permissions(identity).publish
+    admin = [
+        s
+        for s in found
+        if s.startswith("$JS.API.")
+        and any(f".{op}" in s for op in ("CREATE", "UPDATE", "DELETE", "PURGE", "RESTORE"))
+        and ".CONSUMER.CREATE." not in s
+    ]
+    allowed = {"kv-indexer": ["$JS.API.STREAM.PURGE.OBJ_LW_INDEX_SNAPSHOTS"]}
+    assert admin == allowed.get(identity.role, [])
+    assert not [s for s in found if "*" in s.split(".")[2:4] and s.startswith("$JS.API.")]
+    assert not [s for s in found if s.startswith(("$JS.API.DIRECT", "$JS.API.STREAM.MSG.DELETE"))]
+
+
+@pytest.mark.parametrize("identity", IDENTITIES, ids=lambda i: i.role)
+def test_no_role_makes_a_consumer_over_what_it_writes(identity: Identity) -> None:
+    """A consumer's deliveries go where its create says, past every permission: a role that
+    could make one over messages of its own could put them on any subject (a forged answer on
+    an ingress's). So it makes consumers only over streams it cannot write to."""
+    found = nats_permissions(identity)
+    creates = [s.split(".")[4] for s in found.publish if s.startswith("$JS.API.CONSUMER.CREATE.")]
+    written = [s for s in found.publish if not s.startswith(("$JS.", "_"))]
+    for stream, subjects in STREAM_SUBJECTS.items():
+        if stream.name in creates:
+            assert not [(w, s) for w in written for s in subjects if _meet(w, s)], stream.name
+    assert all(stream.startswith("LW_") for stream in creates)
+
+
+def test_subjects_meet() -> None:
+    assert _meet("lw.kv.w1", "lw.kv.*") and _meet("lw.>", "lw.kv.w1")
+    assert not _meet("lw.kv.w1", "lw.kv.w2") and not _meet("lw.kv.*", "lw.kv.*.x")
 
 
 def test_an_ingress_reads_its_own_answers_only() -> None:

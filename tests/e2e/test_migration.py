@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Any
 
 import httpx
 
@@ -22,8 +23,9 @@ from bus.topology import Subjects
 from infra.cluster import LocalCluster
 from schemas.events import Event, RouteDecided
 from schemas.messages import WorkerRegistration
-from tests.e2e.exact import MAX_TOKENS, Streamed, answers, mismatch, stream
+from tests.e2e.exact import MAX_TOKENS, Streamed, answers, mismatch, stream, stream_body
 from tests.helpers import eventually
+from tests.ingress.helpers import sse_data
 from tests.live import ClusterFactory, registrations
 
 # A 48-token answer streams for about two seconds.
@@ -173,6 +175,70 @@ async def test_past_the_migration_limit_the_stream_ends_with_a_clear_error(
         assert s.status == 200 and s.events[-1:] != ["[DONE]"]
         error = s.events[-1]
         assert isinstance(error, dict) and "LANEWAY_MIGRATION_LIMIT" in str(error)
+
+
+# 97 tokens (the sim's are bytes): six blocks of 16 and one token. A continued prompt one block
+# longer than that, which its new worker holds cached, has more tokens cached than this prompt has.
+USAGE_PROMPT = "a story, " * 9 + "once upon a time"
+COPIES = 6
+
+
+async def test_a_migrated_requests_usage_counts_the_clients_prompt(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """Copies of one seeded request run on both workers at once (the same answer, so the same
+    blocks cached on each); the worker of some is killed past their first block of answer, and
+    they continue on the other, which finds their continued prompt (the client's and the answer
+    so far) cached beyond the client's prompt. Their usage counts the client's prompt: all of
+    it cached, never more (an access log once showed 144 cached of 98)."""
+    cluster = cluster_factory(workers=2, env=SLOW)
+    assert len(USAGE_PROMPT) % 16 == 1
+    bus, moves = await observe_moves(cluster)
+    placed: dict[str, str] = {}
+
+    async def on_route(event: Event) -> None:
+        if isinstance(event, RouteDecided) and event.request_id and not event.spec.attempt:
+            placed[event.request_id] = event.worker_id
+
+    await bus.subscribe(Subjects.route_decisions, on_route)
+    async with httpx.AsyncClient(
+        base_url=cluster.config.base_url, headers=cluster.api_headers, timeout=60
+    ) as http:
+        body = {
+            **stream_body(seed=7, max_tokens=MAX_TOKENS),
+            "prompt": USAGE_PROMPT,
+        }
+        streams = [asyncio.create_task(_sse(http, body)) for _ in range(COPIES)]
+        await eventually(lambda: len(placed) == COPIES, timeout=10)
+        on = Counter(placed.values())
+        assert len(on) == 2, f"every copy went to one worker: {on}"
+        # Past 16 of the 48 tokens (about 2 s for all of them) on the one killed.
+        await asyncio.sleep(1.2)
+        victim = min(on, key=lambda w: (on[w], w))
+        workers = await registrations(cluster.etcd_endpoints)
+        os.kill(workers[victim].pid, signal.SIGKILL)
+        streamed = await asyncio.gather(*streams)
+    await bus.close()
+    texts = {text for text, _ in streamed}
+    assert len(texts) == 1 and len(next(iter(texts))) == MAX_TOKENS, texts  # exact, as one
+    moved = [r for r in moves.routes if r.spec.attempt == 1]
+    assert len(moved) == on[victim]
+    # Each continued past the client's prompt by more than its last, partial block: its new
+    # worker found more tokens cached than the client's prompt has.
+    assert all(len(r.spec.prompt_token_ids) > len(USAGE_PROMPT) + 16 for r in moved), moved
+    usages = [usage for _, usage in streamed]
+    assert all(u["prompt_tokens"] == len(USAGE_PROMPT) for u in usages), usages
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    assert all(c <= len(USAGE_PROMPT) for c in cached), cached
+
+
+async def _sse(http: httpx.AsyncClient, body: dict[str, object]) -> tuple[str, dict[str, Any]]:
+    """A streamed completion's text and usage."""
+    reply = await http.post("/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    chunks = [e for e in sse_data(reply.text) if isinstance(e, dict)]
+    text = "".join(c["text"] for chunk in chunks for c in chunk["choices"])
+    return text, chunks[-1]["usage"]
 
 
 async def _registered(cluster: LocalCluster, worker_id: str) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from services.common.liveness import QUIET_S, Liveness
 from services.ingress.health import Readiness
 from tests.helpers import eventually
 from tests.live import ClusterFactory
@@ -22,6 +23,30 @@ def test_each_missing_part_is_named_in_one_openai_error() -> None:
         "not ready: the bus (NATS) is not connected; no planner consumes requests; "
         "no worker is registered"
     )
+
+
+def test_a_registered_worker_counts_while_it_reports_its_load() -> None:
+    """The planner's rule (services.common.liveness): registered under a lease and heard from
+    within QUIET_S. A frozen worker whose lease someone else keeps alive stops counting."""
+    now = [0.0]
+    liveness = Liveness(clock=lambda: now[0])
+    readiness = Readiness(lambda: True, liveness)
+    readiness.planners = {b"p"}
+    liveness.registered(["a", "b"])
+    assert readiness.answer() == (200, b'{"status":"ok","planners":1,"workers":2}')
+    now[0] = QUIET_S + 1
+    liveness.reported("b")
+    liveness.reported("ghost")  # not registered: not counted however often it reports
+    assert readiness.workers == 1
+    now[0] = 2 * QUIET_S + 2
+    status, body = readiness.answer()
+    message = httpx.Response(status, content=body).json()["error"]["message"]
+    assert (status, message) == (
+        503,
+        f"not ready: no registered worker reported its load in the last {QUIET_S:g} s",
+    )
+    liveness.reported("a")  # it runs again
+    assert readiness.workers == 1
 
 
 @pytest.mark.live

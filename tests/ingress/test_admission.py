@@ -9,6 +9,7 @@ import time
 import pytest
 
 from schemas.events import WorkerLoadReported
+from services.common.liveness import QUIET_S, Liveness
 from services.ingress.admission import Admission, AdmissionSettings, AdmissionTicket, Priority
 from services.ingress.errors import Overloaded
 from services.ingress.metrics import IngressMetrics
@@ -70,6 +71,23 @@ async def test_capacity_is_each_serving_workers_slots_and_queue() -> None:
     bounded, _ = make(queue_per_worker=2, max_in_flight=5)
     await bounded.on_workers(workers)
     assert bounded.capacity == 5
+
+
+async def test_a_silent_worker_adds_no_room_unless_every_one_is_silent() -> None:
+    """A worker that stopped reporting (frozen, its lease kept alive by anyone) is not live by
+    the planner's rule, which routes to it only when no worker is heard at all."""
+    clock = Clock()
+    liveness = Liveness(clock=clock)
+    admission = Admission(AdmissionSettings(), IngressMetrics(), clock, liveness=liveness)
+    workers = {"w0": registration("w0"), "w1": registration("w1")}
+    liveness.registered(workers)
+    await admission.on_workers(workers)
+    assert admission.capacity == 8
+    clock.now += QUIET_S + 1
+    liveness.reported("w1")
+    assert admission.capacity == 4
+    clock.now += QUIET_S + 1  # nothing heard from anyone: this ingress or the bus stalled
+    assert admission.capacity == 8
 
 
 async def test_beyond_capacity_a_request_waits_then_is_shed_fast() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bus.client import Bus
+from bus.provision import ensure_streams
 from infra.cluster_auth import ClusterAuth
 from schemas.events import RequestFailed, RequestSpec, SamplingParams
 from services.ingress.nats_gateway import NatsGateway
@@ -21,7 +22,7 @@ async def test_a_request_larger_than_the_bus_carries_fails_as_invalid(tmp_path: 
     server = admin_nats(ClusterAuth(tmp_path / "auth", []), tmp_path, max_payload=64 * 1024)
     bus = await Bus.connect(server.url, "test-payload")
     try:
-        await bus.ensure_streams()
+        await ensure_streams(bus.js)
         gateway = NatsGateway(bus, "ingress-test")
         await gateway.start()
         spec = RequestSpec(

@@ -11,9 +11,10 @@ import pytest
 from schemas.events import RequestFinished, Role, RolesRebalanced, Usage, WorkerLoadReported
 from schemas.latency import LatencyHistogram
 from schemas.messages import WorkerRegistration
+from services.common.liveness import QUIET_S
 from services.planner.capacity import CapacityPlanner, CapacitySettings
 from services.planner.capacity_loop import CapacityLoop
-from services.planner.cluster import QUIET_S, ClusterView
+from services.planner.cluster import ClusterView
 from tests.helpers import registration
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from schemas.events import Role, WorkerLoadReported
-from services.planner.cluster import QUIET_S, ClusterView
+from services.common.liveness import QUIET_S
+from services.planner.cluster import ClusterView
 from services.planner.policy import RouteRequest
 from tests.helpers import registration
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from bus.client import Bus
+from bus.provision import ensure_streams
 from bus.registry import LeasedKey, connect_etcd, watch_workers
 from bus.topology import Subjects
 from infra.bench.offline import OfflineReplay
@@ -119,7 +120,7 @@ async def test_live_and_offline_decide_alike_field_for_field(
     roles |= {w.worker_id: "prefill" for w in first.prefillers}
 
     bus = await Bus.connect(nats_server.url, "parity")
-    await bus.ensure_streams()
+    await ensure_streams(bus.js)
     etcd = connect_etcd(etcd_server.url)
     planner = Planner(bus, _policy(), "parity", overlap_timeout_s=2.0, disagg=DISAGG)
     leases = [LeasedKey.worker(etcd, _registration(w, r), ttl_s=10) for w, r in roles.items()]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from bus.client import Bus
+from bus.provision import ensure_streams
 from bus.topology import Subjects
 from infra.embedded import EmbeddedServer
 from schemas.events import (
@@ -66,7 +67,7 @@ async def test_host_runs_places_and_learned_lengths_reach_the_decision(
 ) -> None:
     settings = KvSettings(kv_moves=True)
     bus = await Bus.connect(nats_server.url, "test-live-tiers")
-    await bus.ensure_streams()
+    await ensure_streams(bus.js)
     planner = Planner(
         bus, KvAware(settings), "tiers", overlap_timeout_s=2.0, lengths=OutputLengthPredictor()
     )

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from bus.client import Bus
 from bus.kv_follow import KvFollower, restore
+from bus.provision import ensure_streams
 from bus.registry import LeasedKey, connect_etcd
 from bus.topology import KV, Subjects
 from infra.bench.live import replay_live
@@ -118,7 +119,7 @@ async def test_a_fold_reads_as_behind_after_a_reconnect_until_a_check(
     etcd = connect_etcd(etcd_server.url)
     try:
         bus = await Bus.connect(server.url, "test-reconnect")
-        await bus.ensure_streams()
+        await ensure_streams(bus.js)
         follower = KvFollower(bus, etcd, predicted_ttl_s=300.0, purge_interval_s=10.0)
         await follower.start()
         await eventually(lambda: _caught_up(follower), message="the fold never caught up")

@@ -8,6 +8,7 @@ from typing import Any
 
 from bus.channels import Topic
 from bus.client import Bus
+from bus.provision import ensure_streams
 from bus.topology import Subjects
 from infra.embedded import EmbeddedServer
 from schemas.events import Event, RequestAccepted, RequestPlaced, RouteDecided
@@ -37,7 +38,7 @@ class ReconnectingBus(Bus):
 
 async def placements_heard(nats_server: EmbeddedServer, reconnect_on_route: bool) -> int:
     bus = await Bus.connect(nats_server.url, "test-placements")
-    await bus.ensure_streams()
+    await ensure_streams(bus.js)
     reply_to = f"placements{int(reconnect_on_route)}"
     heard: list[RequestPlaced] = []
 

@@ -10,6 +10,7 @@ import httpx
 import openai
 
 from bus.client import Bus
+from bus.provision import ensure_streams
 from bus.registry import connect_etcd
 from bus.sessions import SessionStore
 from bus.topology import Subjects
@@ -70,7 +71,7 @@ async def test_a_session_etcd_refuses_fails_its_request_at_once(
 ) -> None:
     """A session id too large for etcd used to be retried each second until its deadline."""
     bus = await Bus.connect(nats_server.url, "test-refused-session")
-    await bus.ensure_streams()
+    await ensure_streams(bus.js)
     etcd = connect_etcd(etcd_server.url)
     planner = Planner(bus, make_policy("kv"), "refusing", sessions=SessionStore(etcd, ttl_s=30))
     await planner.on_workers({"w": registration("w")})

@@ -63,6 +63,7 @@ def test_export_holds_every_stream_and_reads_back(cluster: LocalCluster, tmp_pat
     assert {r.stream for r in recorded} == {
         "LW_REQUESTS",
         "LW_ROUTES",
+        "LW_OUTCOMES",
         "LW_KV",
         "LW_LOAD",
         "LW_CONTROL",

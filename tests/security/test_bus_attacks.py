@@ -22,7 +22,9 @@ from nats.aio.msg import Msg
 from bus.client import Bus, at_server
 from bus.credentials import Credentials, inbox_prefix
 from bus.kv_follow import restore
+from bus.objects import save_object
 from bus.permissions import Identity
+from bus.provision import ensure_streams
 from bus.registry import WORKERS_PREFIX, EtcdCluster, etcd_endpoints, role_key
 from bus.sessions import SESSIONS_PREFIX
 from bus.topology import (
@@ -43,13 +45,14 @@ from schemas.events import (
     RequestAccepted,
     RequestFinished,
     RequestPlaced,
+    RouteDecided,
     TokensGenerated,
     Usage,
 )
 from services.common.kv_index.index import PrefixIndex
 from services.ingress.follow import Recovery
 from services.ingress.nats_gateway import NatsGateway
-from tests.helpers import eventually, registration
+from tests.helpers import eventually, registration, routed
 from tests.ingress.helpers import collect, request_spec
 
 pytestmark = pytest.mark.live
@@ -253,9 +256,11 @@ async def test_a_worker_cannot_read_another_workers_routes(secured: Secured) -> 
         )
     with pytest.raises(nats.errors.TimeoutError):
         await js.add_consumer(ROUTES.name, deliver_subject="_i.worker-w1.y", timeout=0.5)
-    # Nor another's reply inbox, where its deliveries and answers come.
+    # Nor another's reply inbox, where its answers come, nor its durable's deliveries.
     await worker.subscribe("_i.worker-w2.>")
     await _refused(worker, refusals, "_i.worker-w2.>")
+    await worker.subscribe(theirs.deliver_subject)
+    await _refused(worker, refusals, theirs.deliver_subject)
 
 
 @pytest.mark.parametrize("identity", [WORKER, INGRESS, INDEXER, PLANNER], ids=lambda i: i.role)
@@ -272,20 +277,27 @@ async def test_no_service_deletes_or_purges_a_stream(secured: Secured, identity:
 
 
 async def test_a_worker_bus_works_within_its_permissions(secured: Secured) -> None:
-    """The control: a worker's own bus does what a worker does (confirmed publish, its durable
-    routes), so the refusals above are the permissions, not a broken connection."""
-    bus = await Bus.connect(secured.creds("nats", WORKER).within(secured.nats.url), "w1")
+    """The control: a worker's own bus does what a worker does (confirmed publish, the routes
+    of the durable the admin made for it, acked), so the refusals above are the permissions,
+    not a broken connection."""
+    refusals: list[str] = []
+    bus = Bus(await secured.nats_as(WORKER, refusals))
+    planner = Bus(await secured.nats_as(PLANNER, refusals))
     try:
-        got: list[object] = []
+        got: list[RouteDecided] = []
 
-        async def on_route(event: object) -> None:
+        async def on_route(event: RouteDecided) -> None:
             got.append(event)
 
-        await bus.ensure_streams()
+        await bus.provision(1, by_admin=True)
         await bus.consume(worker_routes("w1"), on_route)
         await bus.publish(
             Subjects.kv("w1"), KvBlocksStored(source="t", worker_id="w1", seq=1, block_hashes=(2,))
         )
+        route = routed("control-1", "w1", request_spec("i1"))
+        await planner.publish(Subjects.route("w1"), route)
+        await eventually(lambda: route in got, message="the route never came")
+        assert refusals == []
     finally:
         await bus.close()
 
@@ -296,8 +308,8 @@ async def test_the_planner_folds_the_kv_stream_but_writes_no_snapshot(secured: S
     index = PrefixIndex()
     index.apply(KvBlocksStored(source="t", worker_id="w1", seq=1, block_hashes=(7, 8)))
     admin = Bus(await secured.nats_as(ADMIN))
-    await admin.ensure_streams()
-    await admin.save_object(INDEX_SNAPSHOTS, INDEX_SNAPSHOT_NAME, index.snapshot(0))
+    await ensure_streams(admin.js)
+    await save_object(admin.js, INDEX_SNAPSHOTS, INDEX_SNAPSHOT_NAME, index.snapshot(0))
     worker = await secured.nats_as(WORKER)
     await worker.jetstream().publish(Subjects.kv("w1").subject, _kv("w1"))
     refusals: list[str] = []
@@ -313,7 +325,7 @@ async def test_the_planner_folds_the_kv_stream_but_writes_no_snapshot(secured: S
     await eventually(lambda: bool(folded), message="the planner's replay got nothing")
     assert refusals == []
     with pytest.raises(nats.errors.TimeoutError):
-        await planner.save_object(INDEX_SNAPSHOTS, INDEX_SNAPSHOT_NAME, b"forged")
+        await save_object(planner.js, INDEX_SNAPSHOTS, INDEX_SNAPSHOT_NAME, b"forged")
     assert (await restore(admin)).overlaps((7, 8)) == {"w1": 2}
 
 
@@ -432,7 +444,6 @@ async def test_a_forged_answer_to_a_request_on_another_worker_is_dropped(
     refusals: list[str] = []
     raw = await secured.nats_as(WORKER, refusals)
     try:
-        await planner.ensure_streams()
         gateway = NatsGateway(ingress, "i1", Recovery(completion_wait_s=0.3))
         await gateway.start()
 

@@ -9,10 +9,13 @@ import stat
 import threading
 from pathlib import Path
 
+import nats
 import openai
 import pytest
+from nats.js.errors import NotFoundError
 
 from bus.credentials import Credentials
+from bus.topology import ROUTES
 from infra.cluster import LocalCluster
 from tests.helpers import eventually
 from tests.live import ClusterFactory, registrations
@@ -76,6 +79,15 @@ async def test_a_restarted_worker_gets_a_new_id_it_may_use(cluster: LocalCluster
             model="laneway-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
         assert reply.choices[0].message.content
+        # Its durable is the admin's work (a worker may make none), its predecessor's deleted.
+        nc = await nats.connect(cluster.nats_url)
+        try:
+            js = nc.jetstream()
+            assert (await js.consumer_info(ROUTES.name, f"worker-{after}")).num_pending == 0
+            with pytest.raises(NotFoundError):
+                await js.consumer_info(ROUTES.name, f"worker-{before}")
+        finally:
+            await nc.close()
     finally:
         stop.set()
         supervising.join(10)

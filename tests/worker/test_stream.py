@@ -70,3 +70,12 @@ def test_several_steps_tokens_at_once_close_a_gap_each_as_stepped_alone() -> Non
     assert at_once.last_gap_ms == pytest.approx(stepped.last_gap_ms or 0.0) == pytest.approx(40)
     assert at_once.last_token == stepped.last_token == 0.19
     assert at_once.emitted == stepped.emitted == 4 and at_once.finish_reason == "length"
+
+
+def test_a_continued_request_counts_cached_tokens_of_the_clients_prompt_only() -> None:
+    """A migrated request runs the client's 97 prompt tokens and 30 answer tokens as its prompt;
+    its new engine found 112 of those cached. The client's usage: 97 prompt tokens, all cached."""
+    stream = RequestStream(97, received=0.0, offset=30)
+    stream.push(out(1, finished=True, cached=112), 0.1)
+    usage = stream.finished_event("worker/w", "r", None, None, "w").usage
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (97, 97, 31)

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 import xxhash
 from opentelemetry import trace
 
+from observability.drops import Drops
 from schemas.events import BlockHashes, KvEvent, RouteDecided
 from schemas.messages import (
     IndexState,
@@ -24,6 +25,7 @@ from services.common.kv_index.metrics import IndexerMetrics
 from services.common.kv_index.predicted import PredictedCache
 
 log = logging.getLogger(__name__)
+_drops = Drops(log)
 
 
 class Indexer:
@@ -59,8 +61,9 @@ class Indexer:
         # event to come (one forged seq=10**15 froze a worker's index).
         if event.seq > position:
             self.implausible += 1
-            log.warning(
-                "dropping a %s of worker %s: seq %d past stream position %d",
+            _drops(
+                "implausible_seq",
+                "dropping a %s of worker %r: seq %d past stream position %d",
                 event.type,
                 event.worker_id[:64],
                 event.seq,

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from observability.drops import count_drops_in
 from services.common.kv_index.index import PrefixIndex
 
 _QUERY_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01)
@@ -38,6 +39,7 @@ class _IndexSize(Collector):
 class IndexerMetrics:
     def __init__(self, index: Callable[[], PrefixIndex]) -> None:
         self.registry = CollectorRegistry()
+        count_drops_in(self.registry)
         self.events = Counter(
             "laneway_kv_indexer_events",
             "KV events folded into the index (replayed ones included).",

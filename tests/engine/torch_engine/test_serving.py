@@ -15,7 +15,7 @@ import pytest
 from bus.client import Bus
 from bus.topology import Subjects
 from infra.cli import _engine_env
-from schemas.events import Event, PrefillCompleted
+from schemas.events import PrefillCompleted
 from tests.helpers import eventually
 from tests.live import ClusterFactory
 
@@ -86,11 +86,10 @@ async def test_a_disaggregated_request_generates_the_aggregated_tokens(
     bus = await Bus.connect(disaggregated.nats_url, "test-observer")
     handoffs: list[PrefillCompleted] = []
 
-    async def observe(event: Event) -> None:
-        if isinstance(event, PrefillCompleted):
-            handoffs.append(event)
+    async def observe(event: PrefillCompleted) -> None:
+        handoffs.append(event)
 
-    await bus.subscribe(Subjects.all_routes, observe)
+    await bus.subscribe(Subjects.all_prefilled, observe)
     story = "The river ran past the mill and the old stone bridge, " * 6
     prompts = [story + "and then", story + "until the evening came", "A short one."]
     answers: list[list[str]] = []
