@@ -1,5 +1,6 @@
-"""Tables the README carries that are generated from code (channels, permissions): each between
-two marker comments, printed or rewritten in place by a module's ``--readme`` command line."""
+"""Tables the docs carry that are generated from code (the README's channels, docs/security.md's
+permissions): each between two marker comments, printed or rewritten in place by a module's
+``--readme`` command line."""
 
 from __future__ import annotations
 

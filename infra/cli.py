@@ -102,7 +102,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--no-bus-auth",
         action="store_true",
         help="experiments: the embedded NATS and etcd let anyone in (by default each service "
-        "has a user of its own there, with only its subjects and keys; see README, Security)",
+        "has a user of its own there, with only its subjects and keys; see docs/security.md)",
     )
     up.add_argument("--tls-cert", type=Path, help="serve the API over HTTPS: PEM certificate")
     up.add_argument("--tls-key", type=Path, help="with --tls-cert: its PEM private key")
@@ -111,7 +111,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=Path,
         help="NATS and etcd over TLS: a folder with ca.pem, server.pem and server-key.pem (the "
         "embedded servers' certificate), and optionally client.pem and client-key.pem (then the "
-        "embedded servers take only clients with a certificate from that CA); see README, Security",
+        "embedded servers take only clients with a certificate from that CA): see docs/security.md",
     )
     up.add_argument(
         "--trace-exporter",

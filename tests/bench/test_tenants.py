@@ -114,7 +114,7 @@ def mooncake_report(trace: Path, tmp_path: Path, *flags: str) -> dict[str, Any]:
 def test_mooncake_per_tenant_caches_cost_little_hit_rate(
     mooncake_trace: Path, tmp_path: Path
 ) -> None:
-    """The README's figures (Security: tenants' prefix caches), with their command."""
+    """The figures of docs/security.md (tenants' prefix caches), with their command."""
     shared = mooncake_report(mooncake_trace, tmp_path)
     # One tenant: salted, and every decision the same as unsalted.
     one = mooncake_report(mooncake_trace, tmp_path, "--tenants", "1")

@@ -173,8 +173,8 @@ def test_credentials_travel_in_and_out_of_addresses() -> None:
     assert split_credentials("127.0.0.1:2379") == (None, "127.0.0.1:2379")
 
 
-def test_the_readme_table_is_the_generated_one() -> None:
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_docs_table_is_the_generated_one() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
     assert section(text, PERMISSIONS_BEGIN, PERMISSIONS_END) == permissions_table(), (
-        "regenerate it: python -m bus.permissions --readme README.md"
+        "regenerate it: python -m bus.permissions --readme docs/security.md"
     )

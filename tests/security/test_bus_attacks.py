@@ -4,7 +4,7 @@ Laneway's auth on (users and permissions as `laneway up` makes them): every one 
 A worker's own credentials send tokens and terminals to any ingress, but on subjects naming that
 worker, and an ingress takes a request's from the worker the planner placed it on alone: a forged
 answer to a request on another worker is dropped (the last tests here). What they still allow
-(routes to any worker: a prefill worker needs that) is in the README's threat notes."""
+(routes to any worker: a prefill worker needs that) is in the threat notes of docs/security.md."""
 
 from __future__ import annotations
 

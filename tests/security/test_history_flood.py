@@ -135,10 +135,10 @@ async def test_a_service_answers_only_to_an_inbox(server: Provisioned) -> None:
 async def test_how_long_a_worker_needs_to_flush_the_history_with_acknowledgements(
     server: Provisioned,
 ) -> None:
-    """A measurement of what is left to a worker (README, threat notes): each stored publish's
-    acknowledgement sent onto a history subject, and stored there. Its rate on this machine,
-    and so how long a flood of `LW_REQUESTS` (384 MiB) would take; the bound only says that the
-    acknowledgements stay small and the stream large."""
+    """A measurement of what is left to a worker (docs/security.md, threat notes): each stored
+    publish's acknowledgement sent onto a history subject, and stored there. Its rate on this
+    machine, and so how long a flood of `LW_REQUESTS` (384 MiB) would take; the bound only says
+    that the acknowledgements stay small and the stream large."""
     admin = await server.admin()
     worker = await server.connect(WORKER)
     try:
