@@ -145,17 +145,23 @@ class Channel(Generic[E]):
 
     def key_of(self, subject: str) -> str | None:
         """The (last) key ``subject`` carries if it is one of this channel's subjects, else
-        None."""
+        None (and None for a subject of a channel without keys)."""
+        found = self.keys_of(subject)
+        return found[-1] if found else None
+
+    def keys_of(self, subject: str) -> tuple[str, ...] | None:
+        """The keys ``subject`` carries, in the pattern's order, if it is one of this channel's
+        subjects (none for a channel without keys); None if it is not."""
         parts, tokens = self._parts, subject.split(".")
         if len(parts) != len(tokens):
             return None
-        key = None
+        keys: list[str] = []
         for part, token in zip(parts, tokens, strict=True):
             if part is None:
-                key = token
+                keys.append(token)
             elif part != token:
                 return None
-        return key
+        return tuple(keys)
 
     @cached_property
     def _parts(self) -> tuple[str | None, ...]:
@@ -200,20 +206,23 @@ class Topic(Generic[E]):
         return self.channels[0].stream
 
     def impostor(self, event: Envelope, subject: str) -> str | None:
-        """Why ``event`` cannot have come on ``subject``: it names another key than the
-        subject's (a worker's KV event on another worker's subject, which only that worker may
-        publish to). None if it can."""
+        """Why ``event`` cannot have come on ``subject``: the subject is none of its channels'
+        (a consumer's delivery keeps the subject it was stored under, whatever subject it was
+        delivered to), or the event names another key than the subject's (a worker's KV event
+        on another worker's subject, which only that worker may publish to). None if it can."""
         for channel in self.channels:
-            # The subject is parsed last: this runs for every message received.
-            if channel.key_field is None or not isinstance(event, channel.events):
+            if not isinstance(event, channel.events):
                 continue
-            key = channel.key_of(subject)
-            if key is None:
+            keys = channel.keys_of(subject)
+            if keys is None:
                 continue
+            if channel.key_field is None:
+                return None
             claimed = getattr(event, channel.key_field)
-            if claimed != key:
+            if claimed != keys[-1]:
                 return f"its {channel.key_field} {str(claimed)[:64]!r} is not the subject's"
-        return None
+            return None
+        return f"{subject[:128]} is not a subject of its channel"
 
     @property
     def delivery(self) -> Delivery:

@@ -48,6 +48,8 @@ Q = TypeVar("Q", bound=BaseModel)
 R = TypeVar("R", bound=BaseModel)
 
 MSG_ID_HEADER = "Nats-Msg-Id"
+# What a JetStream delivery's reply subject begins with: where its acknowledgement goes.
+_ACKS = "$JS.ACK."
 # How long closing waits for handlers still running in tasks; those left are redelivered.
 CLOSE_HANDLERS_WITHIN_S = 5.0
 
@@ -217,6 +219,11 @@ class Bus:
             await ensure_consumer(self._js, consumer)
 
         async def on_msg(msg: Msg) -> None:
+            if not msg.reply.startswith(_ACKS):
+                # Not the durable's delivery: a status or heartbeat from a consumer someone else
+                # pointed here, or a message published to the subject.
+                drops("not_a_delivery", "dropping a message on %s: no delivery", msg.subject)
+                return
             try:
                 event = decode_event(msg.data)
             except (ValidationError, ValueError) as error:

@@ -43,6 +43,22 @@ async def enable_auth(
         await client.close()
 
 
+async def remove_users(
+    endpoints: str,
+    root: Credentials,
+    users: list[str],
+    timeout: int = 5,
+    tls: TlsFiles | None = None,
+) -> None:
+    """Delete these users and their roles (an identity retired: a worker restarted under a new
+    id), as root; those already gone are skipped. Their tokens stop working at once."""
+    client, _ = await _as_root(endpoints, root, timeout, tls)
+    try:
+        await asyncio.gather(*(_Bootstrap(client).remove(user) for user in users))
+    finally:
+        await client.close()
+
+
 async def disable_auth(
     endpoints: str, root: Credentials | None, timeout: int = 5, tls: TlsFiles | None = None
 ) -> None:
@@ -145,6 +161,19 @@ class _Bootstrap:
         await self._call(
             self._stub.UserGrantRole, rpc.AuthUserGrantRoleRequest(user=creds.user, role=role)
         )
+
+    async def remove(self, user: str) -> None:
+        if user == ROOT:
+            raise ValueError("etcd's root is not a service's to remove")
+        for call, request in (
+            (self._stub.UserDelete, rpc.AuthUserDeleteRequest(name=user)),
+            (self._stub.RoleDelete, rpc.AuthRoleDeleteRequest(role=user)),
+        ):
+            try:
+                await self._call(call, request)
+            except grpc.aio.AioRpcError as exc:
+                if "not found" not in (exc.details() or ""):
+                    raise
 
     async def _add(self, call: Callable[..., Awaitable[Any]], request: Any) -> bool:
         """False if it exists already."""

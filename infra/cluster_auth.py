@@ -10,13 +10,14 @@ import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import nats
 
+from bus.accounts import account_links, account_of
 from bus.client import Bus
 from bus.credentials import ETCD_CREDS_ENV, NATS_CREDS_ENV, Credentials
-from bus.etcd_auth import ROOT, disable_auth, enable_auth
+from bus.etcd_auth import ROOT, disable_auth, enable_auth, remove_users
 from bus.permissions import Identity, nats_permissions
 from bus.provision import delete_consumer, ensure_consumer, ensure_streams
 from bus.tls import nats_tls_from_env
@@ -165,17 +166,22 @@ class ClusterAuth:
         return creds
 
     def nats_authorization(self) -> str:
-        """The ``authorization`` block of a nats-server configuration: these users only, so an
-        anonymous connection is refused."""
-        users = [
-            {
-                "user": identity.user,
-                "password": self.credentials("nats", identity.user).password,
-                "permissions": nats_permissions(identity).config(),
-            }
-            for identity in self.identities
-        ]
-        return "authorization: " + json.dumps({"users": users}, indent=1) + "\n"
+        """The ``accounts`` block of a nats-server configuration: these users only, so an
+        anonymous connection is refused, each in its role's account (bus.accounts)."""
+        accounts: dict[str, dict[str, Any]] = {
+            account: {"users": [], "exports": found.exports, "imports": found.imports}
+            for account, found in account_links().items()
+        }
+        accounts["LANEWAY"]["jetstream"] = "enabled"
+        for identity in self.identities:
+            accounts[account_of(identity.role)]["users"].append(
+                {
+                    "user": identity.user,
+                    "password": self.credentials("nats", identity.user).password,
+                    "permissions": nats_permissions(identity).config(),
+                }
+            )
+        return "accounts: " + json.dumps(accounts, indent=1) + "\n"
 
     def add(
         self,
@@ -185,10 +191,12 @@ class ClusterAuth:
         replaces: Identity | None = None,
     ) -> None:
         """A new identity on the running embedded servers (a worker restarted under a new id,
-        ``replaces`` the one it had): the NATS servers reload their users, the admin makes its
-        durable and deletes its predecessor's, etcd (None: not ours) gets its user and role.
-        Returns once NATS lets it in, or says in the log why it may not."""
-        self.identities = list(dict.fromkeys([*self.identities, identity]))
+        ``replaces`` the one it had, which is retired: its users and durable deleted, its
+        credentials' files removed, so that whoever holds them holds nothing): the NATS servers
+        reload their users, the admin makes its durable, etcd (None: not ours) gets its user and
+        role. Returns once NATS lets it in, or says in the log why it may not."""
+        kept = [i for i in self.identities if i != replaces]
+        self.identities = list(dict.fromkeys([*kept, identity]))
         users = self.nats_authorization()
         for server in nats_servers:
             reload_nats(server, users)
@@ -197,6 +205,8 @@ class ClusterAuth:
             if etcd_endpoints is not None:
                 creds = {identity: self.credentials("etcd", identity.user)}
                 await enable_auth(etcd_endpoints, self.etcd_root, creds)
+                if replaces is not None:
+                    await remove_users(etcd_endpoints, self.etcd_root, [replaces.user])
             if nats_servers:
                 urls = ",".join(server.url for server in nats_servers)
                 bus = await Bus.connect(self.admin("nats").within(urls), "laneway-up")
@@ -215,6 +225,9 @@ class ClusterAuth:
                 pool.submit(asyncio.run, run()).result()
         except Exception:  # a server down now: the new service fails and is restarted later
             logger.warning("%s may not be let in yet", identity.user, exc_info=True)
+        if replaces is not None:
+            for kind in ("nats", "etcd"):
+                self.path(kind, replaces.user).unlink(missing_ok=True)
 
     def etcd_users(self) -> dict[Identity, Credentials]:
         return {i: self.credentials("etcd", i.user) for i in self.identities}

@@ -234,10 +234,12 @@ def is_nats(server: EmbeddedServer) -> bool:
 
 
 def reload_nats(server: EmbeddedServer, authorization: str) -> None:
-    """New users for a running NATS server: its configuration's ``authorization`` (always its
-    last part) replaced, and the server told to reload it (SIGHUP)."""
+    """New users for a running NATS server: its configuration's users block (always its last
+    part, ``accounts: …`` as ``ClusterAuth`` writes it) replaced by ``authorization``, and the
+    server told to reload it (SIGHUP)."""
     conf = Path(server.args[server.args.index("-c") + 1])
-    head = conf.read_text().partition("authorization: ")[0]
+    key = authorization.partition(":")[0] + ":"
+    head = conf.read_text().partition("\n" + key)[0] + "\n"
     tmp = conf.with_name(conf.name + ".tmp")
     tmp.unlink(missing_ok=True)
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:

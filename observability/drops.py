@@ -26,7 +26,8 @@ DROPPED = Counter(
     "its subject's), stray (an event type its channel does not carry), implausible_seq (a KV "
     "event's seq past its stream position), not_placed_worker (an answer or hand-off from "
     "another worker than the one its request's route named), malformed_query, not_an_inbox (a "
-    "query whose reply subject is no inbox: its answer would be written there).",
+    "query whose reply subject is no inbox: its answer would be written there), not_a_delivery "
+    "(a message on a durable's deliver subject that is not one of its deliveries).",
     ["reason"],
     registry=None,
 )

@@ -80,8 +80,8 @@ class DecodeSide:
             self._keep_early(event)
             return
         awaiting = state.awaiting
-        if awaiting is None or awaiting.receiving:
-            self._receiver.blobs.drop(request_id)  # fell back, cancelled, or a redelivery
+        if awaiting is None:
+            self._receiver.blobs.drop(request_id)  # fell back or cancelled
             return
         if event.worker_id != awaiting.prefill_worker_id:
             drops(
@@ -92,6 +92,8 @@ class DecodeSide:
                 awaiting.prefill_worker_id,
             )
             return
+        if awaiting.receiving:
+            return  # a second word of the hand-off under way: its chunks are still coming
         if event.error is not None or event.first_token_id is None:
             self._fall_back(request_id, state, f"remote prefill failed: {event.error}")
             return

@@ -43,7 +43,8 @@ from schemas.events import (
     TraceContext,
 )
 from schemas.messages import OverlapQuery, OverlapReply
-from tests.helpers import eventually
+from tests.helpers import eventually, routed
+from tests.ingress.helpers import request_spec
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -202,11 +203,16 @@ async def test_an_event_naming_another_worker_than_its_subject_is_dropped(bus: B
     assert dropped("impostor") == impostors + 2  # by the core subscriber and the durable one
 
 
-def test_only_keyed_subjects_check_their_key() -> None:
+def test_only_keyed_subjects_check_their_key_and_every_subject_is_its_channels() -> None:
     event = kv_event("a", 1)
     assert Subjects.all_kv.impostor(event, "lw.kv.a") is None
     assert Subjects.all_kv.impostor(event, "lw.kv.b") is not None
-    assert Subjects.all_routes.impostor(event, "lw.route.b") is None  # no key field declared
+    route = routed("r1", "b", request_spec("i1"))
+    assert Subjects.all_routes.impostor(route, "lw.route.b") is None  # no key field declared
+    # A consumer delivers what it stored under the subject it was stored under, wherever it
+    # delivers it: a route "heard" on a subject of the KV stream did not come from the planner.
+    assert Subjects.all_routes.impostor(route, "lw.kv.b") is not None
+    assert Subjects.all_kv.impostor(event, "lw.kv.a.b") is not None
     assert KV_EVENTS.key_of("lw.kv.a") == "a"
     assert KV_EVENTS.key_of("lw.load.a") is None
 

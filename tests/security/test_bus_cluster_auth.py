@@ -9,12 +9,14 @@ import stat
 import threading
 from pathlib import Path
 
+import aetcd
 import nats
 import openai
 import pytest
 from nats.js.errors import NotFoundError
 
-from bus.credentials import Credentials
+from bus.credentials import Credentials, split_credentials
+from bus.registry import WORKERS_PREFIX, EtcdCluster, etcd_endpoints
 from bus.topology import ROUTES
 from infra.cluster import LocalCluster
 from tests.helpers import eventually
@@ -56,8 +58,13 @@ def test_no_password_is_in_a_process_argument_or_environment(cluster: LocalClust
 
 async def test_a_restarted_worker_gets_a_new_id_it_may_use(cluster: LocalCluster) -> None:
     """The supervisor restarts a killed worker under a new id, which gets a NATS and an etcd
-    user of its own: it registers, and serves (it is the only worker)."""
+    user of its own: it registers, and serves (it is the only worker). The old id is retired:
+    whoever kept its credentials can neither connect to NATS nor log in to etcd."""
     [before] = await registrations(cluster.etcd_endpoints)
+    folder = cluster.config.state_dir / "auth"
+    old = {
+        kind: Credentials.read(folder / kind / f"worker-{before}.json") for kind in ("nats", "etcd")
+    }
     stop = threading.Event()
     supervising = threading.Thread(target=cluster.supervise, args=(stop,), daemon=True)
     supervising.start()
@@ -88,6 +95,15 @@ async def test_a_restarted_worker_gets_a_new_id_it_may_use(cluster: LocalCluster
                 await js.consumer_info(ROUTES.name, f"worker-{before}")
         finally:
             await nc.close()
+        plain_nats = split_credentials(cluster.nats_url)[1]
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(old["nats"].within(plain_nats), allow_reconnect=False)
+        plain_etcd = split_credentials(cluster.etcd_endpoints)[1]
+        etcd = EtcdCluster(etcd_endpoints(plain_etcd), failover_s=0.0, credentials=old["etcd"])
+        with pytest.raises(aetcd.exceptions.ClientError):
+            await etcd.get(WORKERS_PREFIX + before.encode())
+        await etcd.close()
+        assert not (folder / "nats" / f"worker-{before}.json").exists()
     finally:
         stop.set()
         supervising.join(10)

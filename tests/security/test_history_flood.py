@@ -9,18 +9,19 @@ send its acknowledgement onto the history's subjects, leaves every earlier recor
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator
 
 import pytest
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 
 from bus.client import Bus, at_server
 from bus.permissions import Identity
-from bus.topology import CONTROL, REQUESTS, ROUTES, Subjects
+from bus.topology import CONTROL, KV, REQUESTS, ROUTES, Subjects
 from schemas.codec import encode
 from schemas.messages import OverlapQueries, OverlapQuery, OverlapReplies, OverlapReply
+from tests.helpers import eventually
 from tests.security.provisioned import Provisioned, provisioned_nats
 
 pytestmark = pytest.mark.live
@@ -39,6 +40,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Provisioned]:
         tmp_path_factory.mktemp("history"), [WORKER, OTHER, INGRESS, PLANNER, INDEXER]
     ) as found:
         yield found
+
+
+async def _last(admin: NatsClient, stream: str) -> int:
+    return int((await admin.jetstream().stream_info(stream)).state.last_seq)
 
 
 async def _stored(admin: NatsClient, stream: str) -> tuple[int, int]:
@@ -131,41 +136,49 @@ async def test_a_service_answers_only_to_an_inbox(server: Provisioned) -> None:
         await admin.close()
 
 
-@pytest.mark.slow
-async def test_how_long_a_worker_needs_to_flush_the_history_with_acknowledgements(
+async def test_a_workers_acknowledgements_are_sent_nowhere_it_may_not_publish(
     server: Provisioned,
 ) -> None:
-    """A measurement of what is left to a worker (docs/security.md, threat notes): each stored
-    publish's acknowledgement sent onto a history subject, and stored there. Its rate on this
-    machine, and so how long a flood of `LW_REQUESTS` (384 MiB) would take; the bound only says
-    that the acknowledgements stay small and the stream large."""
+    """Nothing checks a reply subject within one account: each stored publish's acknowledgement
+    went where the publisher said, and one worker connection had about 111,000 a second stored
+    on ``lw.req.accepted``, emptying ``LW_REQUESTS`` and queueing junk at the planners' durable
+    until every request waited a minute. A worker lives in an account of its own
+    (bus.accounts): its acknowledgements come back through the server's own reply subjects, and
+    the history's subjects never see one, nor does anyone subscribed to them."""
     admin = await server.admin()
     worker = await server.connect(WORKER)
     try:
-        _, count = await _stored(admin, REQUESTS.name)
-        bytes_before = (await admin.jetstream().stream_info(REQUESTS.name)).state.bytes
-        sent = 200_000
-        started = time.monotonic()
-        for i in range(sent):
-            await worker.publish(
-                Subjects.kv("w1").subject, b"x", reply=Subjects.cancellation_requested.subject
-            )
-            if i % 10_000 == 0:
-                await worker.flush()
-        await worker.flush()
-        while (await _stored(admin, REQUESTS.name))[1] < count + sent * 0.9:
-            await asyncio.sleep(0.2)
-        took = time.monotonic() - started
-        state = (await admin.jetstream().stream_info(REQUESTS.name)).state
-        stored = state.messages - count
-        per_ack = (state.bytes - bytes_before) / stored
-        rate = stored / took
-        flush_s = REQUESTS.max_bytes / per_ack / rate
-        print(
-            f"\n{stored} acknowledgements stored in {took:.1f} s ({rate:,.0f}/s, {per_ack:.0f} B "
-            f"each): {flush_s:.0f} s to flush {REQUESTS.max_bytes >> 20} MiB"
+        history = (REQUESTS.name, ROUTES.name, CONTROL.name)
+        before = {stream: await _stored(admin, stream) for stream in history}
+        heard: list[str] = []
+
+        async def on_msg(msg: Msg) -> None:
+            heard.append(msg.subject)
+
+        for subject in (Subjects.request_accepted.subject, "lw.route.*", "lw.ctl.*"):
+            await admin.subscribe(subject, cb=on_msg)
+        await at_server(admin)
+        first = await _last(admin, KV.name)
+        sent = 20_000
+        replies = (
+            Subjects.request_accepted.subject,
+            Subjects.route("w2").subject,
+            Subjects.planner_configured.subject,
         )
-        assert flush_s > 10
+        for i in range(sent):
+            await worker.publish(Subjects.kv("w1").subject, b"x", reply=replies[i % 3])
+        await at_server(worker)
+
+        # Every publish stored (each acknowledged), and none of it anywhere else.
+        async def all_stored() -> bool:
+            return await _last(admin, KV.name) >= first + sent
+
+        await eventually(all_stored, timeout=30, message="the worker's publishes were not stored")
+        assert {stream: await _stored(admin, stream) for stream in history} == before
+        assert heard == []
+        # Its own acknowledgements still come back: a confirmed publish works.
+        ack = await worker.jetstream().publish(Subjects.kv("w1").subject, b"y")
+        assert ack.stream == KV.name
     finally:
         await worker.close()
         await admin.close()
