@@ -1,14 +1,19 @@
 """Keyless header flooding against a `laneway up` of its own (issue 36): the ingress's memory
-and a keyed client's latency while clients without a key send huge heads and slow ones.
+and a keyed client's latency while clients without a key send huge heads, slow ones, and many
+heads each just under the per-connection limit.
 
     python -m infra.bench.head_flood [--floods 3] [--flood-mib 100] [--slowloris 500]
+                                     [--held 0] [--held-bytes 60000] [--held-pause-s 1]
 
 Measures the median latency of sequential short completions (with the run's key) before, during
 and after the attack, and the ingress's RSS before, at its peak (sampled every 50 ms) and after.
 The attack: ``--floods`` connections each sending a request whose one header is ``--flood-mib``
 MiB, and ``--slowloris`` connections each sending a request line, then a byte a second; each is
-timed until the server closes it (the window ends at ``--window-s``, or when the floods end).
-Prints one JSON object.
+timed until the server closes it (the window ends at ``--window-s``, or when the floods end);
+and ``--held`` connections each sending ``--held-bytes`` of a head and never its end, each made
+again ``--held-pause-s`` after the server answers or closes it, until the window ends (what each
+was answered is counted). The soft limit on open files is raised for the connections (the
+ingress, started from here, inherits it). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import socket
 import statistics
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -29,6 +37,106 @@ from infra.bench.live_cluster import laneway_up
 from infra.bench.proc_stats import rss_mb
 
 _MIB = 1 << 20
+# Connections being made (connect, and the head sent) at once: a few thousand connect() calls at
+# once overflow the listen backlog, and each waits out a SYN retransmission (1 s, then 3 s).
+_CONNECTING = 256
+_HELD_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Held: "
+
+
+def raise_fd_limit(need: int) -> int:
+    """This process's soft limit on open files raised to ``need`` where it is lower (up to the
+    hard limit), for thousands of sockets; the processes it starts later inherit it. The soft
+    limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        soft = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return soft
+
+
+def status_of(answer: bytes) -> str:
+    """An HTTP answer's status code, or what came instead ("none": closed without a word)."""
+    return answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else "none"
+
+
+async def _unfinished_head(
+    port: int, head: bytes, connecting: asyncio.Semaphore, sent: asyncio.Event | None = None
+) -> bytes:
+    """One keyless connection sending ``head``, never its end (``sent`` set once it is in the
+    kernel's hands): what the server answers, read to the connection's end (b"" where it closed
+    without a word, or reset it). Closed when done, or when cancelled (the server holds it until
+    then)."""
+    async with connecting:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(head)
+            await writer.drain()
+        except ConnectionError:
+            writer.close()
+            return b""
+        finally:
+            if sent is not None:
+                sent.set()
+    try:
+        return await reader.read()
+    except ConnectionError:
+        return b""
+    finally:
+        writer.close()
+
+
+def unfinished_head(size: int) -> bytes:
+    """A keyless request's head, ``size`` bytes of it, without its end."""
+    return _HELD_HEAD + b"a" * (size - len(_HELD_HEAD))
+
+
+@dataclass
+class HeldHeads:
+    """Keyless connections each holding an unfinished head, and what came of them."""
+
+    held: list[asyncio.Task[bytes]] = field(default_factory=list)
+    """Those the server neither answered nor closed: cancelling one closes it."""
+    answers: list[bytes] = field(default_factory=list)
+    """What the others were answered, each to its connection's end."""
+    not_made: int = 0
+
+    async def close(self) -> None:
+        for task in self.held:
+            task.cancel()
+        await asyncio.gather(*self.held, return_exceptions=True)
+
+
+async def hold_heads(port: int, count: int, head_bytes: int, settle_s: float = 2.0) -> HeldHeads:
+    """``count`` connections each sending ``head_bytes`` of a keyless request's head and never its
+    end; once all have sent it and nothing has happened to any for ``settle_s`` (the server has
+    read every head by then, and holds those it has not answered), what came of them."""
+    head = unfinished_head(head_bytes)
+    connecting = asyncio.Semaphore(_CONNECTING)
+    last = [time.monotonic()]
+    sent = [asyncio.Event() for _ in range(count)]
+
+    async def one(sent: asyncio.Event) -> bytes:
+        try:
+            return await _unfinished_head(port, head, connecting, sent)
+        finally:
+            sent.set()  # where the connection failed
+            last[0] = time.monotonic()
+
+    tasks = [asyncio.create_task(one(each)) for each in sent]
+    for each in sent:
+        await each.wait()
+    last[0] = time.monotonic()
+    while time.monotonic() - last[0] < settle_s:
+        await asyncio.sleep(0.1)
+    result = HeldHeads()
+    for task in tasks:
+        if not task.done():
+            result.held.append(task)
+        elif task.exception() is not None:
+            result.not_made += 1
+        else:
+            result.answers.append(task.result())
+    return result
 
 
 def _flood(port: int, mib: int) -> dict[str, Any]:
@@ -51,8 +159,7 @@ def _flood(port: int, mib: int) -> dict[str, Any]:
                 reply += data
         except OSError:
             pass
-    status = reply.split(b" ", 2)[1].decode() if reply.startswith(b"HTTP/1.1 ") else "none"
-    return {"status": status, "sent_mib": sent, "s": round(time.monotonic() - start, 2)}
+    return {"status": status_of(reply), "sent_mib": sent, "s": round(time.monotonic() - start, 2)}
 
 
 async def _slowloris(port: int, count: int, window_s: float) -> dict[str, Any]:
@@ -89,6 +196,33 @@ async def _slowloris(port: int, count: int, window_s: float) -> dict[str, Any]:
     }
 
 
+async def _held_flood(
+    port: int, count: int, head_bytes: int, pause_s: float, window_s: float
+) -> dict[str, Any]:
+    """``count`` connections each holding an unfinished head of ``head_bytes``, each made again
+    ``pause_s`` after the server ends it, for ``window_s``: how each was ended."""
+    head = unfinished_head(head_bytes)
+    connecting = asyncio.Semaphore(_CONNECTING)
+    ended: Counter[str] = Counter()
+    end = time.monotonic() + window_s
+
+    async def attacker() -> None:
+        while (left := end - time.monotonic()) > 0:
+            try:
+                answer = await asyncio.wait_for(_unfinished_head(port, head, connecting), left)
+            except TimeoutError:
+                ended["open_at_window_end"] += 1
+                return
+            except OSError:
+                ended["not_made"] += 1
+            else:
+                ended[status_of(answer)] += 1
+            await asyncio.sleep(pause_s)
+
+    await asyncio.gather(*(attacker() for _ in range(count)))
+    return {"connections": count, "head_bytes": head_bytes, "ended": dict(ended)}
+
+
 def _latencies_ms(client: httpx.Client, until: threading.Event | int) -> dict[str, Any]:
     """Sequential short completions, ``until`` of them or until the event is set: the median
     latency of those answered 200, and how the others were answered."""
@@ -110,6 +244,7 @@ def _latencies_ms(client: httpx.Client, until: threading.Event | int) -> dict[st
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
+    fd_limit = raise_fd_limit(2 * (args.slowloris + args.held + args.floods) + 1024)
     with laneway_up(workers=1, speedup=1000.0) as up:
         pid = up.pids["ingress"]
         port = int(up.base_url.rsplit(":", 1)[1].split("/")[0])
@@ -128,13 +263,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
-            with ThreadPoolExecutor(args.floods + 2) as pool:
+            with ThreadPoolExecutor(args.floods + 3) as pool:
                 floods = [pool.submit(_flood, port, args.flood_mib) for _ in range(args.floods)]
                 slow = pool.submit(asyncio.run, _slowloris(port, args.slowloris, args.window_s))
+                held = pool.submit(
+                    asyncio.run,
+                    _held_flood(port, args.held, args.held_bytes, args.held_pause_s, args.window_s),
+                )
                 attacked = threading.Event()
 
                 def watch() -> None:
-                    for future in [slow, *floods]:
+                    for future in [slow, held, *floods]:
                         future.exception()  # until it ends, either way
                     attacked.set()
 
@@ -155,6 +294,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "latency_ms": {"before": before, "during": during, "after": after},
         "floods": [f.result() for f in floods],
         "slowloris": slow.result(),
+        "held": held.result(),
+        "fd_limit": fd_limit,
     }
 
 
@@ -167,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--floods", type=int, default=3)
     parser.add_argument("--flood-mib", type=int, default=100)
     parser.add_argument("--slowloris", type=int, default=500)
+    parser.add_argument("--held", type=int, default=0)
+    parser.add_argument("--held-bytes", type=int, default=60_000)
+    parser.add_argument("--held-pause-s", type=float, default=1.0)
     parser.add_argument("--window-s", type=float, default=20.0)
     parser.add_argument("--requests", type=int, default=50, help="sequential, before and after")
     print(json.dumps(measure(parser.parse_args(argv)), indent=1))

@@ -105,6 +105,25 @@ def head_timeout(timeout_s: float) -> ApiError:
     )
 
 
+# Seconds a client refused for the head buffer is told to wait: heads complete within a round trip
+# or are cut off within LANEWAY_HEADER_TIMEOUT_S, so room comes back soon.
+HEAD_BUFFER_RETRY_AFTER_S = 1
+
+
+def head_buffer_full() -> ApiError:
+    """A 503, not a 431: the request is within every limit of its own, and the server is what is
+    short; clients (the openai SDK among them) retry a 503 after its Retry-After."""
+    error = ApiError(
+        503,
+        "The server is holding as many unfinished request headers as it allows "
+        "(LANEWAY_HEAD_BUFFER_BYTES) and cannot take this request now; retry after "
+        f"{HEAD_BUFFER_RETRY_AFTER_S} s.",
+        code="head_buffer_full",
+    )
+    error.headers = [(b"retry-after", str(HEAD_BUFFER_RETRY_AFTER_S).encode())]
+    return error
+
+
 def unsupported_media_type(content_type: str) -> ApiError:
     return ApiError(
         415,

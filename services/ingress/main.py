@@ -84,13 +84,17 @@ class IngressSettings(ServiceSettings):
     max_header_bytes: int = Field(default=_HEAD.max_bytes, gt=0)
     max_headers: int = Field(default=_HEAD.max_headers, gt=0)
     header_timeout_s: float = Field(default=_HEAD.timeout_s, gt=0)
+    # What the unfinished heads of all connections may hold together; past it, 503.
+    head_buffer_bytes: int = Field(default=_HEAD.buffer_bytes, gt=0)
 
     def api(self) -> IngressApiSettings:
         names = {field.name for field in fields(IngressApiSettings)}
         return IngressApiSettings(**self.model_dump(include=names))
 
     def head_limits(self) -> HeadLimits:
-        return HeadLimits(self.max_header_bytes, self.max_headers, self.header_timeout_s)
+        return HeadLimits(
+            self.max_header_bytes, self.max_headers, self.header_timeout_s, self.head_buffer_bytes
+        )
 
     def admission(self) -> AdmissionSettings:
         names = {f"admission_{field.name}": field.name for field in fields(AdmissionSettings)}

@@ -201,7 +201,8 @@ _ERRORS = {
     "431": "the headers are over LANEWAY_MAX_HEADER_BYTES or LANEWAY_MAX_HEADERS",
     "500": "an engine or server error",
     "502": "the worker was lost, or its answer incomplete",
-    "503": "no worker can serve it, or the server stopped before the request finished",
+    "503": "no worker can serve it, the server stopped before the request finished, or the "
+    "unfinished headers of all clients are at LANEWAY_HEAD_BUFFER_BYTES: retry after Retry-After",
     "504": "not done within LANEWAY_REQUEST_TIMEOUT_S",
 }
 
