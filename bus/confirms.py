@@ -36,6 +36,10 @@ ATTEMPT_S = 5.0
 CONFIRM_WITHIN_S = 30.0
 # What a stream without a leader for now answers (or does not): tried again.
 _RETRIED = (nats.errors.TimeoutError, NoStreamResponseError, ServiceUnavailableError)
+# A stream's answer while more comes in than it can take ("too many requests": one publisher
+# flooding it refuses everyone's): tried again, waiting longer each time up to this, seconds.
+_BUSY = 429
+_BUSY_WAIT_MAX_S = 2.0
 # The server's answer for a subject no stream takes (it tells requesters there is nobody).
 _NO_RESPONDERS = "503"
 # In a stream's answer only when it refused the message (a PubAck names stream, seq,
@@ -90,17 +94,23 @@ class Confirmations:
         loop = asyncio.get_running_loop()
         started = loop.time()
         attempts = 0
+        wait = 0.1
         answer: asyncio.Future[bytes] | None = sent
         while True:
             try:
                 check(await (answer or await self.send(subject, data, headers)))
                 break
-            except _RETRIED:
-                if loop.time() > started + CONFIRM_WITHIN_S:
+            except (*_RETRIED, APIError) as error:
+                busy = isinstance(error, APIError) and error.code == _BUSY
+                if (isinstance(error, APIError) and not busy) or (
+                    loop.time() > started + CONFIRM_WITHIN_S
+                ):
                     raise
                 answer = None
                 attempts += 1
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(wait)
+                if busy:
+                    wait = min(2 * wait, _BUSY_WAIT_MAX_S)
         if attempts:
             waited = loop.time() - started
             log.warning(

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from bus.client import Bus
 from bus.credentials import is_inbox
 from bus.topology import Subjects
-from observability.drops import Drops
+from observability.drops import Drops, RateLimitedLog
 from schemas.codec import decode_as, encode
 from schemas.events import (
     KvTransferred,
@@ -34,6 +34,7 @@ from services.worker.token_log import TokenLog
 
 log = logging.getLogger(__name__)
 _drops = Drops(log)
+_failures = RateLimitedLog(log)
 
 
 class Background:
@@ -45,8 +46,17 @@ class Background:
     def spawn(self, work: Coroutine[object, object, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(work)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
         return task
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        # Each failed once per thing it did (a terminal the stream never took, a send to a
+        # gone worker): another worker flooding a stream can fail many, so the log is bounded.
+        error = task.exception()
+        _failures.warning(type(error).__name__, "background work failed: %r", error)
 
     async def finish(self) -> None:
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -125,3 +125,29 @@ async def test_an_unanswered_try_times_out_and_is_tried_again(
         await retried[0]
     assert len(tries) >= 3
     assert not confirms._waiting
+
+
+async def test_a_stream_too_busy_is_tried_again_and_any_other_refusal_is_raised(bus: Bus) -> None:
+    """A stream that takes more than it can answers 429 to every publisher (one worker flooding
+    its own subject refused the others' terminals): such a publish is tried again, waiting
+    longer each time, until stored; another refusal is raised at once. The stream's answers
+    here come from a stand-in responder on the subject."""
+    busy = b'{"error": {"code": 429, "err_code": 10000, "description": "too many requests"}}'
+    answers = iter([busy, busy, b'{"stream": "BUSY", "seq": 1}'])
+    tries: list[float] = []
+
+    async def answer(msg: Msg) -> None:
+        tries.append(asyncio.get_running_loop().time())
+        await msg.respond(next(answers))
+
+    await bus.nc.subscribe("busy.x", cb=answer)
+    confirms = Confirmations(bus.nc)
+    await confirms.stored("busy.x", b"x", {}, await confirms.send("busy.x", b"x", {}))
+    assert len(tries) == 3 and tries[2] - tries[1] > tries[1] - tries[0] > 0.05
+
+    async def refuse(msg: Msg) -> None:
+        await msg.respond(b'{"error": {"code": 400, "err_code": 10060, "description": "no"}}')
+
+    await bus.nc.subscribe("refused.x", cb=refuse)
+    with pytest.raises(BadRequestError):
+        await confirms.stored("refused.x", b"x", {}, await confirms.send("refused.x", b"x", {}))
