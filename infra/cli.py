@@ -71,7 +71,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     up.add_argument(
         "--engine",
-        choices=["sim", "torch", "trtllm"],
+        choices=["sim", "torch", "trtllm", "vllm"],
         default="sim",
         help="worker engine; sim: modelled GPU time, real KV accounting, served as model "
         "'laneway-sim', one token per UTF-8 byte of the prompt (its chat template included)",
@@ -79,7 +79,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument(
         "--model",
         type=Path,
-        help="torch and trtllm engines: a Hugging Face layout model folder, served under its "
+        help="torch, trtllm and vllm engines: a Hugging Face layout model folder, served under its "
         "folder's name with its tokenizer (the sim takes none)",
     )
     up.add_argument(
@@ -126,7 +126,7 @@ def _engine_env(engine: str, model: Path | None) -> dict[str, str]:
     if engine == "sim":
         if model is not None:
             raise SystemExit(
-                "laneway up: --model is for --engine torch or trtllm; the sim engine serves "
+                "laneway up: --model is for --engine torch, trtllm or vllm; the sim engine serves "
                 "'laneway-sim' and counts one token per UTF-8 byte"
             )
         return {}
@@ -142,7 +142,14 @@ def _engine_env(engine: str, model: Path | None) -> dict[str, str]:
         "LANEWAY_NUM_GPU_BLOCKS": "1024",
         "LANEWAY_MAX_NUM_SEQS": "32",
         "LANEWAY_MAX_NUM_BATCHED_TOKENS": "2048",
+        **(_VLLM_ENV if engine == "vllm" else {}),
     }
+
+
+# vLLM's CPU attention takes blocks of a multiple of 32 tokens: the ingress hashes prompts at the
+# workers' size, so the whole cluster takes it. A GiB of host memory holds the tiny model's KV
+# for tens of thousands of tokens.
+_VLLM_ENV = {"LANEWAY_BLOCK_SIZE": "32", "LANEWAY_KV_CACHE_GIB": "1"}
 
 
 def _context_env(max_model_len: int | None) -> dict[str, str]:

@@ -28,6 +28,7 @@ from infra.cluster_auth import ClusterAuth, secure
 from infra.cluster_plan import ClusterConfig
 from infra.embedded import EmbeddedServer, start_etcd, start_nats
 from infra.ports import free_port, unephemeral_ports
+from services.engine.vllm_engine.compat import hide_broken
 from tests.live import ClusterFactory
 
 # The fixtures that start real servers; a test using any of them, directly or through another
@@ -37,6 +38,9 @@ OPT_IN_MARKERS = ("slow", "gpu", "chaos")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # vLLM's CPU wheel brings media packages that cannot load beside its torch, and transformers
+    # (the tests' reference for the tiny model) imports them where installed.
+    hide_broken()
     # xdist's workers start clusters side by side. Each picks its servers' ports from a slice of
     # its own (the clusters' own processes inherit it), or two workers could pick the same free
     # port and race to bind it.

@@ -8,8 +8,8 @@ from schemas.envelope import Role
 
 
 def start(role: Role) -> None:
-    # TensorRT-LLM's own modules may want aiohttp.
-    if os.environ.get("LANEWAY_ENGINE", "sim") != "trtllm":
+    # TensorRT-LLM's and vLLM's own modules import aiohttp.
+    if os.environ.get("LANEWAY_ENGINE", "sim") not in ("trtllm", "vllm"):
         without_websockets()
     # Imported only now, after that check.
     from services.worker.runtime import worker_main

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -57,8 +57,9 @@ class WorkerOptions:
 class WorkerSettings(ServiceSettings):
     worker_id: str = Field(default_factory=new_id)
     role: Role = "both"
-    # sim: simulated timing, real KV accounting. torch: a real model from `model_dir`.
-    engine: Literal["sim", "torch", "trtllm"] = "sim"
+    # sim: simulated timing, real KV accounting. torch, trtllm, vllm: a real model from
+    # `model_dir` (vllm: vLLM's engine in this process, services.engine.vllm_engine).
+    engine: Literal["sim", "torch", "trtllm", "vllm"] = "sim"
     model: str = "laneway-sim"
     # A Hugging Face layout folder (config.json, *.safetensors, tokenizer.json): torch engine.
     model_dir: Path | None = None
@@ -91,6 +92,12 @@ class WorkerSettings(ServiceSettings):
     token_interval_ms: float = Field(default=1.0, ge=0, le=50)
     kv_interval_ms: float = Field(default=5.0, ge=0, le=1000)
     drain_timeout_s: float = 5.0
+    # vLLM: its KV cache's size in GiB (host memory on its CPU build; unset: vLLM's choice), the
+    # share of GPU memory it may take, and any other of its engine arguments, as JSON
+    # (LANEWAY_VLLM_ARGS='{"enforce_eager": true}'), which win over the settings above.
+    kv_cache_gib: float | None = Field(default=None, gt=0)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    vllm_args: dict[str, Any] = Field(default_factory=dict)
     # The link a sim decode worker models for a hand-off's KV (see KvTransferModel).
     kv_bytes_per_token: int = _LINK.kv_bytes_per_token
     link_gb_s: float = _LINK.bandwidth_gb_s
@@ -122,6 +129,25 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
             )
         )
         return trtllm, HfTokenizer(settings.model_dir)
+    if settings.engine == "vllm":
+        assert settings.model_dir is not None
+        from services.common.hf_tokenizer import HfTokenizer
+        from services.engine.vllm_engine import VllmEngine, VllmEngineConfig
+
+        vllm = VllmEngine(
+            VllmEngineConfig(
+                settings.model_dir,
+                block_size=settings.block_size,
+                max_model_len=settings.max_model_len,
+                max_num_seqs=settings.max_num_seqs,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                dtype=settings.dtype,
+                kv_cache_gib=settings.kv_cache_gib,
+                gpu_memory_utilization=settings.gpu_memory_utilization,
+                extra_args=settings.vllm_args,
+            )
+        )
+        return vllm, HfTokenizer(settings.model_dir)
     if settings.engine == "torch":
         assert settings.model_dir is not None
         # Imported only here: sim workers start without loading torch.

@@ -46,7 +46,7 @@ def test_up_shows_defaults_and_choices() -> None:
         "(default: auto)",
         f"--perf-model {{{','.join(PERF_MODEL_NAMES)}}}",
         "(default: dynamo-mocker)",
-        "--engine {sim,torch,trtllm} worker engine;",
+        "--engine {sim,torch,trtllm,vllm} worker engine;",
         "one token per UTF-8 byte of the prompt (its chat template included) (default: sim)",
         "(default: 127.0.0.1)",
         "(default: 8000)",

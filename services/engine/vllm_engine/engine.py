@@ -1,0 +1,247 @@
+"""``VllmEngine``: vLLM's engine, in the worker's own process, behind the step-driven ``Engine``
+protocol.
+
+vLLM's ``LLMEngine`` is already step-driven (``add_request``, ``step``, ``abort_request``): with
+multiprocessing off its engine core runs in this process, and each ``step`` schedules and runs one
+batch. What a step produced comes as each request's new tokens (``RequestOutputKind.DELTA``), its
+first output with vLLM's own count of prompt tokens found in its prefix cache. vLLM's KV events
+(``BlockStored`` with each block's tokens, ``BlockRemoved``, ``AllBlocksCleared``) are taken from
+its scheduler in the same process, where vLLM hands each step's batch to its event publisher, and
+hashed again with Laneway's chained hash (:mod:`services.engine.kv_translate`), the request's
+cache salt included: vLLM gets the salt as its own ``cache_salt``, and reports it with the first
+block of a prompt.
+
+``vllm`` is imported only when an engine is opened, so this module imports anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Literal, cast
+
+from schemas.block_hash import ROOT_HASH
+from schemas.events import SamplingParams
+from services.engine.kv_translate import KvHashes
+from services.engine.protocol import (
+    EngineCapabilities,
+    EngineLoad,
+    EngineRequest,
+    KvChange,
+    RequestOutput,
+    StepResult,
+)
+from services.engine.vllm_engine.config import VllmEngineConfig
+
+_GIB = 1 << 30
+
+
+class VllmEngine:
+    """The ``Engine`` protocol over one in-process vLLM engine; one caller drives it."""
+
+    def __init__(self, config: VllmEngineConfig) -> None:
+        # The engine core in this process: its steps are this object's, and its scheduler's KV
+        # events reach us without a socket.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from services.engine.vllm_engine.compat import import_vllm
+
+        import_vllm()
+        from vllm.config import KVEventsConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.inputs import TokensPrompt
+        from vllm.outputs import RequestOutput as VllmOutput
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self._prompt = TokensPrompt
+        self._output = VllmOutput
+
+        arguments: dict[str, Any] = {
+            "model": str(config.model_dir),
+            "block_size": config.block_size,
+            "max_model_len": config.max_model_len,
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "dtype": config.dtype,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "enable_prefix_caching": True,
+            # Recorded by its KV cache manager; the "null" publisher is replaced below.
+            "kv_events_config": KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+            "disable_log_stats": True,
+            **config.extra_args,
+        }
+        if config.kv_cache_gib is not None:
+            arguments["kv_cache_memory_bytes"] = int(config.kv_cache_gib * _GIB)
+        self._engine = LLMEngine.from_engine_args(EngineArgs(**arguments))
+        # With multiprocessing off its client is an InprocClient, which holds the engine core.
+        core = cast(Any, self._engine.engine_core).engine_core
+        self._scheduler = core.scheduler
+        self._events: list[Any] = []
+        self._scheduler.kv_event_publisher = _Collect(self._events)
+        vllm_config = core.vllm_config
+        cache = vllm_config.cache_config
+        self.block_size = int(cache.block_size)
+        # vLLM keeps one block of its pool aside (its null block): the rest hold tokens.
+        self.kv_blocks_total = int(cache.num_gpu_blocks) - 1
+        self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.capabilities = EngineCapabilities(
+            kv_handoff=False, kv_events=True, modelled_time=False
+        )
+        self._sampling = _sampling_class()
+        self._hashes = KvHashes(self.block_size)
+        # Requests held, and whether each has produced its first output yet.
+        self._started: dict[str, bool] = {}
+
+    # -- the Engine protocol ---------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> None:
+        request_id = request.request_id
+        if request_id in self._started:
+            raise ValueError(f"request {request_id} is already in the engine")
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            raise ValueError(f"request {request_id} has an empty prompt")
+        positions = len(prompt) + request.sampling.max_tokens
+        if positions > self.max_model_len:
+            raise ValueError(
+                f"request {request_id} needs {len(prompt)} + {request.sampling.max_tokens} "
+                f"positions, the engine has {self.max_model_len}"
+            )
+        inputs = self._prompt(prompt_token_ids=prompt)
+        if request.root_hash != ROOT_HASH:
+            inputs["cache_salt"] = _salt_of(request.root_hash)
+        self._engine.add_request(request_id, inputs, self._sampling(request.sampling))
+        self._started[request_id] = False
+
+    def abort(self, request_id: str) -> bool:
+        if self._started.pop(request_id, None) is None:
+            return False
+        self._engine.abort_request([request_id])
+        return True
+
+    def step(self) -> StepResult:
+        started = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        prefill_tokens = 0
+        for out in self._engine.step():
+            request_id = out.request_id
+            first = self._started.get(request_id)
+            if first is None or not isinstance(out, self._output):
+                continue  # aborted meanwhile (a generating engine has no pooling outputs)
+            completion = out.outputs[0]
+            reason = _finish_reason(completion.finish_reason) if out.finished else None
+            if out.finished and reason is None:
+                self._started.pop(request_id, None)  # aborted by vLLM itself: nothing to say
+                continue
+            cached = None
+            if not first:
+                self._started[request_id] = True
+                cached = int(out.num_cached_tokens or 0)
+                prefill_tokens += max(0, len(out.prompt_token_ids or ()) - cached)
+            outputs.append(
+                RequestOutput(request_id, tuple(completion.token_ids), out.finished, reason, cached)
+            )
+            if out.finished:
+                del self._started[request_id]
+        return StepResult(
+            outputs=outputs,
+            kv_changes=self._kv_changes(),
+            duration_s=time.perf_counter() - started,
+            prefill_tokens=prefill_tokens,
+        )
+
+    def has_work(self) -> bool:
+        return bool(self._engine.has_unfinished_requests()) or bool(self._events)
+
+    def load(self) -> EngineLoad:
+        """From vLLM's scheduler: its queues, the prompt tokens still to compute, and the KV
+        blocks not free."""
+        scheduler = self._scheduler
+        waiting = list(scheduler.waiting)
+        running = list(scheduler.running)
+        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        return EngineLoad(
+            running=len(running),
+            waiting=len(waiting),
+            waiting_prefill_tokens=sum(
+                max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*waiting, *running)
+            ),
+            kv_blocks_used=max(0, self.kv_blocks_total - free),
+            kv_blocks_total=self.kv_blocks_total,
+        )
+
+    # -- vLLM's KV events -------------------------------------------------------------------
+
+    def _kv_changes(self) -> list[KvChange]:
+        batches = self._events[:]
+        self._events.clear()
+        changes: list[KvChange] = []
+        for batch in batches:
+            for event in batch.events:
+                kind = type(event).__name__
+                if kind == "BlockStored":
+                    changes += self._stored(event)
+                elif kind == "BlockRemoved":
+                    changes += self._hashes.removed(event.block_hashes)
+                elif kind == "AllBlocksCleared":
+                    changes += self._hashes.cleared()
+        return changes
+
+    def _stored(self, event: Any) -> list[KvChange]:
+        size = int(event.block_size)
+        tokens = list(event.token_ids)
+        blocks = [(h, tokens[i * size : (i + 1) * size]) for i, h in enumerate(event.block_hashes)]
+        root = ROOT_HASH
+        if event.parent_block_hash is None and event.extra_keys and event.extra_keys[0]:
+            root = _root_of(event.extra_keys[0])
+        return self._hashes.stored(event.parent_block_hash, blocks, root)
+
+
+class _Collect:
+    """vLLM's event publisher, replaced: each step's batch kept for ``step`` to take."""
+
+    def __init__(self, into: list[Any]) -> None:
+        self._into = into
+
+    def publish(self, batch: Any) -> None:
+        self._into.append(batch)
+
+    def shutdown(self) -> None:
+        return None
+
+
+def _salt_of(root: int) -> str:
+    """The cache salt vLLM gets for a request whose chain starts at ``root``: the root itself,
+    so that a stored prompt's first block says where its chain starts."""
+    return f"laneway:{root:016x}"
+
+
+def _root_of(extra_keys: tuple[Any, ...]) -> int:
+    for key in extra_keys:
+        if isinstance(key, str) and key.startswith("laneway:"):
+            return int(key.removeprefix("laneway:"), 16)
+    return ROOT_HASH
+
+
+def _finish_reason(reason: str | None) -> Literal["stop", "length"] | None:
+    return reason if reason in ("stop", "length") else None  # type: ignore[return-value]
+
+
+def _sampling_class() -> Any:
+    from vllm import SamplingParams as VllmSampling
+    from vllm.sampling_params import RequestOutputKind
+
+    def make(sampling: SamplingParams) -> Any:
+        """Stop strings are left out: the worker cuts them from the text and aborts."""
+        return VllmSampling(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            ignore_eos=sampling.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+        )
+
+    return make
