@@ -66,5 +66,5 @@ def test_up_passes_max_model_len_to_the_services(monkeypatch: pytest.MonkeyPatch
 
 
 def test_up_refuses_a_model_for_the_sim() -> None:
-    with pytest.raises(SystemExit, match="--model is for --engine torch or trtllm"):
+    with pytest.raises(SystemExit, match="--model is for --engine torch, trtllm or vllm"):
         cli.main(["up", "--model", "models/tiny"])
