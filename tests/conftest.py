@@ -79,6 +79,17 @@ FAST_WORKERS = {
 
 
 @pytest.fixture(scope="session")
+def made_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What `laneway make-tiny-model` writes, with its trained tokenizer: the checkpoint the torch
+    engine's tokenizer tests and every vLLM test load."""
+    from services.engine.torch_engine.tiny import make_tiny_model  # torch: only where used
+
+    directory = tmp_path_factory.mktemp("product-tiny")
+    make_tiny_model(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
 def bus_auth(tmp_path_factory: pytest.TempPathFactory) -> ClusterAuth:
     """The session servers' users: the admin alone, whose credentials their ``url`` carries, so
     that every test talks to servers that refuse anonymous clients."""
@@ -121,13 +132,15 @@ async def bus(nats_server: EmbeddedServer) -> AsyncIterator[Bus]:
 def cluster_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFactory]:
     """Start clusters with their own NATS and etcd (no state shared between tests). Their API
     takes keys, as `laneway up`'s does: clients send ``cluster.api_key`` (``api_auth=False`` for
-    a test of the API without them)."""
+    a test of the API without them). ``start_timeout``: for workers that load a real model
+    (a vLLM worker takes 15-40 s on 2 cores)."""
     started: list[LocalCluster] = []
 
     def make(
         workers: int = 2,
         env: dict[str, str] | None = None,
         api_auth: bool = True,
+        start_timeout: float = 60.0,
         **kwargs: object,
     ) -> LocalCluster:
         state: Path = tmp_path_factory.mktemp("cluster")
@@ -142,7 +155,7 @@ def cluster_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluste
             )
         )
         started.append(cluster)
-        cluster.start()
+        cluster.start(start_timeout)
         return cluster
 
     yield make

@@ -103,9 +103,11 @@ class VllmEngine:
             raise ValueError(f"request {request_id} has an empty prompt")
         positions = len(prompt) + request.sampling.max_tokens
         if positions > self.max_model_len:
+            # vLLM checks at start that its KV blocks hold max_model_len tokens: it bounds both.
             raise ValueError(
                 f"request {request_id} needs {len(prompt)} + {request.sampling.max_tokens} "
-                f"positions, the engine has {self.max_model_len}"
+                f"positions, more than the engine's context and KV blocks hold "
+                f"({self.max_model_len})"
             )
         inputs = self._prompt(prompt_token_ids=prompt)
         if request.root_hash != ROOT_HASH:
