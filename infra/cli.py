@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from infra.arg_types import at_least, port, positive
 from infra.bench import run as bench
+from infra.engine_env import engine_env as _engine_env
 from infra.recording import RecordingError
 from services.planner.policies import POLICY_NAMES
 
@@ -120,36 +120,6 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "up to 5 s), otlp (OTEL_EXPORTER_OTLP_ENDPOINT) or file:PATH (JSON lines)",
     )
     up.set_defaults(func=_up)
-
-
-def _engine_env(engine: str, model: Path | None) -> dict[str, str]:
-    if engine == "sim":
-        if model is not None:
-            raise SystemExit(
-                "laneway up: --model is for --engine torch, trtllm or vllm; the sim engine serves "
-                "'laneway-sim' and counts one token per UTF-8 byte"
-            )
-        return {}
-    if model is None or not (model / "config.json").exists():
-        raise SystemExit(f"laneway up: --engine {engine} needs --model DIR with a config.json")
-    name = model.resolve().name
-    return {
-        "LANEWAY_ENGINE": engine,
-        "LANEWAY_MODEL_DIR": str(model.resolve()),
-        "LANEWAY_MODEL": name,
-        "LANEWAY_SERVED_MODEL_NAMES": json.dumps([name]),
-        # A small CPU model: a modest cache and batch suit it.
-        "LANEWAY_NUM_GPU_BLOCKS": "1024",
-        "LANEWAY_MAX_NUM_SEQS": "32",
-        "LANEWAY_MAX_NUM_BATCHED_TOKENS": "2048",
-        **(_VLLM_ENV if engine == "vllm" else {}),
-    }
-
-
-# vLLM's CPU attention takes blocks of a multiple of 32 tokens: the ingress hashes prompts at the
-# workers' size, so the whole cluster takes it. A GiB of host memory holds the tiny model's KV
-# for tens of thousands of tokens.
-_VLLM_ENV = {"LANEWAY_BLOCK_SIZE": "32", "LANEWAY_KV_CACHE_GIB": "1"}
 
 
 def _context_env(max_model_len: int | None) -> dict[str, str]:

@@ -28,15 +28,23 @@ class Streamed:
     events: list[object]
 
 
-async def answers(http: httpx.AsyncClient, seeds: int = SEEDS) -> dict[int, str]:
+async def answers(
+    http: httpx.AsyncClient, seeds: int = SEEDS, max_tokens: int = MAX_TOKENS, **fields: object
+) -> dict[int, str]:
     """The unstreamed answer of each of the first ``seeds`` seeds, at the most tokens any
-    stream asks for."""
+    stream asks for; ``fields`` replace or add to the body's (another model, greedy)."""
 
     async def one(seed: int) -> str:
-        body = {"model": MODEL, "prompt": prompt(seed), "max_tokens": MAX_TOKENS, "seed": seed}
+        body = {
+            "model": MODEL,
+            "prompt": prompt(seed),
+            "max_tokens": max_tokens,
+            "seed": seed,
+            **fields,
+        }
         reply = (await http.post("/completions", json=body)).raise_for_status().json()
         assert reply["choices"][0]["finish_reason"] == "length"
-        assert reply["usage"]["completion_tokens"] == MAX_TOKENS
+        assert reply["usage"]["completion_tokens"] == max_tokens
         text: str = reply["choices"][0]["text"]
         return text
 
@@ -44,7 +52,7 @@ async def answers(http: httpx.AsyncClient, seeds: int = SEEDS) -> dict[int, str]
     return dict(enumerate(texts))
 
 
-def stream_body(seed: int, max_tokens: int) -> dict[str, object]:
+def stream_body(seed: int, max_tokens: int, **fields: object) -> dict[str, object]:
     """A streamed completion of the seed's prompt, its usage in the last chunk."""
     return {
         "model": MODEL,
@@ -53,11 +61,13 @@ def stream_body(seed: int, max_tokens: int) -> dict[str, object]:
         "seed": seed,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **fields,
     }
 
 
-async def stream(http: httpx.AsyncClient, seed: int, max_tokens: int) -> Streamed:
-    request = http.build_request("POST", "/completions", json=stream_body(seed, max_tokens))
+async def stream(http: httpx.AsyncClient, seed: int, max_tokens: int, **fields: object) -> Streamed:
+    body = stream_body(seed, max_tokens, **fields)
+    request = http.build_request("POST", "/completions", json=body)
     try:
         response = await http.send(request, stream=True)
     except (httpx.ReadError, httpx.RemoteProtocolError):
@@ -71,15 +81,17 @@ async def stream(http: httpx.AsyncClient, seed: int, max_tokens: int) -> Streame
     return Streamed(seed, max_tokens, response.status_code, events)
 
 
-def mismatch(streamed: Streamed, whole: str) -> str | None:
-    """What is wrong with one stream, if anything."""
+def mismatch(streamed: Streamed, whole: str, byte_tokens: bool = True) -> str | None:
+    """What is wrong with one stream, if anything. ``byte_tokens``: ``whole`` is the answer to
+    a larger ``max_tokens`` on the sim's one-byte tokens, cut to the stream's; else it is the
+    stream's whole answer (a real tokenizer's)."""
     about = f"seed {streamed.seed}, max_tokens {streamed.max_tokens}"
     if streamed.status != 200 or streamed.events[-1:] != ["[DONE]"]:
         return f"{about}: status {streamed.status}, ends {streamed.events[-2:]}"
     chunks = [e for e in streamed.events[:-1] if isinstance(e, dict)]
     text = "".join(c["text"] for chunk in chunks for c in chunk["choices"])
     usage = chunks[-1].get("usage") or {}
-    expected = whole[: streamed.max_tokens]
+    expected = whole[: streamed.max_tokens] if byte_tokens else whole
     if text != expected:
         return f"{about}: streamed {text!r}, unstreamed {expected!r}"
     if usage.get("completion_tokens") != streamed.max_tokens:
