@@ -1,6 +1,6 @@
 """Helpers for the live tests, beside the server fixtures in conftest: the cluster factory's type,
-servers of a test's own with auth on, the workers as etcd has them, and an observer of the
-cluster's events."""
+servers of a test's own with auth on, the workers as etcd has them, a service's metrics, and an
+observer of the cluster's events."""
 
 from __future__ import annotations
 
@@ -8,11 +8,15 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from bus.api_keys import key_hash, list_keys
 from bus.client import Bus
 from bus.registry import WORKERS_PREFIX, connect_etcd
 from bus.topology import Subjects
 from infra.cluster import LocalCluster
+from infra.cluster_plan import Service
 from infra.cluster_auth import ClusterAuth, secure
 from infra.embedded import NATS_MAX_PAYLOAD, EmbeddedServer, start_etcd, start_nats
 from schemas.block_hash import chain_block_hashes, salt_root
@@ -57,6 +61,18 @@ async def registrations(etcd_endpoints: str) -> dict[str, WorkerRegistration]:
         }
     finally:
         await etcd.close()
+
+
+async def metric(service: Service, name: str, labels: dict[str, str] | None = None) -> float:
+    """The sum of ``name``'s samples that carry ``labels``, as ``service`` exposes them now."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://127.0.0.1:{service.metrics_port}/metrics")).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and (labels or {}).items() <= sample.labels.items()
+    )
 
 
 async def api_block_hashes(

@@ -25,6 +25,9 @@ class VllmPool:
             max_model_len=BLOCK * NUM_BLOCKS,
             max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+            # A KV size of its own: vLLM's CPU build otherwise wants 90% of the machine's memory
+            # free at start, which a loaded test machine does not have.
+            kv_cache_gib=0.25,
             # vLLM keeps one block aside: 64 hold tokens.
             extra_args={"num_gpu_blocks_override": NUM_BLOCKS + 1},
         )
@@ -49,7 +52,8 @@ def _empty(engine: VllmEngine) -> None:
         engine.abort(request_id)
     while engine.has_work():
         engine.step()
-    assert engine._engine.reset_prefix_cache()
+    # The connector's too: hand-off blocks staged and never loaded are part of what it held.
+    assert engine._engine.reset_prefix_cache(reset_connector=True)
     # The reset's AllBlocksCleared comes with the next step: taken here, as a fresh engine has
     # announced nothing.
     engine.step()

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load, save
 from torch import Tensor
 
+from services.engine.kv_payload import pack, unpack
 from services.engine.torch_engine.blocks import PagedBlockPool
 from services.engine.torch_engine.kv_cache import PagedKvCache
 
@@ -65,29 +65,16 @@ def import_blocks(cache: PagedKvCache, pool: PagedBlockPool, export: KvExport) -
     return len(block_ids)
 
 
-_U64 = 1 << 64
-
-
 def to_bytes(export: KvExport) -> bytes:
-    """safetensors, not pickle: the bytes come over the network."""
-    # Hashes are unsigned 64-bit; torch has no such tensor dtype, so they travel as int64 bits.
-    hashes = [h - _U64 if h >= _U64 >> 1 else h for h in export.block_hashes]
-    return save(
-        {
-            "key": export.key.contiguous(),
-            "value": export.value.contiguous(),
-            "hashes": torch.tensor(hashes, dtype=torch.int64),
-        }
-    )
+    return pack(export.block_hashes, {"key": export.key, "value": export.value})
 
 
 def from_bytes(data: bytes) -> KvExport:
-    tensors = load(data)
+    hashes, tensors = unpack(data)
     key, value = tensors["key"], tensors["value"]
     layers, _, block_size, kv_heads, head_dim = key.shape
     if value.shape != key.shape:
         raise ValueError(f"KV value shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
-    hashes = tuple(h % _U64 for h in tensors["hashes"].tolist())
     if len(hashes) != key.shape[1]:
         raise ValueError(f"{len(hashes)} block hashes for {key.shape[1]} KV blocks")
     return KvExport(KvLayout(block_size, layers, kv_heads, head_dim), hashes, key, value)

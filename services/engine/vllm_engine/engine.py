@@ -9,7 +9,8 @@ first output with vLLM's own count of prompt tokens found in its prefix cache. v
 its scheduler in the same process, where vLLM hands each step's batch to its event publisher, and
 hashed again with Laneway's chained hash (:mod:`services.engine.kv_translate`), the request's
 cache salt included: vLLM gets the salt as its own ``cache_salt``, and reports it with the first
-block of a prompt.
+block of a prompt. A disaggregated hand-off's KV leaves through vLLM's prefix cache and comes in
+through Laneway's KV connector (:mod:`services.engine.vllm_engine.connector`).
 
 ``vllm`` is imported only when an engine is opened, so this module imports anywhere.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from typing import Any, Literal, cast
 
 from schemas.block_hash import ROOT_HASH
@@ -43,15 +45,23 @@ class VllmEngine:
         # The engine core in this process: its steps are this object's, and its scheduler's KV
         # events reach us without a socket.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Its KV events name blocks by its own hashes, not by their low 64 bits: the keys of its
+        # prefix cache, where an export looks blocks up.
+        os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"
         from services.engine.vllm_engine.compat import import_vllm
 
         import_vllm()
-        from vllm.config import KVEventsConfig
+        from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.inputs import TokensPrompt
         from vllm.outputs import RequestOutput as VllmOutput
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        from services.engine.vllm_engine import connector
+
+        connector.register()
+        # What a hand-off brings waits here for vLLM's scheduler to load it.
+        self._stage = connector.KvStage()
         self._prompt = TokensPrompt
         self._output = VllmOutput
 
@@ -66,6 +76,15 @@ class VllmEngine:
             "enable_prefix_caching": True,
             # Recorded by its KV cache manager; the "null" publisher is replaced below.
             "kv_events_config": KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+            # Hand-offs' KV comes in through Laneway's connector (another connector given in
+            # ``extra_args``, NIXL's say, replaces it, and hand-offs through Laneway with it).
+            "kv_transfer_config": KVTransferConfig(
+                kv_connector=connector.CONNECTOR,
+                kv_role="kv_both",
+                kv_connector_extra_config={connector.STAGE_ID: self._stage.id},
+                # A staged block gone before its load is recomputed, not the request failed.
+                kv_load_failure_policy="recompute",
+            ),
             "disable_log_stats": True,
             **config.extra_args,
         }
@@ -85,7 +104,7 @@ class VllmEngine:
         self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.capabilities = EngineCapabilities(
-            kv_handoff=False, kv_events=True, modelled_time=False
+            kv_handoff=self._attach_stage(core), kv_events=True, modelled_time=False
         )
         self._sampling = _sampling_class()
         self._hashes = KvHashes(self.block_size)
@@ -171,6 +190,46 @@ class VllmEngine:
             kv_blocks_used=max(0, self.kv_blocks_total - free),
             kv_blocks_total=self.kv_blocks_total,
         )
+
+    # -- KV hand-off (KvPortable) -----------------------------------------------------------
+
+    def export_prefix(self, block_hashes: Sequence[int]) -> tuple[int, bytes]:
+        """The leading blocks in vLLM's prefix cache, read from its KV cache."""
+        block_ids = self._cached_block_ids(block_hashes)
+        return len(block_ids), self._stage.export(block_hashes[: len(block_ids)], block_ids)
+
+    def import_prefix(self, block_hashes: Sequence[int], payload: bytes) -> int:
+        """Staged, not yet cached: vLLM's scheduler loads them into its cache (and announces
+        them) when it schedules the request they lead, which the caller adds right after."""
+        staged = self._stage.stage(payload, block_hashes)
+        return staged + len(self._cached_block_ids(block_hashes[staged:]))
+
+    def _cached_block_ids(self, block_hashes: Sequence[int]) -> list[int]:
+        """vLLM's block ids of the leading ``block_hashes`` its prefix cache holds."""
+        pool = self._scheduler.kv_cache_manager.block_pool
+        block_ids: list[int] = []
+        for ours in block_hashes:
+            theirs = self._hashes.engine_hash(ours)
+            blocks = None if theirs is None else pool.get_cached_block(theirs, [0])
+            if not blocks:
+                break
+            block_ids.append(blocks[0].block_id)
+        return block_ids
+
+    def _attach_stage(self, core: Any) -> bool:
+        """Give the stage vLLM's KV cache; whether hand-offs can go through it: Laneway's
+        connector is vLLM's, and the model's layers share one KV cache group."""
+        from services.engine.vllm_engine.connector import CONNECTOR
+
+        transfer = core.vllm_config.kv_transfer_config
+        groups = core.scheduler.kv_cache_config.kv_cache_groups
+        if transfer is None or transfer.kv_connector != CONNECTOR or len(groups) != 1:
+            return False
+        forward = core.vllm_config.compilation_config.static_forward_context
+        self._stage.attach(
+            [forward[name].kv_cache for name in groups[0].layer_names], self.kv_blocks_total
+        )
+        return True
 
     # -- vLLM's KV events -------------------------------------------------------------------
 
