@@ -3,6 +3,12 @@
 Arrivals keep the trace's timestamps. ``time_scale`` compresses the whole replay (arrival gaps
 and the workers' modelled step times alike) so that an hour of traffic fits a short run; the
 measured times are scaled back, so the figures compare with an offline replay of the same trace.
+A real engine's steps take real time: with one, ``time_scale`` stays 1.
+
+Prompts go as text, which the sim's byte tokenizer maps back to the trace's tokens, or, for a
+model with a tokenizer of its own (``token_ids``), as those tokens' ids. The cached tokens are
+the engine's own count (``usage.prompt_tokens_details.cached_tokens``); beside them the report
+gives what the planner's index said the chosen worker held, the input of its routing.
 """
 
 from __future__ import annotations
@@ -116,6 +122,8 @@ async def _one(
     usage = sample.usage or {}
     if "completion_tokens" in usage:
         record.output_tokens = usage["completion_tokens"]
+        # The prompt as the engine counted it (the trace's length, unless a tokenizer differs).
+        record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
         details = usage.get("prompt_tokens_details") or {}
         record.cached_tokens = details.get("cached_tokens") or 0
     record.failed = sample.error is not None
@@ -123,6 +131,32 @@ async def _one(
         errors[sample.error[:80]] += 1
     request_id = None if sample.response_id is None else sample.response_id.removeprefix("cmpl-")
     return request_id, len(sample.chunk_times)
+
+
+def _cached_tokens(
+    records: Sequence[RequestRecord],
+    answers: Sequence[tuple[str | None, int]],
+    decisions: Sequence[dict[str, Any]],
+) -> dict[str, int]:
+    """Over the completed requests: their prompt tokens, those the engine found cached, and those
+    the planner's index said the chosen worker held (its blocks at the worker's block size; 0
+    under a policy that never asks the index: round robin, random, least loaded). An engine that
+    finds far fewer than the index promised holds blocks other than those it reported, or
+    evicted them after; a few fewer are its own rule (vLLM computes at least a prompt's last
+    token, so a prompt cached whole gives up its last block)."""
+    promised: dict[str, int] = {}
+    for decision in decisions:
+        for candidate in decision["candidates"]:
+            if candidate["worker_id"] == decision["worker_id"]:
+                promised[decision["request_id"]] = (
+                    candidate["cached_blocks"] * candidate["block_size"]
+                )
+    done = [(r, a[0]) for r, a in zip(records, answers, strict=True) if r.done]
+    return {
+        "prompt_tokens": sum(r.prompt_tokens for r, _ in done),
+        "cached_tokens": sum(r.cached_tokens for r, _ in done),
+        "index_cached_tokens": sum(promised.get(i or "", 0) for _, i in done),
+    }
 
 
 async def replay_live(
@@ -135,11 +169,15 @@ async def replay_live(
     timeout_s: float = 3600.0,
     progress: Callable[[int], None] | None = None,
     headers: dict[str, str] | None = None,
+    token_ids: bool = False,
 ) -> ReplayResult:
     """``progress``, if given, is called with the number of requests finished so far;
-    ``headers`` go on every request (the cluster's API key: ``LocalCluster.api_headers``)."""
+    ``headers`` go on every request (the cluster's API key: ``LocalCluster.api_headers``);
+    ``token_ids``: prompts as token ids, not text."""
     prompts = PromptFactory(block_size)
-    texts = [prompts.prompt(r).text() for r in trace]
+    texts: list[str | list[int]] = [
+        prompts.prompt(r).token_ids() if token_ids else prompts.prompt(r).text() for r in trace
+    ]
     records = [RequestRecord(r.arrival_s, r.input_length) for r in trace]
     observer = _ClusterObserver(time_scale)
     bus = await Bus.connect(nats_url, "laneway-bench")
@@ -210,6 +248,7 @@ async def replay_live(
     extra["tokens_per_chunk"] = tokens / chunks if chunks else None
     # Why the failed ones failed, as the client saw it.
     extra["client_errors"] = dict(errors)
+    extra.update(_cached_tokens(records, answers, observer.decisions))
     report = build_report(records, workers, time.perf_counter() - started, extra)
     pools = observer.pools.fractions()
     if "prefill" in pools:

@@ -16,7 +16,15 @@ from infra.bench.metrics import ReplayResult
 from infra.bench.offline import OfflineReplay
 from infra.bench.report import format_table, write_json
 from infra.bench.tiers import TierSettings, add_tier_arguments, live_env, tier_settings
-from infra.bench.traces import TraceRequest, load_trace, with_tenants
+from infra.bench.traces import (
+    TraceRequest,
+    capped,
+    load_trace,
+    sample_conversations,
+    with_block_unit,
+    with_tenants,
+)
+from infra.engine_env import engine_env
 from infra.progress import Progress
 from services.common.kv_transfer import KvTransferModel
 from services.common.perf_model import PERF_MODEL_NAMES
@@ -50,7 +58,8 @@ def add_perf_model_argument(parser: argparse.ArgumentParser) -> None:
         "--perf-model",
         choices=PERF_MODEL_NAMES,
         default="dynamo-mocker",
-        help="sim engine step times: Dynamo mocker's model, or cheap and linear",
+        help="step times of the sim engine and of the kv policy's predictions (a real engine "
+        "ignores it): Dynamo mocker's model, or cheap and linear",
     )
 
 
@@ -146,10 +155,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_perf_model_argument(bench)
     add_tier_arguments(bench)
     bench.add_argument(
+        "--engine",
+        choices=["sim", "vllm"],
+        default="sim",
+        help="live: the workers' engine; vllm: vLLM running --model, sent prompts as token ids",
+    )
+    bench.add_argument("--model", type=Path, help="--engine vllm: a Hugging Face model folder")
+    bench.add_argument(
+        "--kv-cache-gib",
+        type=positive,
+        help="--engine vllm: each worker's KV cache, GiB (default: laneway up's, 1)",
+    )
+    bench.add_argument(
         "--block-size",
         type=at_least(1),
-        default=_ENGINE_DEFAULTS.block_size,
-        help="sim engine: tokens per KV block",
+        help=f"tokens per KV block (default: sim {_ENGINE_DEFAULTS.block_size}, vllm 32)",
     )
     bench.add_argument(
         "--num-gpu-blocks",
@@ -170,6 +190,28 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="sim engine: tokens in a step",
     )
     bench.add_argument("--limit", type=at_least(1), help="replay only the first N requests")
+    bench.add_argument(
+        "--sample-conversations",
+        type=at_least(1),
+        metavar="K",
+        help="keep every K-th conversation with all its turns (before --limit): a short slice "
+        "that keeps the trace's sharing between turns",
+    )
+    bench.add_argument(
+        "--hash-id-tokens",
+        type=at_least(1),
+        help="tokens each block id of the trace stands for (default: the trace's, Mooncake's "
+        "512; --engine vllm: the block size)",
+    )
+    bench.add_argument(
+        "--max-prompt-tokens",
+        type=at_least(1),
+        help="cut prompts to this many tokens (default: all; --engine vllm: what the model's "
+        "context holds beside the longest output)",
+    )
+    bench.add_argument(
+        "--max-output-tokens", type=at_least(1), help="cut output lengths to this many tokens"
+    )
     tenants = "offline: the conversations dealt out to N tenants, each with its salted cache"
     bench.add_argument("--tenants", type=at_least(1), help=tenants)
     bench.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
@@ -177,7 +219,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--time-scale",
         type=positive,
         default=1.0,
-        help="live: run the whole replay this many times faster (times are scaled back)",
+        help="live, sim engine: run the whole replay this many times faster (times are scaled "
+        "back; a real engine's time cannot be: --speedup compresses its arrivals)",
     )
     bench.add_argument("--nats-url", help="live: use this NATS instead of an embedded one")
     bench.add_argument("--etcd-endpoints", help="live: use this etcd instead of an embedded one")
@@ -283,6 +326,7 @@ def _live(
     from infra.startup import StartupError
 
     prefill, decode = _pools(args)
+    engine: dict[str, str] = args.engine_env
     with tempfile.TemporaryDirectory(prefix="laneway-bench-") as state:
         cluster = LocalCluster(
             ClusterConfig(
@@ -299,16 +343,20 @@ def _live(
                     "LANEWAY_PERF_MODEL": args.perf_model,
                     "LANEWAY_SPEEDUP": str(args.time_scale),
                     "LANEWAY_SEED": str(args.seed),
-                    "LANEWAY_BLOCK_SIZE": str(args.block_size),
                     "LANEWAY_NUM_GPU_BLOCKS": str(args.num_gpu_blocks),
                     "LANEWAY_MAX_NUM_SEQS": str(args.max_num_seqs),
                     "LANEWAY_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
                     "LANEWAY_REQUEST_TIMEOUT_S": "36000",
+                    # A real engine's cache and batch, as `laneway up` gives it; the block size
+                    # the bench hashes its prompts at.
+                    **engine,
+                    "LANEWAY_BLOCK_SIZE": str(args.block_size),
                 },
             )
         )
         try:
-            cluster.start()
+            # A vLLM worker loads its model for 15-40 s on 2 cores, the workers at once.
+            cluster.start(60.0 if args.engine == "sim" else 300.0)
         except StartupError as exc:  # a port taken, a server given that does not answer
             print(f"laneway bench: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
@@ -318,17 +366,53 @@ def _live(
                     trace,
                     cluster.config.base_url,
                     cluster.nats_url,
-                    MODEL,
+                    engine.get("LANEWAY_MODEL", MODEL),
                     args.block_size,
                     args.time_scale,
                     progress=progress,
                     headers=cluster.api_headers,
+                    token_ids=args.engine != "sim",
                 )
             )
             result.report["kv_tiers"] = args.tiers.report()
+            result.report["engine"] = args.engine
             return result
         finally:
             cluster.stop()
+
+
+def _refused_with_engine(args: argparse.Namespace) -> str | None:
+    """Why the engine flags cannot go with the others, if they cannot."""
+    if args.engine == "sim":
+        return "--kv-cache-gib is for --engine vllm" if args.kv_cache_gib is not None else None
+    if args.mode != "live":
+        return "--engine vllm is live only (an offline replay runs the sim engine)"
+    if args.time_scale != 1:
+        # The sim's steps take modelled time divided by the scale; vLLM's take what they take,
+        # so the figures scaled back would be wrong.
+        return "--time-scale is for the sim engine (vLLM runs in real time): use --speedup"
+    return None
+
+
+def _slice(args: argparse.Namespace) -> list[TraceRequest]:
+    """The trace's requests to replay: sampled by conversation, then the first --limit, block
+    ids resized, prompts and outputs cut (a model's token ids checked); ValueError for what
+    cannot be replayed."""
+    sampled = args.sample_conversations is not None
+    # Sampled, --limit counts the sample's requests, not the file's.
+    trace = load_trace(args.trace, args.format, args.speedup, None if sampled else args.limit)
+    if sampled:
+        trace = sample_conversations(trace, args.sample_conversations)[: args.limit]
+    unit = args.hash_id_tokens or (args.block_size if args.engine == "vllm" else None)
+    if unit is not None:
+        trace = with_block_unit(trace, unit)
+    trace = capped(trace, None, args.max_output_tokens)
+    if args.engine == "vllm":
+        from infra.bench.model_prompts import check_model_vocabulary, fit_to_model
+
+        check_model_vocabulary(args.model)
+        return fit_to_model(trace, args.model, args.max_prompt_tokens)
+    return capped(trace, args.max_prompt_tokens, None)
 
 
 def _pools(args: argparse.Namespace) -> tuple[int, int]:
@@ -350,6 +434,16 @@ def main(args: argparse.Namespace) -> int:
     if args.tenants is not None and args.mode == "live":
         print("laneway bench: --tenants is offline only", file=sys.stderr)
         return 2
+    refused = _refused_with_engine(args)
+    if refused:
+        print(f"laneway bench: {refused}", file=sys.stderr)
+        return 2
+    # SystemExit, one line, for a model folder that does not fit the engine.
+    args.engine_env = engine_env(args.engine, args.model, "laneway bench")
+    if args.kv_cache_gib is not None:
+        args.engine_env["LANEWAY_KV_CACHE_GIB"] = str(args.kv_cache_gib)
+    if args.block_size is None:
+        args.block_size = _ENGINE_DEFAULTS.block_size if args.engine == "sim" else 32
     if not args.trace.exists():
         print(f"laneway bench: no trace at {args.trace} (give one with --trace)", file=sys.stderr)
         return 2
@@ -358,7 +452,7 @@ def main(args: argparse.Namespace) -> int:
         if args.mode == "live":
             live_env(args.tiers, args.num_gpu_blocks)
         # A line of the wrong format is named with its number: one line, not a traceback.
-        trace = load_trace(args.trace, args.format, args.speedup, args.limit)
+        trace = _slice(args)
         if args.tenants is not None:
             trace = with_tenants(trace, args.tenants)
     except ValueError as e:

@@ -5,7 +5,8 @@ A Mooncake trace names each 512-token block of a prompt by a hash id; equal ids 
 blocks. A recording names each engine block of a prompt by its chained hash, so equal ids there
 mean equal prefixes. The tokens of a block are made up deterministically from its id, as
 printable ASCII, so that the byte-level tokenizer maps the prompt's text back to the very same
-tokens in live mode.
+tokens in live mode; a model with a tokenizer of its own takes the same bytes as token ids
+(``SyntheticPrompt.token_ids``, ``check_token_ids``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import hashlib
 import itertools
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +32,8 @@ TRACE_BLOCK_SIZE = 512
 # 64 printable characters: a token never is a control byte or a multi-byte UTF-8 sequence.
 _ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789 .,;"[:64]
 _TO_ALPHABET = bytes(_ALPHABET[b % 64] for b in range(256))
+# The token ids a prompt is made of, sent as ids: the alphabet's byte values.
+PROMPT_TOKEN_IDS = frozenset(_ALPHABET)
 _BLOCK_COUNTERS = tuple(c.to_bytes(4, "little") for c in range(TRACE_BLOCK_SIZE // 64))
 
 
@@ -125,6 +128,23 @@ class SyntheticPrompt(Sequence[int]):
     def text(self) -> str:
         return self.tokens().decode("ascii")
 
+    def token_ids(self) -> list[int]:
+        """The trace prompt as token ids, for a model whose tokenizer is not byte-level: equal
+        hash ids give equal ids, so its prefix cache meets the same blocks Laneway hashes."""
+        return list(self.tokens())
+
+
+def check_token_ids(vocab_size: int, special_ids: Collection[int]) -> None:
+    """ValueError unless a model of ``vocab_size`` token ids, ``special_ids`` among them, takes
+    every id a prompt is made of as an ordinary token."""
+    if max(PROMPT_TOKEN_IDS) >= vocab_size:
+        raise ValueError(
+            f"the prompts' token ids reach {max(PROMPT_TOKEN_IDS)}, the model has {vocab_size}"
+        )
+    special = sorted(PROMPT_TOKEN_IDS.intersection(special_ids))
+    if special:
+        raise ValueError(f"the prompts' token ids {special} are special tokens of the model")
+
 
 class PromptFactory:
     """Prompts and their chained block hashes for trace requests, at one engine block size.
@@ -139,11 +159,7 @@ class PromptFactory:
         self._memo: dict[tuple[int, int, tuple[int, ...]], tuple[int, ...]] = {}
 
     def ids_for(self, request: TraceRequest) -> tuple[int, ...]:
-        if request.hash_ids:
-            return request.hash_ids
-        # No sharing information: ids nobody else uses (negative, unlike Mooncake's).
-        blocks = -(-request.input_length // TRACE_BLOCK_SIZE)
-        return tuple(-(request.index * 1024 + k + 1) for k in range(blocks))
+        return block_ids(request)
 
     def prompt(self, request: TraceRequest, tail: tuple[int, ...] = ()) -> SyntheticPrompt:
         ids = self.ids_for(request)
@@ -175,12 +191,69 @@ class PromptFactory:
         return chain_block_hashes(tokens, self.block_size, parent)
 
 
+def block_ids(request: TraceRequest) -> tuple[int, ...]:
+    """The ids of ``request``'s blocks; without sharing information, ids nobody else uses
+    (negative, unlike Mooncake's)."""
+    if request.hash_ids:
+        return request.hash_ids
+    blocks = -(-request.input_length // request.block_unit)
+    return tuple(-(request.index * 1024 + k + 1) for k in range(blocks))
+
+
+def with_block_unit(trace: Sequence[TraceRequest], unit: int) -> list[TraceRequest]:
+    """``trace`` with each block id standing for ``unit`` tokens instead (Mooncake's 512 made 32
+    scales its prompts down 16 times for a small model): which blocks requests share is kept,
+    and a prompt keeps the share of its last block it filled."""
+    if unit < 1:
+        raise ValueError("tokens per block id must be at least 1")
+    scaled = []
+    for r in trace:
+        ids = block_ids(r)
+        length = min(-(-r.input_length * unit // r.block_unit), len(ids) * unit)
+        scaled.append(replace(r, input_length=length, hash_ids=ids, block_unit=unit))
+    return scaled
+
+
+def capped(
+    trace: Sequence[TraceRequest], max_prompt: int | None, max_output: int | None
+) -> list[TraceRequest]:
+    """``trace`` with prompts cut after ``max_prompt`` tokens (a prefix of the same prompt: the
+    blocks it shares stay shared) and outputs after ``max_output``; None: as they are."""
+    if (max_prompt is not None and max_prompt < 1) or (max_output is not None and max_output < 1):
+        raise ValueError("a cap on prompt or output tokens must be at least 1")
+    out = []
+    for r in trace:
+        length = r.input_length if max_prompt is None else min(r.input_length, max_prompt)
+        ids = block_ids(r)[: -(-length // r.block_unit)]
+        output = r.output_length if max_output is None else min(r.output_length, max_output)
+        out.append(replace(r, input_length=length, hash_ids=ids, output_length=output))
+    return out
+
+
+def conversation(request: TraceRequest) -> tuple[int, ...]:
+    """What names ``request``'s conversation: its prompt's first two blocks (a Mooncake turn
+    extends its conversation's last prompt, whose first block is a system prompt all
+    conversations share); a request without block ids is a conversation of its own."""
+    return request.hash_ids[:2] or (-request.index - 1,)
+
+
+def sample_conversations(trace: Sequence[TraceRequest], every: int) -> list[TraceRequest]:
+    """Every ``every``-th conversation of ``trace`` (numbered as they first arrive), all its
+    turns: a slice that keeps the whole trace's sharing between turns, which the first requests
+    alone lack (a conversation's next turn comes minutes later). Arrivals start at 0 again."""
+    if every < 1:
+        raise ValueError("a sample of every n-th conversation needs n >= 1")
+    numbers: dict[tuple[int, ...], int] = {}
+    kept = [r for r in trace if numbers.setdefault(conversation(r), len(numbers)) % every == 0]
+    start = kept[0].arrival_s if kept else 0.0
+    return [replace(r, arrival_s=r.arrival_s - start) for r in kept]
+
+
 def with_tenants(trace: Sequence[TraceRequest], tenants: int) -> list[TraceRequest]:
     """``trace`` served to ``tenants`` tenants, each with a key of its own: its conversations
     dealt out in turn as they first arrive, each request salted as the ingress salts a tenant's
-    (``ApiKeyRecord.cache_salt``'s functions: ``schemas.cache_salt``). A conversation is the
-    requests whose prompts begin with the same two blocks: a Mooncake turn extends its
-    conversation's last prompt, whose first block is a system prompt all conversations share."""
+    (``ApiKeyRecord.cache_salt``'s functions: ``schemas.cache_salt``); conversations as
+    ``conversation`` names them."""
     if tenants < 1:
         raise ValueError("tenants must be at least 1")
     groups = [group_salt(tenant_secret(t), f"tenant-{t}") for t in range(tenants)]
@@ -188,9 +261,7 @@ def with_tenants(trace: Sequence[TraceRequest], tenants: int) -> list[TraceReque
     conversations: dict[tuple[int, ...], int] = {}
     salted = []
     for r in trace:
-        # A request without block ids shares nothing: a conversation of its own.
-        conversation = r.hash_ids[:2] or (-r.index - 1,)
-        tenant = conversations.setdefault(conversation, len(conversations)) % tenants
+        tenant = conversations.setdefault(conversation(r), len(conversations)) % tenants
         salted.append(replace(r, cache_salt=salts[tenant]))
     return salted
 

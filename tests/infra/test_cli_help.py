@@ -67,7 +67,7 @@ def test_bench_shows_defaults_and_choices() -> None:
         f"--perf-model {{{','.join(PERF_MODEL_NAMES)}}}",
         "--disagg {never,always,auto}",
         "divides inter-arrival gaps (default: 1.0)",
-        "sim engine: tokens per KV block (default: 64)",
+        "tokens per KV block (default: sim 64, vllm 32)",
         "repeatable (default: all)",
     ):
         assert shown in text
