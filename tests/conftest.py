@@ -80,12 +80,22 @@ FAST_WORKERS = {
 
 @pytest.fixture(scope="session")
 def made_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """What `laneway make-tiny-model` writes, with its trained tokenizer: the checkpoint the torch
-    engine's tokenizer tests and every vLLM test load."""
+    """What `laneway make-tiny-model` writes, with its trained tokenizer."""
     from services.engine.torch_engine.tiny import make_tiny_model  # torch: only where used
 
     directory = tmp_path_factory.mktemp("product-tiny")
     make_tiny_model(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The vLLM tests' checkpoint: `laneway make-tiny-model`'s, made decisive
+    (tests/decisive_model.py)."""
+    from tests.decisive_model import make_decisive_model  # torch: only where used
+
+    directory = tmp_path_factory.mktemp("decisive-tiny")
+    make_decisive_model(directory)
     return directory
 
 

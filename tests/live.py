@@ -16,8 +16,8 @@ from bus.client import Bus
 from bus.registry import WORKERS_PREFIX, connect_etcd
 from bus.topology import Subjects
 from infra.cluster import LocalCluster
-from infra.cluster_plan import Service
 from infra.cluster_auth import ClusterAuth, secure
+from infra.cluster_plan import Service
 from infra.embedded import NATS_MAX_PAYLOAD, EmbeddedServer, start_etcd, start_nats
 from schemas.block_hash import chain_block_hashes, salt_root
 from schemas.deltas import runs_delta

@@ -52,19 +52,19 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def reference(made_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
+def reference(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
     """vLLM's greedy answers, computed beside the cluster's start."""
-    ref = Reference(made_model, PROMPTS, MAX_TOKENS, tmp_path_factory.mktemp("vllm-reference"))
+    ref = Reference(vllm_model, PROMPTS, MAX_TOKENS, tmp_path_factory.mktemp("vllm-reference"))
     yield ref
     ref.stop()
 
 
 @pytest.fixture(scope="module")
 def cluster(
-    cluster_factory: ClusterFactory, made_model: Path, reference: Reference
+    cluster_factory: ClusterFactory, vllm_model: Path, reference: Reference
 ) -> LocalCluster:
     env = {
-        **engine_env("vllm", made_model),
+        **engine_env("vllm", vllm_model),
         # Small pools load faster; 4,096 tokens of the tiny model's KV take 16 MiB.
         "LANEWAY_KV_CACHE_GIB": "0.0625",
         "LANEWAY_DRAIN_TIMEOUT_S": "30",
@@ -73,9 +73,9 @@ def cluster(
 
 
 @pytest.fixture(scope="module")
-def expected(reference: Reference, made_model: Path) -> dict[int, str]:
+def expected(reference: Reference, vllm_model: Path) -> dict[int, str]:
     """vLLM's greedy answer to each prompt, as text."""
-    tokenizer = HfTokenizer(made_model)
+    tokenizer = HfTokenizer(vllm_model)
     return {i: tokenizer.decode(ids) for i, ids in enumerate(reference.answers())}
 
 
@@ -129,14 +129,18 @@ async def test_vllms_kv_events_route_a_repeat_to_the_worker_holding_it(
 ) -> None:
     bus, seen = await observe(cluster.nats_url)
     stored: dict[str, set[int]] = defaultdict(set)
+    loads: dict[str, WorkerLoadReported] = {}
 
-    async def on_kv(event: Event) -> None:
+    async def on_event(event: Event) -> None:
+        if isinstance(event, WorkerLoadReported):
+            loads[event.worker_id] = event
         if isinstance(event, KvChanged):
             for change in event.changes:
                 if isinstance(change, StoredRun):
                     stored[event.worker_id].update(change.block_hashes)
 
-    await bus.subscribe(Subjects.all_kv, on_kv)
+    await bus.subscribe(Subjects.all_kv, on_event)
+    await bus.subscribe(Subjects.all_load, on_event)
     # A prompt of its own (3 full blocks of 32 and 7 tokens), then again with another ending.
     prompt = [5 + (7 * k) % 1990 for k in range(103)]
     hashes = set(await api_block_hashes(cluster, prompt, 32))
@@ -144,8 +148,14 @@ async def test_vllms_kv_events_route_a_repeat_to_the_worker_holding_it(
     for tokens in (prompt, [*prompt[:96], 11, 12, 13, 14, 15]):
         body = {"model": _model(cluster), "prompt": tokens, "max_tokens": 4, **GREEDY}
         replies.append((await http.post("/completions", json=body)).raise_for_status().json())
-        # vLLM's events for the prompt's blocks, in Laneway's hashes, from one worker.
+        # vLLM's events for the prompt's blocks, in Laneway's hashes, from one worker; and both
+        # workers idle again as they report it, so that their cache alone tells them apart.
         await eventually(lambda: [w for w, blocks in stored.items() if hashes <= blocks], timeout=5)
+        loads.clear()
+        await eventually(
+            lambda: len(loads) == 2 and not any(r.running or r.waiting for r in loads.values()),
+            timeout=10,
+        )
     first, repeat = (r["id"].removeprefix("cmpl-") for r in replies)
     await eventually(lambda: seen.of(RouteDecided, repeat), timeout=5)
     [held] = seen.of(RouteDecided, first)

@@ -38,18 +38,18 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def reference(made_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
+def reference(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
     """vLLM's greedy answers, computed while the cluster starts."""
-    with Reference(made_model, PROMPTS, MAX_TOKENS, tmp_path_factory.mktemp("vllm-ref")) as ref:
+    with Reference(vllm_model, PROMPTS, MAX_TOKENS, tmp_path_factory.mktemp("vllm-ref")) as ref:
         yield ref
 
 
 @pytest.fixture(scope="module")
 def cluster(
-    cluster_factory: ClusterFactory, made_model: Path, reference: Reference
+    cluster_factory: ClusterFactory, vllm_model: Path, reference: Reference
 ) -> LocalCluster:
     env = {
-        **engine_env("vllm", made_model),
+        **engine_env("vllm", vllm_model),
         "LANEWAY_KV_CACHE_GIB": "0.0625",
         "LANEWAY_DISAGG": "always",
         # A hand-off slower than this would be prefilled again on the decode worker, and the
@@ -60,7 +60,7 @@ def cluster(
 
 
 async def test_a_vllm_prefill_workers_kv_continues_on_a_vllm_decode_worker(
-    cluster: LocalCluster, made_model: Path, reference: Reference
+    cluster: LocalCluster, vllm_model: Path, reference: Reference
 ) -> None:
     workers = await registrations(cluster.etcd_endpoints)
     # Both can send and take a prompt's KV, and report their caches, at vLLM's block size.
@@ -90,7 +90,7 @@ async def test_a_vllm_prefill_workers_kv_continues_on_a_vllm_decode_worker(
         base_url=cluster.config.base_url, headers=cluster.api_headers, timeout=180
     ) as http:
         replies = await asyncio.gather(*(one(http, p) for p in PROMPTS))
-    tokenizer = HfTokenizer(made_model)
+    tokenizer = HfTokenizer(vllm_model)
     expected = [tokenizer.decode(ids) for ids in reference.answers()]
     assert [r["choices"][0]["text"] for r in replies] == expected  # type: ignore[index]
 

@@ -10,6 +10,6 @@ from .vllm_pool import VllmPool
 
 
 @pytest.fixture(scope="session")
-def vllm_pool(made_model: Path) -> VllmPool:
+def vllm_pool(vllm_model: Path) -> VllmPool:
     """Two vLLM engines of the contract's shape, for every engine test in this process."""
-    return VllmPool(made_model)
+    return VllmPool(vllm_model)
