@@ -97,11 +97,19 @@ class _WindowStreamDecoder:
     def decode(self, token_ids: Sequence[int]) -> str:
         self._ids.extend(token_ids)
         context = self._decode(self._ids[: self._emitted])
+        end = len(self._ids)
         text = self._decode(self._ids)
+        # Only the last tokens begin a character: the text before them goes out now, as it would
+        # have token by token. So what has gone out depends on the tokens alone, not on how they
+        # were grouped into steps, and a migrated request's new worker, given the tokens its
+        # client has, knows where the text its client has ends (``request_detokenizer``).
+        while text.endswith("\ufffd") and end > self._emitted + 1:
+            end -= 1
+            text = self._decode(self._ids[:end])
         if len(text) <= len(context) or text.endswith("\ufffd"):
             return ""
         del self._ids[: self._emitted]
-        self._emitted = len(self._ids)
+        self._emitted = end - self._emitted
         return text[len(context) :]
 
     def flush(self) -> str:

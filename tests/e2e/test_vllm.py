@@ -27,11 +27,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bus.client import Bus
 from bus.topology import Subjects
 from infra.cluster import LocalCluster
 from infra.engine_env import engine_env
-from schemas.events import Event, RouteDecided, WorkerLoadReported
+from schemas.events import (
+    Event,
+    RequestCancelled,
+    RouteDecided,
+    TokensGenerated,
+    WorkerLoadReported,
+)
 from schemas.worker_events import KvChanged, StoredRun
 from services.common.hf_tokenizer import HfTokenizer
 from tests.e2e.exact import Streamed, mismatch, stream
@@ -189,27 +194,34 @@ async def test_vllms_kv_events_route_a_repeat_to_the_worker_holding_it(
 async def test_a_client_that_goes_away_aborts_the_request_in_vllm(
     cluster: LocalCluster, http: httpx.AsyncClient
 ) -> None:
-    """A 3,000-token answer takes the tiny model half a minute; the client leaves after a few
-    tokens, and the engine's own queues say the request is gone within seconds."""
+    """A 3,000-token answer; the client leaves at its first chunk. The request is cancelled, and
+    the engines' own queues (as the workers report them) are empty again within seconds, long
+    before the answer could have ended."""
+    bus, seen = await observe(cluster.nats_url)
     loads: dict[str, WorkerLoadReported] = {}
 
     async def on_load(event: Event) -> None:
         if isinstance(event, WorkerLoadReported):
             loads[event.worker_id] = event
 
-    bus = await Bus.connect(cluster.nats_url, "test-loads")
     await bus.subscribe(Subjects.all_load, on_load)
     body = {**_body(cluster, 0, max_tokens=3000), "stream": True}
     async with http.stream("POST", "/completions", json=body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
-            if sse_data(line + "\n\n"):
+            if line.startswith("data: "):
+                [chunk] = sse_data(line + "\n\n")
+                request_id = chunk["id"].removeprefix("cmpl-")
                 break
-        await eventually(lambda: any(load.running for load in loads.values()), timeout=10)
+    await eventually(lambda: seen.of(RequestCancelled, request_id), timeout=10)
+    loads.clear()
     await eventually(
-        lambda: loads and all(not (load.running or load.waiting) for load in loads.values()),
+        lambda: len(loads) == 2 and not any(r.running or r.waiting for r in loads.values()),
         timeout=10,
     )
+    batches = [t for t in seen.of(TokensGenerated, request_id) if isinstance(t, TokensGenerated)]
+    generated = sum(len(t.token_ids) for t in batches)
+    assert 0 < generated < 3000
     await bus.close()
 
 
@@ -243,7 +255,10 @@ async def test_a_vllm_worker_stopped_with_sigterm_drains(
 
 
 async def test_a_killed_vllm_workers_streams_continue_exactly(
-    cluster: LocalCluster, http: httpx.AsyncClient, expected: dict[int, str]
+    cluster: LocalCluster,
+    http: httpx.AsyncClient,
+    expected: dict[int, str],
+    reference: Reference,
 ) -> None:
     """Greedy streams on both workers; one is SIGKILLed under them. Each stream still ends with
     vLLM's own answer: the prompt and the tokens delivered were continued on the other worker."""
@@ -254,7 +269,13 @@ async def test_a_killed_vllm_workers_streams_continue_exactly(
     await asyncio.sleep(0.5)
     os.kill(victim.pid, signal.SIGKILL)
     streamed = await asyncio.gather(*streams)
-    _assert_exact(streamed, expected)
     assert moves.routes, "no stream was on the killed worker"
+    # Each continuation's prompt: the client's, then vLLM's answer as far as it was delivered.
+    for route in moves.routes:
+        spec = route.spec
+        [i] = [i for i, p in enumerate(PROMPTS) if tuple(p) == spec.prompt_token_ids[: len(p)]]
+        offset = spec.sampling.offset
+        assert spec.prompt_token_ids[len(PROMPTS[i]) :] == tuple(reference.answers()[i][:offset])
+    _assert_exact(streamed, expected)
     assert {r.worker_id for r in moves.routes} == set(workers) - {victim.worker_id}
     await bus.close()

@@ -5,9 +5,11 @@ the first engine would have gone on with."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 
 from schemas.block_hash import chain_block_hashes
 from schemas.events import RequestSpec, SamplingParams
+from services.common.hf_tokenizer import HfTokenizer
 from services.common.tokenizer import ByteTokenizer, IncrementalDetokenizer
 from services.engine.continuation import continuation
 from services.engine.protocol import EngineRequest
@@ -89,3 +91,29 @@ def test_a_continued_answers_text_goes_on_where_the_first_workers_left_off() -> 
             moved = continued(request, answer_ids[:k], attempt=1)
             rest = texts(request_detokenizer(tokenizer, moved), answer_ids[k:], last=True)
             assert sent + rest == whole, (stop, k)
+
+
+def test_a_continued_answer_split_inside_a_character_of_a_real_tokenizer_is_sent_once(
+    made_model: Path,
+) -> None:
+    """A byte-level BPE tokenizer's characters can span tokens, and a step's tokens can end
+    inside one. Wherever the answer moved, and however the first worker's steps grouped its
+    tokens, the two workers' texts make the one text of the whole answer: nothing sent twice
+    (the new worker once sent again everything before a character split across the move)."""
+    tokenizer = HfTokenizer(made_model)
+    answer_ids = tokenizer.encode("un café 🙂 puis là ✓ et ça fin")
+    assert any(tokenizer.decode(answer_ids[:k]).endswith("\ufffd") for k in range(len(answer_ids)))
+    request = spec(len(answer_ids), seed=None)
+
+    def texts(detokenizer: IncrementalDetokenizer, ids: list[int], step: int, last: bool) -> str:
+        out = "".join(detokenizer.push(ids[i : i + step]) for i in range(0, len(ids), step))
+        return out + (detokenizer.flush() if last else "")
+
+    whole = tokenizer.decode(answer_ids)
+    for step in (1, 2, 3):
+        assert texts(request_detokenizer(tokenizer, request), answer_ids, step, last=True) == whole
+        for k in range(1, len(answer_ids)):
+            sent = texts(request_detokenizer(tokenizer, request), answer_ids[:k], step, last=False)
+            moved = continued(request, answer_ids[:k], attempt=1)
+            rest = texts(request_detokenizer(tokenizer, moved), answer_ids[k:], 1, last=True)
+            assert sent + rest == whole, (step, k)
