@@ -46,6 +46,20 @@ from schemas.worker_events import (
 )
 
 
+class StructuredOutput(Frozen):
+    """The shape the answer must take (OpenAI's ``response_format``), enforced while sampling by
+    an engine that does structured outputs (vLLM's)."""
+
+    type: Literal["json_schema", "json_object"] = Field(
+        description="json_schema: JSON valid against `schema`; json_object: any JSON object"
+    )
+    json_schema: str | None = Field(
+        default=None,
+        description="the JSON Schema as compact JSON text, its keys in the client's order (the "
+        "answer's properties come in that order); None for json_object",
+    )
+
+
 class SamplingParams(Frozen):
     """Generation settings as the client asked for them (OpenAI semantics)."""
 
@@ -66,6 +80,11 @@ class SamplingParams(Frozen):
         ge=0,
         description="answer tokens already generated, the last of the prompt (a migrated "
         "request's continuation): sampling continues at this position of the answer",
+    )
+    structured_output: StructuredOutput | None = Field(
+        default=None,
+        description="the answer's required shape; None: free text. An engine cannot resume "
+        "it mid-answer: a continuation (offset > 0) with one is refused",
     )
 
 
@@ -385,6 +404,7 @@ __all__ = [
     "RouteDecided",
     "SamplingParams",
     "StoredRun",
+    "StructuredOutput",
     "TerminalEvent",
     "TokenBatch",
     "TokenIds",

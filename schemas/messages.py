@@ -55,7 +55,7 @@ class WorkerRegistration(Frozen):
 
     worker_id: str
     role: Role
-    engine: str = Field(description="engine kind: sim, torch, trtllm")
+    engine: str = Field(description="engine kind: sim, torch, trtllm, vllm")
     model: str = Field(description="served model name")
     block_size: int = Field(gt=0, description="tokens per KV block")
     kv_blocks_total: int = Field(gt=0, description="KV cache capacity, in blocks")
@@ -69,6 +69,11 @@ class WorkerRegistration(Frozen):
     kv_events: bool = Field(default=True, description="publishes KV events (else: approximate)")
     kv_handoff: bool = Field(
         default=False, description="its engine can send and take a prompt's KV (disaggregation)"
+    )
+    structured_outputs: bool = Field(
+        default=False,
+        description="its engine enforces a response_format (JSON Schema, JSON object) while "
+        "sampling",
     )
     draining: bool = Field(
         default=False, description="finishing in-flight work before a role change; takes none new"

@@ -110,6 +110,22 @@ class EngineCapabilities:
     # ``run_steps`` (:class:`DecodeRuns`) does plain decode steps many at once, with the tokens,
     # KV changes and times stepping them one by one gives (the sim engine's decode runs).
     decode_runs: bool = False
+    # ``add_request`` takes a request with a ``structured_output`` and its answer has that shape
+    # (vLLM's structured outputs). Workers register it, and the ingress refuses such a request
+    # for a model any of whose workers lacks it; an engine without it refuses the request
+    # itself too (:func:`refuse_structured_output`).
+    structured_outputs: bool = False
+
+
+def refuse_structured_output(request: EngineRequest, engine: str) -> None:
+    """ValueError for a request that asks for a response_format, from an engine that does no
+    structured outputs: answered as free text it would break the client's parser."""
+    wanted = request.sampling.structured_output
+    if wanted is not None:
+        raise ValueError(
+            f"request {request.request_id} asks for response_format {wanted.type}, and the "
+            f"{engine} engine does no structured outputs (the vllm engine does)"
+        )
 
 
 class Engine(Protocol):

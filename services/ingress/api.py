@@ -53,6 +53,7 @@ from services.ingress.responses import (
     send_json,
 )
 from services.ingress.settings import IngressApiSettings
+from services.ingress.worker_features import WorkerFeatures
 
 _JSON = "application/json"
 
@@ -66,14 +67,16 @@ def create_app(
     admission: Admission | None = None,
     keys: KeyBook | None = None,
     readiness: Readiness | None = None,
+    worker_features: WorkerFeatures | None = None,
 ) -> Starlette:
     """``worker_limit``: the context limit of the registered workers (none: only the settings');
+    ``worker_features``: what they can do (none: the ingress refuses nothing for want of it);
     ``metrics``: where the app counts (none: a registry of its own, served at ``/metrics``);
     ``keys``: the API keys every request but ``/health`` must bring (none: no keys asked)."""
     metrics = metrics or IngressMetrics()
     # Without one given, no bound until a worker registers, and none registers with it.
     admission = admission or Admission(AdmissionSettings(), metrics)
-    intake = Intake(tokenizer, settings, worker_limit or WorkerContextLimit())
+    intake = Intake(tokenizer, settings, worker_limit or WorkerContextLimit(), worker_features)
     endpoints = _Endpoints(settings, metrics, readiness)
 
     def completion(

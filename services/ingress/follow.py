@@ -29,7 +29,13 @@ from observability.drops import Drops
 from schemas.events import RequestAccepted, RequestFailed, RequestPlaced, TerminalEvent
 from schemas.messages import ResendReply
 from services.ingress.gateway import GatewayEvent
-from services.ingress.migration import MIGRATION_LIMIT, continued, limit_reached, without_worker
+from services.ingress.migration import (
+    MIGRATION_LIMIT,
+    continued,
+    limit_reached,
+    unresumable,
+    without_worker,
+)
 from services.ingress.stream_order import StreamOrder, coalesced
 
 # How soon a missing batch is asked for: the stream may go on past it meanwhile.
@@ -261,11 +267,12 @@ class Follow:
     async def _migrate(self) -> list[GatewayEvent]:
         """Continue the request on another worker from the tokens the client has."""
         order, accepted = self._order, self._accepted
-        done = without_worker(
-            accepted.spec, order.delivered, self._request_id, accepted.session_id, self._source
-        )
-        if done is not None:
-            return self._end(done)
+        for end in (without_worker, unresumable):
+            done = end(
+                accepted.spec, order.delivered, self._request_id, accepted.session_id, self._source
+            )
+            if done is not None:
+                return self._end(done)
         self.attempt += 1
         if self.attempt > self._rec.migration_limit:
             return self._end(

@@ -16,15 +16,23 @@ from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.errors import InvalidRequest, model_not_found
 from services.ingress.openai_models import ChatRequest, ParsedRequest
 from services.ingress.settings import IngressApiSettings
+from services.ingress.worker_features import WorkerFeatures
 
 
 class Intake:
     def __init__(
-        self, tokenizer: Tokenizer, settings: IngressApiSettings, worker_limit: WorkerContextLimit
+        self,
+        tokenizer: Tokenizer,
+        settings: IngressApiSettings,
+        worker_limit: WorkerContextLimit,
+        features: WorkerFeatures | None = None,
     ) -> None:
+        """``features``: what the registered workers can do (none: no worker known to lack
+        anything; their engines refuse what they cannot do)."""
         self._tokenizer = tokenizer
         self._settings = settings
         self._worker_limit = worker_limit
+        self._features = features or WorkerFeatures()
         self._models = frozenset(settings.served_model_names)
 
     def spec(
@@ -35,6 +43,7 @@ class Intake:
         params = request.params
         if params.model not in self._models:
             raise model_not_found(params.model)
+        self._features.check_structured(params.model, params.structured_output)
         prompt_ids = self._prompt_ids(request)
         prompt_len = len(prompt_ids)
         if not prompt_len:
@@ -64,6 +73,7 @@ class Intake:
             "max_tokens": max_tokens, "temperature": params.temperature, "top_p": params.top_p,
             "seed": params.seed, "stop": params.stop, "stop_token_ids": params.stop_token_ids,
             "ignore_eos": params.ignore_eos, "offset": 0,
+            "structured_output": params.structured_output,
         })  # fmt: skip
         salt = request_salt(group_salt, params.cache_salt)
         return trusted(RequestSpec, {

@@ -40,6 +40,7 @@ from services.ingress.metrics import IngressMetrics
 from services.ingress.migration import MIGRATION_LIMIT
 from services.ingress.nats_gateway import NatsGateway
 from services.ingress.settings import IngressApiSettings
+from services.ingress.worker_features import WorkerFeatures
 
 # The API settings' defaults, written once there.
 _API = IngressApiSettings(instance_id="")
@@ -194,6 +195,7 @@ def main() -> None:
         await gateway.start(metrics.loop_late.observe)
         etcd = connect_etcd(settings.etcd_endpoints)
         limit = WorkerContextLimit()
+        features = WorkerFeatures()
         # Which workers are live, for /health and admission alike (the planner's rule).
         liveness = Liveness()
         readiness = Readiness(lambda: bus.nc.is_connected, liveness)
@@ -206,6 +208,7 @@ def main() -> None:
         async def on_workers(workers: dict[str, WorkerRegistration]) -> None:
             liveness.registered(workers)
             await limit.on_workers(workers)
+            await features.on_workers(workers)
             await admission.on_workers(workers)
             workers_read.set()
 
@@ -231,6 +234,7 @@ def main() -> None:
             admission=admission,
             keys=keys,
             readiness=readiness,
+            worker_features=features,
         )
         # The API port has /metrics too; this port is the one every service has (probes).
         probes = MetricsServer(metrics.registry)

@@ -51,6 +51,27 @@ def without_worker(
     )
 
 
+def unresumable(
+    spec: RequestSpec, delivered: int, request_id: str, session_id: str | None, source: str
+) -> RequestFailed | None:
+    """How a request ends that cannot continue on another worker, if it cannot: its answer has
+    a response_format and the client has some of it. An engine's grammar starts at an answer's
+    first token and cannot take up one begun elsewhere (an engine refuses such a continuation
+    too); from the start, on another worker, it can."""
+    wanted = spec.sampling.structured_output
+    if wanted is None or not delivered:
+        return None
+    return RequestFailed(
+        source=source,
+        request_id=request_id,
+        session_id=session_id,
+        code="worker_lost",
+        message=f"the request lost its worker after {delivered} tokens, and an answer with "
+        f"response_format {wanted.type} cannot continue on another worker: retry the request",
+        completion_tokens=delivered,
+    )
+
+
 def limit_reached(
     limit: int, delivered: int, request_id: str, session_id: str | None, source: str
 ) -> RequestFailed:

@@ -3,8 +3,8 @@
 Checked by hand rather than by pydantic: these run once per request on the hot path, and plain
 checks cost a fraction of model validation while naming the offending field just as precisely.
 Fields we do not know are ignored, as OpenAI does; fields we know but cannot honour (``n`` > 1,
-``logprobs``, ``echo``, ``best_of`` > 1, ``suffix``, tools, a JSON ``response_format``) are refused
-rather than silently answered wrongly.
+``logprobs``, ``echo``, ``best_of`` > 1, ``suffix``, tools) are refused rather than silently
+answered wrongly; a JSON ``response_format`` is refused later, where a model's workers lack it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import orjson
 
 from schemas.cache_salt import MAX_CLIENT_SALT_CHARS
+from schemas.events import StructuredOutput
 from services.ingress.admission import PRIORITIES, Priority
 from services.ingress.errors import InvalidRequest
 from services.ingress.json_fields import (
@@ -27,6 +28,7 @@ from services.ingress.json_fields import (
     required,
     type_error,
 )
+from services.ingress.response_format import parse_response_format
 
 MAX_STOP_SEQUENCES = 4
 # Each stop string is matched against the text at every token, on the worker.
@@ -71,6 +73,8 @@ class Params:
     """The body's ``priority``; None: not given (the header's, else normal)."""
     cache_salt: str | None = None
     """The body's ``cache_salt`` (vLLM's): narrows prefix-cache sharing (``schemas.cache_salt``)."""
+    structured_output: StructuredOutput | None = None
+    """The body's ``response_format`` but text: the answer's required shape."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +179,7 @@ def _params(data: dict[str, Any], max_tokens: int | None) -> Params:
         ignore_eos=optional_bool(data, "ignore_eos"),
         priority=None if data.get("priority") is None else _priority(data["priority"], "priority"),
         cache_salt=_cache_salt(data.get("cache_salt")),
+        structured_output=parse_response_format(data.get("response_format")),
     )
 
 
@@ -198,7 +203,7 @@ def _refuse_logprobs(data: dict[str, Any]) -> None:
 
 def _refuse_chat_features(data: dict[str, Any]) -> None:
     """What a chat request may ask for that no engine here does: log probabilities, tool calls
-    (a tool list is fine with ``tool_choice`` none, which asks for none), JSON output."""
+    (a tool list is fine with ``tool_choice`` none, which asks for none)."""
     _refuse_logprobs(data)
     if data.get("top_logprobs") not in (None, 0):
         raise InvalidRequest("'top_logprobs' is not supported.", "top_logprobs")
@@ -209,13 +214,6 @@ def _refuse_chat_features(data: dict[str, Any]) -> None:
             raise InvalidRequest(
                 f"'{tools}' is not supported (no tool is called) unless {choice} is 'none'.", tools
             )
-    response_format = data.get("response_format")
-    if response_format is not None and (
-        not isinstance(response_format, dict) or response_format.get("type") != "text"
-    ):
-        raise InvalidRequest(
-            "Only response_format {'type': 'text'} is supported.", "response_format"
-        )
 
 
 def _messages(value: object) -> tuple[Message, ...]:

@@ -24,6 +24,7 @@ from services.ingress.openai_models import (
     MAX_STOP_SEQUENCES,
     MAX_STOP_TOKEN_IDS,
 )
+from services.ingress.response_format import MAX_SCHEMA_BYTES, NAME_PATTERN
 from services.ingress.settings import IngressApiSettings
 
 Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -56,6 +57,39 @@ class StreamOptions(_Doc):
     include_usage: bool | None = None
 
 
+class TextFormat(_Doc):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Doc):
+    type: Literal["json_object"]
+
+
+class JsonSchema(_Doc):
+    name: str = Field(pattern=NAME_PATTERN)
+    schema_: dict[str, Any] = Field(
+        alias="schema",
+        description=f"a JSON Schema, at most {MAX_SCHEMA_BYTES} bytes as compact JSON",
+    )
+    strict: bool | None = Field(None, description="either way, the schema is held to")
+    description: str | None = None
+
+
+class JsonSchemaFormat(_Doc):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat,
+    Field(
+        discriminator="type",
+        description="json_object and json_schema only where every worker of the model does "
+        "structured outputs (the vllm engine); else 400",
+    ),
+]
+
+
 class _Params(_Doc):
     model: str = Field(max_length=MAX_MODEL_CHARS, description="a served model's name")
     stream: bool | None = None
@@ -81,10 +115,7 @@ class _Params(_Doc):
         description="prefix-cache blocks are shared only between requests of one cache group "
         "with the same cache_salt (vLLM's field): it narrows sharing, never widens it",
     )
-
-
-class ResponseFormat(_Doc):
-    type: Literal["text"]
+    response_format: ResponseFormat | None = None
 
 
 class ChatCompletionRequest(_Params):
@@ -96,7 +127,6 @@ class ChatCompletionRequest(_Params):
     tool_choice: Literal["none"] | None = None
     functions: list[Any] | None = Field(None, description="refused unless function_call is none")
     function_call: Literal["none"] | None = None
-    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Params):

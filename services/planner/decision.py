@@ -120,6 +120,7 @@ def inputs_of(event: RouteDecided) -> DecisionInputs:
         spec.sampling.max_tokens,
         event.expected_output_tokens,
         spec.priority,
+        spec.sampling.structured_output is not None,
     )
     prefillers = event.prefill.candidates if event.prefill is not None else ()
     weighed = (*event.candidates, *prefillers)
@@ -177,11 +178,11 @@ def _place_prefill(
         p = policy.predict(request, worker)
         candidates.append(_route_candidate(worker, inputs, p.cost, p.queue_ms, p.prefill_ms))
     # A one-token answer has nothing to decode after a hand-off.
-    if request.max_tokens <= 1 or decode.worker_id not in inputs.handoff:
+    if request.max_tokens <= 1 or request.no_handoff or decode.worker_id not in inputs.handoff:
         return PrefillPlacement(
             prefill_worker_id=None,
             local_ms=policy.predict(request, decode).cost,
-            reason="no hand-off",
+            reason="no hand-off: response_format" if request.no_handoff else "no hand-off",
             candidates=tuple(candidates),
         )
     plan = plan_prefill(policy, request, decode, inputs.prefillers, disagg)

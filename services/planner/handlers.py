@@ -140,6 +140,7 @@ class Planner:
             max_tokens,
             expected,
             spec.priority,
+            spec.sampling.structured_output is not None,
         )
         overlaps: dict[str, int] | None = None
         host_runs: dict[str, int] | None = None

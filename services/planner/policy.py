@@ -59,6 +59,9 @@ class RouteRequest:
     # assume ``max_tokens``.
     expected_tokens: int | None = None
     priority: Priority = "normal"
+    # Its answer must come from one engine from the first token on (a response_format: an
+    # engine's grammar cannot go on from a token another engine sampled): no remote prefill.
+    no_handoff: bool = False
 
     @property
     def output_tokens(self) -> int:

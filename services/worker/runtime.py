@@ -118,6 +118,7 @@ class Worker:
             max_model_len=self._opt.max_model_len or engine.max_model_len,
             kv_events=self._opt.kv_events,
             kv_handoff=self._driver.portable is not None,
+            structured_outputs=engine.capabilities.structured_outputs,
             draining=self._next_role is not None or self._handlers.draining,
             pid=os.getpid(),
             node=self._opt.node,

@@ -17,7 +17,7 @@ from schemas.events import Event, RequestCancelled
 from schemas.messages import OverlapQuery, OverlapReply
 from services.common.tokenizer import ByteTokenizer
 from tests.helpers import eventually
-from tests.live import ClusterFactory, api_block_hashes
+from tests.live import ClusterFactory, api_block_hashes, registrations
 
 MODEL = "laneway-sim"
 
@@ -152,6 +152,34 @@ async def test_invalid_parameters_are_400_naming_the_field(
         )
     assert err.value.status_code == 400
     assert err.value.param == param
+
+
+async def test_a_response_format_sim_workers_cannot_keep_is_400_naming_sim(
+    client: openai.AsyncOpenAI, cluster: LocalCluster
+) -> None:
+    # The workers registered that they do no structured outputs, and the ingress followed.
+    workers = await registrations(cluster.etcd_endpoints)
+    assert workers and not any(w.structured_outputs for w in workers.values())
+    schema = {"name": "colour", "schema": {"enum": ["red", "green"]}, "strict": True}
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_schema", "json_schema": schema},
+        )
+    assert err.value.param == "response_format"
+    assert err.value.body == {
+        "message": "response_format json_schema needs workers whose engine does structured "
+        f"outputs (vllm); model '{MODEL}' is served by sim.",
+        "type": "invalid_request_error",
+        "param": "response_format",
+        "code": None,
+    }
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(
+            model=MODEL, prompt="hi", extra_body={"response_format": {"type": "json_object"}}
+        )
+    assert err.value.param == "response_format" and "served by sim" in err.value.message
 
 
 async def test_missing_messages_is_400(client: openai.AsyncOpenAI) -> None:

@@ -29,7 +29,6 @@ import pytest
 
 from bus.topology import Subjects
 from infra.cluster import LocalCluster
-from infra.engine_env import engine_env
 from schemas.events import (
     Event,
     RequestCancelled,
@@ -41,6 +40,7 @@ from schemas.worker_events import KvChanged, StoredRun
 from services.common.hf_tokenizer import HfTokenizer
 from tests.e2e.exact import Streamed, mismatch, stream
 from tests.e2e.test_migration import observe_moves
+from tests.e2e.vllm_cluster import vllm_env
 from tests.e2e.vllm_reference import Reference
 from tests.helpers import eventually
 from tests.ingress.helpers import sse_data
@@ -68,12 +68,7 @@ def reference(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 def cluster(
     cluster_factory: ClusterFactory, vllm_model: Path, reference: Reference
 ) -> LocalCluster:
-    env = {
-        **engine_env("vllm", vllm_model),
-        # Small pools load faster; 4,096 tokens of the tiny model's KV take 16 MiB.
-        "LANEWAY_KV_CACHE_GIB": "0.0625",
-        "LANEWAY_DRAIN_TIMEOUT_S": "30",
-    }
+    env = {**vllm_env(vllm_model), "LANEWAY_DRAIN_TIMEOUT_S": "30"}
     return cluster_factory(workers=2, env=env, start_timeout=240)
 
 

@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from infra.cluster import LocalCluster
-from infra.engine_env import engine_env
 from schemas.events import KvTransferred, PrefillCompleted, RequestFinished, RouteDecided
 from services.common.hf_tokenizer import HfTokenizer
+from tests.e2e.vllm_cluster import vllm_env
 from tests.e2e.vllm_reference import Reference
 from tests.helpers import eventually
 from tests.live import ClusterFactory, metric, observe, registrations
@@ -49,8 +49,7 @@ def cluster(
     cluster_factory: ClusterFactory, vllm_model: Path, reference: Reference
 ) -> LocalCluster:
     env = {
-        **engine_env("vllm", vllm_model),
-        "LANEWAY_KV_CACHE_GIB": "0.0625",
+        **vllm_env(vllm_model),
         "LANEWAY_DISAGG": "always",
         # A hand-off slower than this would be prefilled again on the decode worker, and the
         # test would say so; on two loaded cores a first prefill can take seconds.

@@ -64,12 +64,14 @@ def _generate(request: dict[str, object]) -> list[list[int]]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    # As Laneway's workers run it: 32-token blocks (vLLM's CPU attention takes multiples of 32),
-    # and the checkpoint's float32 (LANEWAY_DTYPE's default; vLLM's own on a CPU is bfloat16).
+    # As Laneway's test workers run it: 32-token blocks (vLLM's CPU attention takes multiples of
+    # 32), eager, and the checkpoint's float32 (LANEWAY_DTYPE's default; vLLM's own on a CPU is
+    # bfloat16).
     llm = LLM(
         model=str(request["model"]),
         block_size=32,
         dtype="float32",
+        enforce_eager=True,
         kv_cache_memory_bytes=_KV_CACHE_BYTES,
     )
     max_tokens = request["max_tokens"]

@@ -29,7 +29,8 @@ class VllmPool:
             # free at start, which a loaded test machine does not have.
             kv_cache_gib=0.25,
             # vLLM keeps one block aside: 64 hold tokens.
-            extra_args={"num_gpu_blocks_override": NUM_BLOCKS + 1},
+            # No torch.compile: its warm-up is most of a load (tests/e2e/vllm_cluster.py).
+            extra_args={"num_gpu_blocks_override": NUM_BLOCKS + 1, "enforce_eager": True},
         )
         self._engines: list[VllmEngine] = []
         self._turn = 0

@@ -10,11 +10,15 @@ import pytest
 
 from infra.bench.offline import OfflineReplay
 from infra.bench.traces import load_trace
+from schemas.events import SamplingParams, StructuredOutput
 from services.common.kv_transfer import KvTransferModel
 from services.engine.sim import SimConfig
+from services.planner.decision import DecisionInputs, decide, inputs_of
 from services.planner.disagg import DisaggSettings, handoff_ms_per_token, plan_prefill
 from services.planner.kv_policy import KvAware
 from services.planner.policy import RouteRequest, WorkerView
+from tests.helpers import routed
+from tests.ingress.helpers import request_spec
 
 SMALL = SimConfig(block_size=64, num_gpu_blocks=2048)
 
@@ -150,3 +154,21 @@ def test_a_remote_first_token_past_the_target_stays_local_when_local_is_sooner()
     # An idle prefill worker meets the target: remote as before.
     idle = plan_prefill(KvAware(), long_request(), busy, [view("p")], targeted)
     assert idle.prefill_worker == "p"
+
+
+def test_a_structured_answer_is_prefilled_where_it_decodes() -> None:
+    """A response_format's grammar runs on one engine from the first token: even with
+    ``--disagg always`` and a busy decoder, its prompt stays there; replayed from its event, the
+    same."""
+    always = DisaggSettings(mode="always", min_remote_tokens=0)
+    request = long_request()
+    inputs = DecisionInputs(request, [view("d", running=60)], [view("p")], frozenset({"d"}))
+    assert decide(KvAware(), always, inputs).prefill_worker_id == "p"
+    structured = dataclasses.replace(request, no_handoff=True)
+    decision = decide(KvAware(), always, dataclasses.replace(inputs, request=structured))
+    assert decision.prefill_worker_id is None and decision.worker_id == "d"
+    assert decision.prefill is not None and decision.prefill.reason.endswith("response_format")
+    wanted = SamplingParams(max_tokens=200, structured_output=StructuredOutput(type="json_object"))
+    spec = request_spec("i").model_copy(update={"sampling": wanted})
+    assert inputs_of(routed("r", "d", spec)).request.no_handoff
+    assert not inputs_of(routed("r", "d", request_spec("i"))).request.no_handoff

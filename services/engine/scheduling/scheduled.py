@@ -5,8 +5,14 @@ in how a step's tokens come about (modelled for `sim`, computed for `torch`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
-from services.engine.protocol import EngineLoad, EngineRequest, RequestOutput
+from services.engine.protocol import (
+    EngineLoad,
+    EngineRequest,
+    RequestOutput,
+    refuse_structured_output,
+)
 from services.engine.scheduling.block_pool import BlockPool
 from services.engine.scheduling.config import SimConfig
 from services.engine.scheduling.decode_run import DecodeRun, StepSeconds, decode_run
@@ -16,6 +22,9 @@ from services.engine.scheduling.scheduler import Batch, Scheduler
 
 
 class ScheduledEngine:
+    # The engine's name in refusals: LANEWAY_ENGINE's value.
+    engine_kind: ClassVar[str]
+
     def __init__(self, config: SimConfig, pool: BlockPool, kv: KvCacheManager) -> None:
         self.block_size = config.block_size
         self.kv_blocks_total = config.num_gpu_blocks
@@ -30,6 +39,7 @@ class ScheduledEngine:
     def _new_request(self, request: EngineRequest) -> SimRequest:
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id} is already in the engine")
+        refuse_structured_output(request, self.engine_kind)
         req = SimRequest.from_engine_request(request, self.block_size)
         self._check(req)
         # The KV of every token but the last sampled one; a request that can never fit would be

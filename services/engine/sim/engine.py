@@ -23,6 +23,7 @@ class SimEngine(ScheduledEngine):
     """Schedules like vLLM v1 over a paged, prefix-cached KV pool and reports how long each step
     would take. ``perf`` overrides the perf model named in ``config``."""
 
+    engine_kind = "sim"
     capabilities = EngineCapabilities(
         kv_handoff=True,
         kv_events=True,

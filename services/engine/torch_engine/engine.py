@@ -45,6 +45,7 @@ class _Sampling:
 
 
 class TorchEngine(ScheduledEngine):
+    engine_kind = "torch"
     capabilities = EngineCapabilities(kv_handoff=True, kv_events=True, modelled_time=False)
 
     def __init__(self, model_dir: Path, config: TorchEngineConfig | None = None) -> None:

@@ -23,6 +23,7 @@ from services.engine.protocol import (
     KvChange,
     RequestOutput,
     StepResult,
+    refuse_structured_output,
 )
 from services.engine.trtllm_engine.config import TrtllmEngineConfig, TrtllmError
 from services.engine.trtllm_engine.kv_events import KvEventTranslator
@@ -87,6 +88,8 @@ class TrtllmEngine:
         request_id = request.request_id
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already in the engine")
+        # TensorRT-LLM has guided decoding of its own; no adapter of it is built.
+        refuse_structured_output(request, "trtllm")
         prompt = list(request.prompt_token_ids)
         if not prompt:
             raise ValueError(f"request {request_id} has an empty prompt")

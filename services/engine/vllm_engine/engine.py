@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, cast
 
 from schemas.block_hash import ROOT_HASH
-from schemas.events import SamplingParams
+from schemas.events import SamplingParams, StructuredOutput
 from services.engine.kv_translate import KvHashes
 from services.engine.protocol import (
     EngineCapabilities,
@@ -53,6 +53,7 @@ class VllmEngine:
         import_vllm()
         from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
         from vllm.outputs import RequestOutput as VllmOutput
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -64,6 +65,7 @@ class VllmEngine:
         self._stage = connector.KvStage()
         self._prompt = TokensPrompt
         self._output = VllmOutput
+        self._invalid = VLLMValidationError
 
         arguments: dict[str, Any] = {
             "model": str(config.model_dir),
@@ -104,7 +106,10 @@ class VllmEngine:
         self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.capabilities = EngineCapabilities(
-            kv_handoff=self._attach_stage(core), kv_events=True, modelled_time=False
+            kv_handoff=self._attach_stage(core),
+            kv_events=True,
+            modelled_time=False,
+            structured_outputs=True,
         )
         self._sampling = _sampling_class()
         self._hashes = KvHashes(self.block_size)
@@ -128,10 +133,23 @@ class VllmEngine:
                 f"positions, more than the engine's context and KV blocks hold "
                 f"({self.max_model_len})"
             )
+        sampling = request.sampling
+        if sampling.structured_output is not None and sampling.offset:
+            # vLLM's grammar starts at the answer's first token, and a continuation's earlier
+            # tokens come as prompt, which it does not match: sampled on from a fresh grammar,
+            # the rest would not fit what came before.
+            raise ValueError(
+                f"request {request_id} continues an answer with response_format "
+                f"{sampling.structured_output.type} after {sampling.offset} tokens, and vLLM "
+                "cannot resume its structured output mid-answer: retry the request"
+            )
         inputs = self._prompt(prompt_token_ids=prompt)
         if request.root_hash != ROOT_HASH:
             inputs["cache_salt"] = _salt_of(request.root_hash)
-        self._engine.add_request(request_id, inputs, self._sampling(request.sampling))
+        try:
+            self._engine.add_request(request_id, inputs, self._sampling(sampling))
+        except self._invalid as err:  # a schema its structured-output backend refuses
+            raise ValueError(f"request {request_id}: {err}") from err
         self._started[request_id] = False
 
     def abort(self, request_id: str) -> bool:
@@ -290,7 +308,14 @@ def _finish_reason(reason: str | None) -> Literal["stop", "length"] | None:
 
 def _sampling_class() -> Any:
     from vllm import SamplingParams as VllmSampling
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    def structured(wanted: StructuredOutput | None) -> Any:
+        if wanted is None:
+            return None
+        if wanted.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json=wanted.json_schema)
 
     def make(sampling: SamplingParams) -> Any:
         """Stop strings are left out: the worker cuts them from the text and aborts."""
@@ -303,6 +328,7 @@ def _sampling_class() -> Any:
             ignore_eos=sampling.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
+            structured_outputs=structured(sampling.structured_output),
         )
 
     return make
