@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from infra.arg_types import at_least, port, positive
-from infra.bench import run as bench
+from infra.bench import arguments as bench
 from infra.engine_env import engine_env as _engine_env
 from infra.recording import RecordingError
 from services.planner.policies import POLICY_NAMES

@@ -11,11 +11,11 @@ from typing import Any
 
 import orjson
 
-from infra.arg_types import at_least, positive
+from infra.bench.arguments import add_bench_arguments, resolve_block_size
 from infra.bench.metrics import ReplayResult
 from infra.bench.offline import OfflineReplay
 from infra.bench.report import format_table, write_json
-from infra.bench.tiers import TierSettings, add_tier_arguments, live_env, tier_settings
+from infra.bench.tiers import TierSettings, live_env, tier_settings
 from infra.bench.traces import (
     TraceRequest,
     capped,
@@ -27,208 +27,18 @@ from infra.bench.traces import (
 from infra.engine_env import engine_env
 from infra.progress import Progress
 from services.common.kv_transfer import KvTransferModel
-from services.common.perf_model import PERF_MODEL_NAMES
 from services.engine.sim import SimConfig
 from services.planner.capacity import CapacitySettings
 from services.planner.disagg import DisaggSettings
 from services.planner.kv_policy import KvSettings
 from services.planner.policies import POLICY_NAMES, make_policy
 
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[3] / "shared/traces/mooncake_conversation_trace.jsonl"
-)
 MODEL = "laneway-sim"
-_ENGINE_DEFAULTS = SimConfig()
-_LINK_DEFAULTS = KvTransferModel()
-_CAPACITY = CapacitySettings()
-_DISAGG = DisaggSettings()
-
-
-def add_disagg_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--disagg",
-        choices=["never", "always", "auto"],
-        default="auto",
-        help="with prefill workers: prefill remotely never, always, or when it pays (kv policy)",
-    )
-
-
-def add_perf_model_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--perf-model",
-        choices=PERF_MODEL_NAMES,
-        default="dynamo-mocker",
-        help="step times of the sim engine and of the kv policy's predictions (a real engine "
-        "ignores it): Dynamo mocker's model, or cheap and linear",
-    )
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="replay a request trace through routing policies")
-    bench.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file")
-    bench.add_argument(
-        "--format",
-        choices=["mooncake", "azure", "recording"],
-        help="trace format (default: by extension, a `laneway record export` by its header line)",
-    )
-    bench.add_argument(
-        "--policy", action="append", choices=list(POLICY_NAMES), help="repeatable (default: all)"
-    )
-    bench.add_argument("--workers", type=at_least(1), default=8, help="all workers (both roles)")
-    bench.add_argument(
-        "--prefill-workers",
-        type=at_least(0),
-        default=0,
-        help="of --workers, this many prefill only",
-    )
-    bench.add_argument(
-        "--decode-workers", type=at_least(1), help="(default: --workers minus --prefill-workers)"
-    )
-    add_disagg_argument(bench)
-    bench.add_argument(
-        "--autoscale",
-        action="store_true",
-        help="capacity loop on: move workers between pools (start split: --prefill-workers)",
-    )
-    bench.add_argument(
-        "--ttft-target-ms",
-        type=float,
-        default=_CAPACITY.ttft_target_ms,
-        help="the capacity loop's target; a remote prefill predicted past it stays local",
-    )
-    bench.add_argument(
-        "--itl-target-ms",
-        type=float,
-        default=_CAPACITY.itl_target_ms,
-        help="the capacity loop's target; the kv policy avoids decode steps slower than it",
-    )
-    bench.add_argument(
-        "--plan-interval-s",
-        type=float,
-        default=_CAPACITY.interval_s,
-        help="seconds between two looks of the capacity loop",
-    )
-    bench.add_argument(
-        "--min-remote-tokens",
-        type=int,
-        default=_DISAGG.min_remote_tokens,
-        help="uncached prompt tokens below which prefill stays on the decode worker",
-    )
-    bench.add_argument(
-        "--max-handoff-ms-per-token",
-        type=float,
-        default=_DISAGG.max_handoff_ms_per_token,
-        help="offline: a hand-off adding more to each of the request's token gaps stays local "
-        "(up to --max-local-stall-tokens uncached tokens); 0: off",
-    )
-    bench.add_argument(
-        "--max-local-stall-tokens",
-        type=int,
-        default=_DISAGG.max_local_stall_tokens,
-        help="see --max-handoff-ms-per-token",
-    )
-    bench.add_argument(
-        "--kv-bytes-per-token",
-        type=int,
-        default=_LINK_DEFAULTS.kv_bytes_per_token,
-        help="KV a hand-off moves per prompt token",
-    )
-    bench.add_argument(
-        "--link-gb-s",
-        type=float,
-        default=_LINK_DEFAULTS.bandwidth_gb_s,
-        help="bandwidth of the prefill-to-decode link",
-    )
-    bench.add_argument(
-        "--link-latency-ms",
-        type=float,
-        default=_LINK_DEFAULTS.latency_ms,
-        help="latency of the prefill-to-decode link",
-    )
-    bench.add_argument("--speedup", type=positive, default=1.0, help="divides inter-arrival gaps")
-    bench.add_argument(
-        "--mode",
-        choices=["offline", "live"],
-        default="offline",
-        help="a simulation in this process, or through the real services",
-    )
-    add_perf_model_argument(bench)
-    add_tier_arguments(bench)
-    bench.add_argument(
-        "--engine",
-        choices=["sim", "vllm"],
-        default="sim",
-        help="live: the workers' engine; vllm: vLLM running --model, sent prompts as token ids",
-    )
-    bench.add_argument("--model", type=Path, help="--engine vllm: a Hugging Face model folder")
-    bench.add_argument(
-        "--kv-cache-gib",
-        type=positive,
-        help="--engine vllm: each worker's KV cache, GiB (default: laneway up's, 1)",
-    )
-    bench.add_argument(
-        "--block-size",
-        type=at_least(1),
-        help=f"tokens per KV block (default: sim {_ENGINE_DEFAULTS.block_size}, vllm 32)",
-    )
-    bench.add_argument(
-        "--num-gpu-blocks",
-        type=at_least(1),
-        default=_ENGINE_DEFAULTS.num_gpu_blocks,
-        help="sim engine: KV blocks per worker",
-    )
-    bench.add_argument(
-        "--max-num-seqs",
-        type=at_least(1),
-        default=_ENGINE_DEFAULTS.max_num_seqs,
-        help="sim engine: requests in a batch",
-    )
-    bench.add_argument(
-        "--max-num-batched-tokens",
-        type=at_least(1),
-        default=_ENGINE_DEFAULTS.max_num_batched_tokens,
-        help="sim engine: tokens in a step",
-    )
-    bench.add_argument("--limit", type=at_least(1), help="replay only the first N requests")
-    bench.add_argument(
-        "--sample-conversations",
-        type=at_least(1),
-        metavar="K",
-        help="keep every K-th conversation with all its turns (before --limit): a short slice "
-        "that keeps the trace's sharing between turns",
-    )
-    bench.add_argument(
-        "--hash-id-tokens",
-        type=at_least(1),
-        help="tokens each block id of the trace stands for (default: the trace's, Mooncake's "
-        "512; --engine vllm: the block size)",
-    )
-    bench.add_argument(
-        "--max-prompt-tokens",
-        type=at_least(1),
-        help="cut prompts to this many tokens (default: all; --engine vllm: what the model's "
-        "context holds beside the longest output)",
-    )
-    bench.add_argument(
-        "--max-output-tokens", type=at_least(1), help="cut output lengths to this many tokens"
-    )
-    tenants = "offline: the conversations dealt out to N tenants, each with its salted cache"
-    bench.add_argument("--tenants", type=at_least(1), help=tenants)
-    bench.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
-    bench.add_argument(
-        "--time-scale",
-        type=positive,
-        default=1.0,
-        help="live, sim engine: run the whole replay this many times faster (times are scaled "
-        "back; a real engine's time cannot be: --speedup compresses its arrivals)",
-    )
-    bench.add_argument("--nats-url", help="live: use this NATS instead of an embedded one")
-    bench.add_argument("--etcd-endpoints", help="live: use this etcd instead of an embedded one")
-    bench.add_argument("--json", type=Path, help="write the reports here")
-    bench.add_argument("--plot", type=Path, help="write a PNG here")
-    bench.add_argument(
-        "--decisions", type=Path, help="write every routing decision and its inputs (JSONL)"
-    )
+    add_bench_arguments(bench)
     bench.set_defaults(func=main)
 
 
@@ -442,8 +252,7 @@ def main(args: argparse.Namespace) -> int:
     args.engine_env = engine_env(args.engine, args.model, "laneway bench")
     if args.kv_cache_gib is not None:
         args.engine_env["LANEWAY_KV_CACHE_GIB"] = str(args.kv_cache_gib)
-    if args.block_size is None:
-        args.block_size = _ENGINE_DEFAULTS.block_size if args.engine == "sim" else 32
+    resolve_block_size(args)
     if not args.trace.exists():
         print(f"laneway bench: no trace at {args.trace} (give one with --trace)", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from dataclasses import astuple
 from typing import Any
 
 from infra.bench import run as bench
+from infra.bench.arguments import resolve_block_size
 from infra.bench.metrics import ReplayResult
 from infra.bench.tiers import tier_settings
 from infra.bench.traces import load_trace
@@ -37,6 +38,7 @@ def digest(result: ReplayResult) -> str:
 
 def main(argv: list[str]) -> int:
     args = build_parser("bench").parse_args(["bench", *argv])
+    resolve_block_size(args)
     args.tiers = tier_settings(args, sum(bench._pools(args)))
     if not args.trace.exists():
         print(f"no trace at {args.trace} (give one with --trace)", file=sys.stderr)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from infra import native as native_build
-from infra.bench.run import DEFAULT_TRACE
+from infra.bench.arguments import DEFAULT_TRACE
 
 _ROOT = Path(__file__).resolve().parents[2]
 _DYNAMO_REPLAY = _ROOT.parent / "shared/reference/dynamo/replay.py"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.arg_types import at_least
-from infra.bench import run as bench
+from infra.bench import arguments as bench
 from infra.bench.metrics import ReplayResult, summary
 from infra.bench.offline import OfflineReplay
 from infra.bench.traces import recording_trace

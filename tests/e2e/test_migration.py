@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -18,12 +17,12 @@ from typing import Any
 
 import httpx
 
-from bus.client import Bus
 from bus.topology import Subjects
 from infra.cluster import LocalCluster
 from schemas.events import Event, RouteDecided
 from schemas.messages import WorkerRegistration
 from tests.e2e.exact import MAX_TOKENS, Streamed, answers, mismatch, stream, stream_body
+from tests.e2e.moves import observe_moves
 from tests.helpers import eventually
 from tests.ingress.helpers import sse_data
 from tests.live import ClusterFactory, registrations
@@ -31,31 +30,6 @@ from tests.live import ClusterFactory, registrations
 # A 48-token answer streams for about two seconds.
 SLOW = {"LANEWAY_SPEEDUP": "0.1"}
 STREAMS = 12
-
-
-class Moves:
-    """The migrated routing decisions the planner records, and where requests went lately."""
-
-    def __init__(self) -> None:
-        self.routes: list[RouteDecided] = []
-        self._placed: list[tuple[float, str]] = []
-
-    async def on_event(self, event: Event) -> None:
-        if isinstance(event, RouteDecided):
-            self._placed.append((time.monotonic(), event.worker_id))
-            if event.reason.startswith("migrated"):
-                self.routes.append(event)
-
-    def serving(self, within_s: float = 1.0) -> str | None:
-        """Of the workers given requests in the last ``within_s`` (the streams under way: the
-        unstreamed answers before them took seconds), the one given fewest: a fault on it meets
-        some streams, and the others go on elsewhere."""
-        since = time.monotonic() - within_s
-        placed = Counter(worker for at, worker in self._placed if at >= since)
-        return min(placed, key=lambda w: (placed[w], w)) if placed else None
-
-    async def victim(self, workers: dict[str, WorkerRegistration]) -> WorkerRegistration:
-        return workers[await eventually(self.serving, timeout=10)]
 
 
 async def under_fault(
@@ -71,13 +45,6 @@ async def under_fault(
         await asyncio.sleep(0.5)
         await fault()
         return list(await asyncio.gather(*streams)), whole
-
-
-async def observe_moves(cluster: LocalCluster) -> tuple[Bus, Moves]:
-    bus = await Bus.connect(cluster.nats_url, "test-moves")
-    moves = Moves()
-    await bus.subscribe(Subjects.route_decisions, moves.on_event)
-    return bus, moves
 
 
 async def planner_migrations(cluster: LocalCluster) -> float:

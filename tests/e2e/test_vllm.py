@@ -39,8 +39,8 @@ from schemas.events import (
 from schemas.worker_events import KvChanged, StoredRun
 from services.common.hf_tokenizer import HfTokenizer
 from tests.e2e.exact import Streamed, mismatch, stream
-from tests.e2e.test_migration import observe_moves
-from tests.e2e.vllm_cluster import vllm_env
+from tests.e2e.moves import observe_moves
+from tests.e2e.vllm_cluster import api, served_model, vllm_env
 from tests.e2e.vllm_reference import Reference
 from tests.helpers import eventually
 from tests.ingress.helpers import sse_data
@@ -81,18 +81,17 @@ def expected(reference: Reference, vllm_model: Path) -> dict[int, str]:
 
 @pytest.fixture
 async def http(cluster: LocalCluster) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(
-        base_url=cluster.config.base_url, headers=cluster.api_headers, timeout=120
-    ) as client:
+    async with api(cluster) as client:
         yield client
 
 
-def _model(cluster: LocalCluster) -> str:
-    return cluster.config.env["LANEWAY_MODEL"]
-
-
 def _body(cluster: LocalCluster, i: int, max_tokens: int = MAX_TOKENS) -> dict[str, object]:
-    return {"model": _model(cluster), "prompt": PROMPTS[i], "max_tokens": max_tokens, **GREEDY}
+    return {
+        "model": served_model(cluster),
+        "prompt": PROMPTS[i],
+        "max_tokens": max_tokens,
+        **GREEDY,
+    }
 
 
 async def test_greedy_answers_are_vllms_own(
@@ -116,7 +115,9 @@ async def test_greedy_answers_are_vllms_own(
 async def _stream(
     http: httpx.AsyncClient, cluster: LocalCluster, i: int, max_tokens: int = MAX_TOKENS
 ) -> Streamed:
-    return await stream(http, i, max_tokens, model=_model(cluster), prompt=PROMPTS[i], **GREEDY)
+    return await stream(
+        http, i, max_tokens, model=served_model(cluster), prompt=PROMPTS[i], **GREEDY
+    )
 
 
 def _assert_exact(streamed: list[Streamed], expected: dict[int, str]) -> None:
@@ -146,7 +147,7 @@ async def test_vllms_kv_events_route_a_repeat_to_the_worker_holding_it(
     hashes = set(await api_block_hashes(cluster, prompt, 32))
     replies = []
     for tokens in (prompt, [*prompt[:96], 11, 12, 13, 14, 15]):
-        body = {"model": _model(cluster), "prompt": tokens, "max_tokens": 4, **GREEDY}
+        body = {"model": served_model(cluster), "prompt": tokens, "max_tokens": 4, **GREEDY}
         replies.append((await http.post("/completions", json=body)).raise_for_status().json())
         # vLLM's events for the prompt's blocks, in Laneway's hashes, from one worker; and both
         # workers idle again as they report it, so that their cache alone tells them apart.

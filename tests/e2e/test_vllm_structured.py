@@ -34,7 +34,7 @@ from schemas.events import (
     SamplingParams,
     StructuredOutput,
 )
-from tests.e2e.vllm_cluster import vllm_env
+from tests.e2e.vllm_cluster import api, served_model, vllm_env
 from tests.helpers import eventually
 from tests.ingress.helpers import sse_data
 from tests.live import ClusterFactory, observe, registrations
@@ -59,14 +59,8 @@ def cluster(cluster_factory: ClusterFactory, vllm_model: Path) -> LocalCluster:
 
 @pytest.fixture
 async def http(cluster: LocalCluster) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(
-        base_url=cluster.config.base_url, headers=cluster.api_headers, timeout=120
-    ) as client:
+    async with api(cluster) as client:
         yield client
-
-
-def _model(cluster: LocalCluster) -> str:
-    return cluster.config.env["LANEWAY_MODEL"]
 
 
 async def test_the_worker_registers_structured_outputs(cluster: LocalCluster) -> None:
@@ -78,7 +72,7 @@ async def test_the_worker_registers_structured_outputs(cluster: LocalCluster) ->
 async def test_json_schema_answers_parse_and_validate(
     cluster: LocalCluster, http: httpx.AsyncClient, schema: dict[str, Any]
 ) -> None:
-    model, response_format = _model(cluster), json_schema(schema)
+    model, response_format = served_model(cluster), json_schema(schema)
     answers: list[tuple[str, str | None]] = []
     for prompt in PROMPTS:
         body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS}
@@ -113,7 +107,7 @@ async def test_json_schema_answers_parse_and_validate(
 
 async def test_json_object_begins_an_object(cluster: LocalCluster, http: httpx.AsyncClient) -> None:
     body = {
-        "model": _model(cluster),
+        "model": served_model(cluster),
         "prompt": PROMPTS[0],
         "max_tokens": 8,
         "response_format": {"type": "json_object"},
@@ -127,7 +121,7 @@ async def test_a_schema_vllm_refuses_is_400_from_the_worker(
     cluster: LocalCluster, http: httpx.AsyncClient
 ) -> None:
     body = {
-        "model": _model(cluster),
+        "model": served_model(cluster),
         "prompt": PROMPTS[0],
         "max_tokens": 4,
         "response_format": json_schema({"type": "no-such-type"}),
@@ -148,7 +142,7 @@ async def test_a_structured_continuation_is_refused_with_its_reason(
     try:
         prompt = (*PROMPTS[1], 40, 41, 42)
         spec = RequestSpec(
-            model=_model(cluster),
+            model=served_model(cluster),
             prompt_token_ids=prompt,
             block_size=32,
             block_hashes=(),

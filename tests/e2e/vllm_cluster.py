@@ -1,10 +1,15 @@
-"""The workers' settings of the vLLM end-to-end clusters."""
+"""The vLLM end-to-end clusters: their workers' settings, and a client of their API."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+import httpx
+
+from infra.cluster import LocalCluster
 from infra.engine_env import engine_env
 
 
@@ -18,3 +23,17 @@ def vllm_env(model: Path) -> dict[str, str]:
         "LANEWAY_KV_CACHE_GIB": "0.0625",
         "LANEWAY_VLLM_ARGS": json.dumps({"enforce_eager": True}),
     }
+
+
+def served_model(cluster: LocalCluster) -> str:
+    return cluster.config.env["LANEWAY_MODEL"]
+
+
+@asynccontextmanager
+async def api(cluster: LocalCluster) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the cluster's API with its key; a tiny model's answers on loaded cores can
+    take a minute."""
+    async with httpx.AsyncClient(
+        base_url=cluster.config.base_url, headers=cluster.api_headers, timeout=120
+    ) as client:
+        yield client

@@ -21,7 +21,6 @@ import httpx
 import nats
 import pytest
 from nats.aio.client import Client as NatsClient
-from prometheus_client.parser import text_string_to_metric_families
 
 from bus.credentials import Credentials, split_credentials
 from bus.permissions import Identity
@@ -35,7 +34,7 @@ from schemas.codec import encode
 from schemas.events import KvBlocksStored, TokensGenerated, WorkerLoadReported, new_id
 from services.common.liveness import QUIET_S
 from tests.helpers import eventually, registration
-from tests.live import ClusterFactory
+from tests.live import ClusterFactory, metric
 
 FLOOD = 3000  # forged messages of each kind
 # A key only the admin writes, for the compaction race.
@@ -76,20 +75,8 @@ def _etcd_as(cluster: LocalCluster, creds: Credentials | None = None) -> EtcdClu
     return EtcdCluster(etcd_endpoints(endpoints), failover_s=0.0, credentials=creds)
 
 
-async def _metric(service: Service, name: str, labels: dict[str, str] | None = None) -> float:
-    """The sum of ``name``'s samples that carry ``labels``, as ``service`` exposes them now."""
-    async with httpx.AsyncClient() as http:
-        text = (await http.get(f"http://127.0.0.1:{service.metrics_port}/metrics")).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and (labels or {}).items() <= sample.labels.items()
-    )
-
-
 def _dropped(service: Service, reason: str) -> Awaitable[float]:
-    return _metric(service, "laneway_bus_dropped_events_total", {"reason": reason})
+    return metric(service, "laneway_bus_dropped_events_total", {"reason": reason})
 
 
 async def _health_workers(cluster: LocalCluster) -> int | None:
@@ -185,7 +172,7 @@ async def test_a_leaseless_registration_is_not_counted(cluster: LocalCluster) ->
             until = time.monotonic() + 1.5
             while time.monotonic() < until:
                 assert await _health_workers(cluster) == 2
-                assert await _metric(planner, "laneway_planner_workers") == 2
+                assert await metric(planner, "laneway_planner_workers") == 2
                 await asyncio.sleep(0.1)
 
             def said_why() -> bool:
@@ -281,7 +268,7 @@ async def test_a_compaction_by_a_worker_leaves_the_watches_working(
             )
             await _health_counts(cluster, 3, timeout=5)
             planner = cluster.service("planner")
-            assert await _metric(planner, "laneway_planner_workers") == 3
+            assert await metric(planner, "laneway_planner_workers") == 3
             await lease.revoke()
             await _health_counts(cluster, 2, timeout=5)
     finally:
