@@ -39,7 +39,8 @@ run: $(STAMP) ## install and start the whole local cluster on http://127.0.0.1:8
 	$(BIN)/laneway up
 
 test: $(STAMP) $(PHOENIX) $(PROMETHEUS) ## install and run the test suite (starts its own NATS, etcd, OTLP backend, Prometheus)
-	$(BIN)/pytest -q -n 2 --dist loadgroup
+	$(BIN)/pytest -q -n 2 --dist loadgroup -m "not vllm"
+	$(BIN)/pytest -q -n 2 --dist loadgroup -m vllm
 
 chaos: $(STAMP) ## faults under load: node loss on 3+3 NATS/etcd, then each service and single server killed under laneway up (about 7 min)
 	$(BIN)/pytest -q -s -m chaos tests/chaos/test_node_loss.py tests/chaos/test_faults.py

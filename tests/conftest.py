@@ -35,6 +35,8 @@ from tests.live import ClusterFactory
 # fixture, is live.
 SERVER_FIXTURES = frozenset({"nats_server", "etcd_server", "cluster_factory"})
 OPT_IN_MARKERS = ("slow", "gpu", "chaos")
+# A test using any of them loads vLLM engines (marked ``vllm``).
+VLLM_FIXTURES = {"vllm_model", "vllm_pool"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -55,8 +57,11 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection sees the markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if SERVER_FIXTURES & fixtures:
             item.add_marker(pytest.mark.live)
+        if VLLM_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.vllm)
     expression = config.getoption("markexpr") or ""
     excluded = [m for m in OPT_IN_MARKERS if not re.search(rf"\b{m}\b", expression)]
     kept: list[pytest.Item] = []

@@ -32,6 +32,8 @@ from .trtllm_standin import FakeLlm, standin_engine
 from .vllm_pool import NUM_BLOCKS, VllmPool
 
 BLOCK = 4  # the engines' but vLLM's
+# Its engines come from a fixture the fixture asks for as it runs: marked by hand.
+VLLM = pytest.mark.vllm
 MAX_NUM_SEQS = 8
 MAX_NUM_BATCHED_TOKENS = 32
 
@@ -43,7 +45,9 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("contract-llama"))
 
 
-@pytest.fixture(params=["sim", "torch", "trtllm", "trtllm-no-kv-events", "vllm"])
+@pytest.fixture(
+    params=["sim", "torch", "trtllm", "trtllm-no-kv-events", pytest.param("vllm", marks=VLLM)]
+)
 def new_engine(
     request: pytest.FixtureRequest, tiny_checkpoint: Path, tmp_path: Path
 ) -> Iterator[EngineFactory]:
