@@ -35,6 +35,9 @@ class BusyIntervals:
     def __len__(self) -> int:
         return len(self._starts)
 
+    def last_end(self) -> float | None:
+        return self._ends[-1] if self._ends else None
+
     def __getitem__(self, k: int) -> tuple[float, float]:
         return self._starts[k], self._ends[k]
 

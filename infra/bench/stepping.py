@@ -75,6 +75,9 @@ class ReplaySteps(ABC):
         # Finished requests the predictor learns from once everyone caught up: (time, worker,
         # its step, request number).
         self._lessons: list[tuple[float, int, int, int]] = []
+        # (worker, step) -> the order of the steps begun when their worker was idle: by an
+        # arrival, in the order arrivals at one time are taken.
+        self._idle_starts: dict[tuple[int, int], int] = {}
 
     @abstractmethod
     def _hand_off(self, now: float, prefill: SimWorker, i: int, output: RequestOutput) -> None:
@@ -101,7 +104,10 @@ class ReplaySteps(ABC):
             return
         worker.stepping = True
         end = now + result.duration_s
-        worker.record.busy.append((now, end))
+        busy = worker.record.busy
+        if busy.last_end() != now:
+            self._idle_starts[w, len(busy)] = len(self._idle_starts)
+        busy.append((now, end))
         worker.busy_in_role += result.duration_s
         if self._catching_up:
             worker.end, worker.pending = end, result
@@ -225,8 +231,10 @@ class ReplaySteps(ABC):
             if chained_a != chained_b:
                 return 1 if chained_a else -1
             if not chained_a:
-                # Both started by arrivals at one time: which arrival is not kept.
-                raise RuntimeError(f"two idle workers started at {start} ended at {a[0]}")
+                # Both started by arrivals at one time: the earlier arrival's step, whose end
+                # one global event order scheduled first.
+                first = self._idle_starts[a[1], k] < self._idle_starts[b[1], m]
+                return -1 if first else 1
             k, m = k - 1, m - 1
 
     def _stream(self, now: float, i: int, output: RequestOutput, stalled: bool) -> None:

@@ -126,6 +126,35 @@ def test_catching_up_gives_what_stepping_in_global_order_gives(
     assert [repr(r) for r in caught_up.records] == [repr(r) for r in exact.records]
 
 
+def test_idle_workers_started_by_arrivals_at_one_time_learn_in_arrival_order(
+    tmp_path: Path,
+) -> None:
+    """Two arrivals at one time on two idle workers, alike to the token, end together: the
+    predictor learns from them in the order one global event order has (the first arrival's
+    step's end was scheduled first). A Mooncake slice met this (`laneway bench
+    --sample-conversations 40 --hash-id-tokens 32 --workers 2 --block-size 32`), and catching up
+    stopped with an error."""
+    rows = [
+        {"timestamp": t, "input_length": 300, "output_length": 20, "hash_ids": [2 * n, 2 * n + 1]}
+        for n, t in enumerate((0, 0, 5000, 5000, 5000))
+    ]
+    path = tmp_path / "together.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    trace = load_trace(path)
+    tiers = TierSettings(0.0, output_length="predicted")
+    results = []
+    for catch_up in (False, True):
+        replay = OfflineReplay(trace, make_policy("kv"), 2, SMALL_ENGINE, tiers=tiers)
+        replay.catch_up = catch_up
+        replay.decisions = []
+        results.append(replay.run())
+    exact, caught_up = results
+    exact.report.pop("wall_s")
+    caught_up.report.pop("wall_s")
+    assert caught_up.report == exact.report
+    assert caught_up.decisions == exact.decisions
+
+
 @pytest.mark.parametrize(
     ("busy_a", "busy_b", "a_first"),
     [
