@@ -69,7 +69,12 @@ def log(cluster: LocalCluster) -> list[Recorded]:
         async def done() -> bool:
             got[:] = await read_log(cluster.nats_url)
             ended = Counter(r.event.type for r in got)
-            return ended["RequestFinished"] == USERS * TURNS and ended["RequestCancelled"] == 1
+            # The streams are read one after another: a read may take the worker's
+            # RequestCancelled and miss the ingress's CancellationRequested before it.
+            return (
+                ended["RequestFinished"] == USERS * TURNS
+                and ended["RequestCancelled"] == ended["CancellationRequested"] == 1
+            )
 
         await eventually(done)
         return got
