@@ -8,7 +8,7 @@ clock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, cast
 
@@ -126,6 +126,27 @@ def refuse_structured_output(request: EngineRequest, engine: str) -> None:
             f"request {request.request_id} asks for response_format {wanted.type}, and the "
             f"{engine} engine does no structured outputs (the vllm engine does)"
         )
+
+
+def checked_prompt(
+    request: EngineRequest, held: Container[str], max_positions: int, bound: str
+) -> list[int]:
+    """The prompt of ``request``, for an engine (over another's scheduler) holding ``held``
+    request ids and ``max_positions`` positions a request; ValueError, so that this request
+    alone fails, for an id held already, an empty prompt or too many positions. ``bound``: what
+    holds the positions, for the message."""
+    request_id = request.request_id
+    if request_id in held:
+        raise ValueError(f"request {request_id} is already in the engine")
+    prompt = list(request.prompt_token_ids)
+    if not prompt:
+        raise ValueError(f"request {request_id} has an empty prompt")
+    if len(prompt) + request.sampling.max_tokens > max_positions:
+        raise ValueError(
+            f"request {request_id} needs {len(prompt)} + {request.sampling.max_tokens} "
+            f"positions, more than the engine's {bound} hold ({max_positions})"
+        )
+    return prompt
 
 
 class Engine(Protocol):

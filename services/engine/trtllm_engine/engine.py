@@ -23,6 +23,7 @@ from services.engine.protocol import (
     KvChange,
     RequestOutput,
     StepResult,
+    checked_prompt,
     refuse_structured_output,
 )
 from services.engine.trtllm_engine.config import TrtllmEngineConfig, TrtllmError
@@ -86,19 +87,10 @@ class TrtllmEngine:
 
     def add_request(self, request: EngineRequest) -> None:
         request_id = request.request_id
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id} is already in the engine")
+        prompt = checked_prompt(request, self._requests, self._max_seq_len, "context")
         # TensorRT-LLM has guided decoding of its own; no adapter of it is built.
         refuse_structured_output(request, "trtllm")
-        prompt = list(request.prompt_token_ids)
-        if not prompt:
-            raise ValueError(f"request {request_id} has an empty prompt")
         positions = len(prompt) + request.sampling.max_tokens
-        if positions > self._max_seq_len:
-            raise ValueError(
-                f"request {request_id} needs {len(prompt)} + {request.sampling.max_tokens} "
-                f"positions, the engine has {self._max_seq_len}"
-            )
         # The KV of every token but the last sampled one must fit at once.
         needed_blocks = -(-(positions - 1) // self.block_size)
         if needed_blocks > self.kv_blocks_total:

@@ -32,6 +32,7 @@ from services.engine.protocol import (
     KvChange,
     RequestOutput,
     StepResult,
+    checked_prompt,
 )
 from services.engine.vllm_engine.config import VllmEngineConfig
 
@@ -120,19 +121,8 @@ class VllmEngine:
 
     def add_request(self, request: EngineRequest) -> None:
         request_id = request.request_id
-        if request_id in self._started:
-            raise ValueError(f"request {request_id} is already in the engine")
-        prompt = list(request.prompt_token_ids)
-        if not prompt:
-            raise ValueError(f"request {request_id} has an empty prompt")
-        positions = len(prompt) + request.sampling.max_tokens
-        if positions > self.max_model_len:
-            # vLLM checks at start that its KV blocks hold max_model_len tokens: it bounds both.
-            raise ValueError(
-                f"request {request_id} needs {len(prompt)} + {request.sampling.max_tokens} "
-                f"positions, more than the engine's context and KV blocks hold "
-                f"({self.max_model_len})"
-            )
+        # vLLM checks at start that its KV blocks hold max_model_len tokens: it bounds both.
+        prompt = checked_prompt(request, self._started, self.max_model_len, "context and KV blocks")
         sampling = request.sampling
         if sampling.structured_output is not None and sampling.offset:
             # vLLM's grammar starts at the answer's first token, and a continuation's earlier
