@@ -40,6 +40,7 @@ from schemas.worker_events import (
     RequestPlaced,
     RoleMove,
     RolesRebalanced,
+    StepCost,
     StoredRun,
     TokenBatch,
     TokenRun,
@@ -120,6 +121,9 @@ class RouteCandidate(Frozen):
     )
     node: str = Field(default="", description="node it runs on ('': unknown)")
     rack: str = Field(default="", description="rack of its node ('': unknown)")
+    step_cost: StepCost | None = Field(
+        default=None, description="its measured step times; none: the planner's perf model"
+    )
 
 
 class TtftAlternative(Frozen):
@@ -362,6 +366,7 @@ __all__ = [
     "RouteCandidate",
     "RouteDecided",
     "SamplingParams",
+    "StepCost",
     "StoredRun",
     "StructuredOutput",
     "TerminalEvent",

@@ -87,6 +87,18 @@ class KvChanged(Envelope):
     changes: tuple[KvOp, ...] = Field(min_length=1, max_length=MAX_KV_CHANGES)
 
 
+class StepCost(Frozen):
+    """A worker's engine step times as it measured them on its own hardware: a step that
+    prefills costs ``prefill_step_ms`` plus ``prefill_ms_per_token`` a prompt token computed,
+    one that decodes ``decode_step_ms`` plus ``decode_ms_per_seq`` a sequence. The planner
+    predicts with it instead of its perf model, which is a guess at hardware it has not seen."""
+
+    prefill_step_ms: float = Field(ge=0.0)
+    prefill_ms_per_token: float = Field(ge=0.0)
+    decode_step_ms: float = Field(ge=0.0)
+    decode_ms_per_seq: float = Field(ge=0.0)
+
+
 class WorkerLoadReported(Envelope):
     """A worker's load, reported periodically and on change."""
 
@@ -100,6 +112,10 @@ class WorkerLoadReported(Envelope):
     kv_blocks_total: int = Field(ge=0)
     busy_s: float = Field(
         default=0.0, ge=0.0, description="seconds spent in engine steps since the worker started"
+    )
+    step_cost: StepCost | None = Field(
+        default=None,
+        description="its steps' times as measured (engines on real hardware, once measured)",
     )
 
 

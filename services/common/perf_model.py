@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
+
+from schemas.worker_events import StepCost
 
 
 class PerfModel(Protocol):
@@ -38,14 +41,23 @@ class DynamoMockerPerf:
 
 @dataclass(frozen=True, slots=True)
 class FixedPerf:
-    """Linear and cheap, so live tests can run many steps quickly."""
+    """Linear: a step that prefills costs a fixed part and a part per token, one that decodes a
+    fixed part and a part per sequence. Its defaults (the ``fixed`` preset) are cheap, so live
+    tests run many steps quickly; a worker's own measured step costs are one too
+    (:class:`schemas.worker_events.StepCost`)."""
 
     prefill_ms_per_token: float = 0.02
     decode_ms_per_step: float = 5.0
+    prefill_step_ms: float = 0.0
+    decode_ms_per_seq: float = 0.0
 
     def step_ms(self, prefill_tokens: int, decode_seqs: int, kv_usage: float) -> float:
-        decode_ms = self.decode_ms_per_step if decode_seqs > 0 else 0.0
-        return prefill_tokens * self.prefill_ms_per_token + decode_ms
+        ms = 0.0
+        if prefill_tokens > 0:
+            ms += self.prefill_step_ms + prefill_tokens * self.prefill_ms_per_token
+        if decode_seqs > 0:
+            ms += self.decode_ms_per_step + decode_seqs * self.decode_ms_per_seq
+        return ms
 
 
 _PRESETS: dict[str, Callable[[], PerfModel]] = {
@@ -63,3 +75,15 @@ def perf_model(name: str) -> PerfModel:
         known = ", ".join(sorted(_PRESETS))
         raise ValueError(f"unknown perf model {name!r}; known: {known}") from None
     return factory()
+
+
+@lru_cache(maxsize=1024)
+def measured_perf(cost: StepCost) -> FixedPerf:
+    """A worker's measured step costs as a perf model (one per distinct report, kept: every
+    prediction for that worker asks for it)."""
+    return FixedPerf(
+        prefill_ms_per_token=cost.prefill_ms_per_token,
+        decode_ms_per_step=cost.decode_step_ms,
+        prefill_step_ms=cost.prefill_step_ms,
+        decode_ms_per_seq=cost.decode_ms_per_seq,
+    )

@@ -203,6 +203,7 @@ class ClusterView:
                     host_blocks=(host_blocks or {}).get(worker_id, 0),
                     node=reg.node,
                     rack=reg.rack,
+                    step_cost=load.step_cost if load else None,
                 )
             )
         return views

@@ -147,6 +147,7 @@ def _view_of(candidate: RouteCandidate) -> WorkerView:
         host_blocks=candidate.host_blocks,
         node=candidate.node,
         rack=candidate.rack,
+        step_cost=candidate.step_cost,
     )
 
 
@@ -250,5 +251,6 @@ def _route_candidate(
             "host_blocks": view.host_blocks,
             "node": view.node,
             "rack": view.rack,
+            "step_cost": view.step_cost,
         },
     )

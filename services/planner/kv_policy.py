@@ -2,7 +2,8 @@
 
 For every candidate it predicts the time to first token from what the planner knows: the prompt
 tokens already queued there, the part of this prompt that worker does not cache, and the step
-times of the worker's perf model (chunked prefill sharing each step with the running decodes).
+times of the worker's perf model (chunked prefill sharing each step with the running decodes):
+the step costs it measured on its own hardware where it reported them, else the preset.
 A decode-load penalty keeps long generations off crowded workers, and the KV a worker already
 holds (which slows every decode step there) counts against it. Hot spots need no special
 rule: a worker that owns a popular prefix stops winning as soon as its queue costs more than
@@ -23,13 +24,14 @@ from dataclasses import dataclass
 
 from schemas.events import KvMove, TtftAlternative
 from services.common.kv_transfer import PCIE_LATENCY_MS, KvTransferModel, LinkModel
-from services.common.perf_model import PerfModel, perf_model
+from services.common.perf_model import PerfModel, measured_perf, perf_model
 from services.planner.policy import Choice, RouteRequest, WorkerView, decision_rng
 
 
 @dataclass(frozen=True, slots=True)
 class KvSettings:
-    # Perf model of the workers (homogeneous pool) and their prefill budget per step.
+    # Perf model of the workers that report no measured step costs (simulated ones, and real
+    # ones until they have run enough steps), and the workers' prefill budget per step.
     perf_model: str = "dynamo-mocker"
     max_num_batched_tokens: int = 8192
     # Weight of the decode-load penalty: predicted ms added per running request there, per
@@ -277,7 +279,11 @@ class KvAware:
         usage = worker.kv_usage
         if worker.kv_capacity_tokens:
             usage += extra_tokens / worker.kv_capacity_tokens
-        return self._perf.step_ms(0, 1, min(1.0, usage))
+        return self._perf_of(worker).step_ms(0, 1, min(1.0, usage))
+
+    def _perf_of(self, worker: WorkerView) -> PerfModel:
+        """The worker's own measured step costs where it reported them, else the preset."""
+        return self._perf if worker.step_cost is None else measured_perf(worker.step_cost)
 
     def _prefill_ms(self, tokens: int, worker: WorkerView) -> float:
         """Time to prefill ``tokens`` in budget-sized chunks, each step also decoding."""
@@ -285,10 +291,10 @@ class KvAware:
             return 0.0
         budget = self.settings.max_num_batched_tokens
         full, rest = divmod(tokens, budget)
-        decoding = worker.running
-        ms = full * self._perf.step_ms(budget, decoding, worker.kv_usage)
+        decoding, perf = worker.running, self._perf_of(worker)
+        ms = full * perf.step_ms(budget, decoding, worker.kv_usage)
         if rest:
-            ms += self._perf.step_ms(rest, decoding, worker.kv_usage)
+            ms += perf.step_ms(rest, decoding, worker.kv_usage)
         return ms
 
     def _two_choices(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Choice:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from schemas.events import KvMove
+from schemas.events import KvMove, StepCost
 
 # Admission control's classes, as a request's spec carries them.
 Priority = Literal["high", "normal", "low"]
@@ -41,6 +41,8 @@ class WorkerView:
     # Where it runs ('' unknown): the link a KV move to or from it takes depends on it.
     node: str = ""
     rack: str = ""
+    # Its step times as it measured them; None: the policy's perf model stands in.
+    step_cost: StepCost | None = None
 
     @property
     def load(self) -> int:

@@ -26,7 +26,7 @@ from schemas.events import (
 )
 from schemas.messages import ResendQuery
 from schemas.trusted import trusted
-from schemas.worker_events import MAX_KV_CHANGES
+from schemas.worker_events import MAX_KV_CHANGES, StepCost
 from services.engine.kv_events import coalesced, continued, kv_changed
 from services.engine.protocol import EngineLoad, KvChange
 from services.worker.stream import Chunk
@@ -222,7 +222,9 @@ class Outputs:
             event = kv_changed(part, self.worker_id, self._kv_seq)
             await self._bus.publish(Subjects.kv(self.worker_id), event)
 
-    async def load(self, role: Role, load: EngineLoad, busy_s: float) -> None:
+    async def load(
+        self, role: Role, load: EngineLoad, busy_s: float, step_cost: StepCost | None = None
+    ) -> None:
         await self._bus.publish(
             Subjects.load(self.worker_id),
             WorkerLoadReported(
@@ -235,5 +237,6 @@ class Outputs:
                 kv_blocks_used=load.kv_blocks_used,
                 kv_blocks_total=load.kv_blocks_total,
                 busy_s=busy_s,
+                step_cost=step_cost,
             ),
         )

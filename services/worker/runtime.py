@@ -31,6 +31,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.outputs import Background, Outputs
 from services.worker.requests import Requests
 from services.worker.settings import WorkerOptions, WorkerSettings, build_engine, worker_options
+from services.worker.step_cost import StepCostFit
 
 # A draining worker hands on what is routed to it anyway, so the notice is worth only a moment.
 DRAINING_NOTICE_TIMEOUT_S = 2.0
@@ -54,6 +55,8 @@ class Worker:
             lambda: self._requests.runs_allowed(),
         )
         self.metrics = WorkerMetrics(lambda: self._driver.busy_s)
+        # A simulated engine's step times are its perf model's, which the planner has already.
+        self._step_cost = None if engine.capabilities.modelled_time else StepCostFit()
         self._outputs = Outputs(
             bus,
             options.worker_id,
@@ -217,6 +220,10 @@ class Worker:
 
     async def _on_step(self, result: StepResult) -> None:
         self.metrics.step(result, self._driver.last_step_s)
+        if self._step_cost is not None:
+            self._step_cost.observe(
+                result.prefill_tokens, len(result.outputs), result.duration_s * 1000.0
+            )
         await self._requests.fail_refused()
         times: tuple[float, ...] = ()
         if result.step_ends_s:  # several steps at once: each token at its step's end
@@ -245,7 +252,8 @@ class Worker:
         self._reported_at = asyncio.get_running_loop().time()
         load = self._driver.engine.load()
         self.metrics.load(load)
-        await self._outputs.load(self._opt.role, load, self._driver.busy_s)
+        step_cost = self._step_cost.estimate() if self._step_cost is not None else None
+        await self._outputs.load(self._opt.role, load, self._driver.busy_s, step_cost)
 
 
 def worker_main(default_role: Role) -> None:

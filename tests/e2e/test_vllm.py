@@ -112,6 +112,34 @@ async def test_greedy_answers_are_vllms_own(
     _assert_exact(streamed, expected)
 
 
+async def test_the_planner_predicts_with_the_step_costs_vllm_workers_measured(
+    cluster: LocalCluster, http: httpx.AsyncClient
+) -> None:
+    bus, seen = await observe(cluster.nats_url)
+    # Prompts of their own (none cached), one at a time: each worker prefills and decodes.
+    ids = []
+    for k in range(24):
+        prompt = [3 + (k * 131 + 17 * j) % 1990 for j in range(40 + 8 * k)]
+        body = {"model": served_model(cluster), "prompt": prompt, "max_tokens": 12, **GREEDY}
+        ids.append((await http.post("/completions", json=body)).raise_for_status().json()["id"])
+    await eventually(lambda: seen.of(RouteDecided, ids[-1].removeprefix("cmpl-")), timeout=5)
+    await bus.close()
+    measured = {
+        c.worker_id: c.step_cost
+        for event in seen.events["RouteDecided"]
+        if isinstance(event, RouteDecided)
+        for c in event.candidates
+        if c.step_cost is not None
+    }
+    # Both workers measured their steps, and the planner weighed them with those costs (the
+    # decisions record them, so a replay predicts alike).
+    assert set(measured) == set(await registrations(cluster.etcd_endpoints)), measured
+    for cost in measured.values():
+        assert cost is not None
+        # The tiny model on 2 shared CPU cores: far from the preset's 16.5 ms + 0.015 ms a token.
+        assert 0 < cost.prefill_ms_per_token < 5 and cost.decode_step_ms > 0, cost
+
+
 async def _stream(
     http: httpx.AsyncClient, cluster: LocalCluster, i: int, max_tokens: int = MAX_TOKENS
 ) -> Streamed:

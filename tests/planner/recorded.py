@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from schemas import codec
-from schemas.events import RequestSpec, RouteDecided, SamplingParams
+from schemas.events import RequestSpec, RouteDecided, SamplingParams, StepCost
 from services.planner.decision import DecisionInputs, decide
 from services.planner.disagg import DisaggSettings
 from services.planner.kv_policy import KvAware
@@ -22,10 +22,15 @@ SPEC = RequestSpec(
     reply_to="i",
     deadline=datetime(2030, 1, 1, tzinfo=UTC),
 )
+MEASURED = StepCost(
+    prefill_step_ms=2.5, prefill_ms_per_token=0.07, decode_step_ms=9.0, decode_ms_per_seq=0.4
+)
 
 
 def decision_inputs() -> DecisionInputs:
-    def view(worker_id: str, running: int, cached: int = 0, queued: int = 0) -> WorkerView:
+    def view(
+        worker_id: str, running: int, cached: int = 0, queued: int = 0, cost: StepCost | None = None
+    ) -> WorkerView:
         return WorkerView(
             worker_id,
             running=running,
@@ -36,11 +41,13 @@ def decision_inputs() -> DecisionInputs:
             waiting_prefill_tokens=queued,
             block_size=16,
             kv_capacity_tokens=16_384,
+            step_cost=cost,
         )
 
     return DecisionInputs(
         RouteRequest("r1", 1000, SPEC.block_hashes, max_tokens=40),
-        [view("a", 3, cached=30), view("b", 0, queued=2000)],
+        # b measured its own steps (a real engine); a and p are predicted with the perf model.
+        [view("a", 3, cached=30), view("b", 0, queued=2000, cost=MEASURED)],
         [view("p", 0, cached=10)],
         frozenset({"a", "b", "p"}),
     )

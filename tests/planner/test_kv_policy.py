@@ -11,6 +11,7 @@ import pytest
 
 from infra.bench.offline import OfflineReplay
 from infra.bench.traces import load_trace
+from schemas.events import StepCost
 from services.engine.sim import SimConfig
 from services.planner.kv_policy import KvAware, KvSettings
 from services.planner.main import PlannerSettings
@@ -141,3 +142,23 @@ def test_the_planner_holds_predictions_to_targets_in_model_time(
     assert settings.capacity().ttft_target_ms == 250 and settings.capacity().itl_target_ms == 5
     assert settings.kv().itl_target_ms == 20
     assert settings.disagg_settings().ttft_target_ms == 1000
+
+
+def test_a_workers_measured_step_costs_decide_what_a_cached_prefix_is_worth() -> None:
+    # A 640-token prompt, 512 of it cached on a worker running one request, beside an idle one
+    # (32-token blocks, as vLLM's CPU build has them). With the preset's H100-class costs a
+    # prefill step is mostly its fixed 16.5 ms, so recomputing 512 tokens on the idle worker
+    # looks cheaper than sharing steps with a decode; where prefill costs what it does on a
+    # CPU (0.07 ms a token, measured), the cached prefix wins.
+    prompt = RouteRequest("r", 640, tuple(range(20)), max_tokens=32)
+    holder = view("a", cached_blocks=16, running=1, in_flight=1, block_size=32)
+    idle = view("b", block_size=32)
+    assert KvAware().choose(prompt, [holder, idle]).worker_id == "b"
+    cpu = StepCost(
+        prefill_step_ms=3.0, prefill_ms_per_token=0.07, decode_step_ms=8.0, decode_ms_per_seq=0.5
+    )
+    measured = [dataclasses.replace(w, step_cost=cpu) for w in (holder, idle)]
+    choice = KvAware().choose(prompt, measured)
+    assert choice.worker_id == "a"
+    # Both predicted with the measured costs: 128 tokens to compute against 640.
+    assert choice.predictions["a"][1] < choice.predictions["b"][1] / 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 from services.planner.decision import REBOUND, decide, inputs_of, rebind
 from services.planner.kv_policy import KvAware, KvSettings
 from services.planner.replay import differences, redecide
-from tests.planner.recorded import DISAGG, decision_inputs, recorded
+from tests.planner.recorded import DISAGG, MEASURED, decision_inputs, recorded
 
 
 def test_an_event_carries_every_input_of_its_decision() -> None:
@@ -18,6 +18,21 @@ def test_an_event_carries_every_input_of_its_decision() -> None:
 def test_the_same_code_decides_a_recorded_request_alike() -> None:
     event = recorded(KvAware())
     assert differences(event, redecide(event, KvAware(), DISAGG)) == []
+
+
+def test_a_workers_measured_step_costs_are_an_input_of_the_decision() -> None:
+    event = recorded(KvAware())
+    b = next(c for c in event.candidates if c.worker_id == "b")
+    assert b.step_cost == MEASURED
+    unmeasured = event.model_copy(
+        update={
+            "candidates": tuple(c.model_copy(update={"step_cost": None}) for c in event.candidates)
+        }
+    )
+    # Predicted with the perf model instead, b's costs are not what the record says.
+    moved = differences(unmeasured, redecide(unmeasured, KvAware(), DISAGG))
+    assert any(line.startswith("b.cost: ") for line in moved), moved
+    assert not any(line.startswith("a.cost: ") for line in moved), moved
 
 
 def test_other_settings_show_as_the_terms_that_moved() -> None:
