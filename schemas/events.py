@@ -124,6 +124,9 @@ class RouteCandidate(Frozen):
     step_cost: StepCost | None = Field(
         default=None, description="its measured step times; none: the planner's perf model"
     )
+    kv_bytes_per_token: int = Field(
+        default=0, ge=0, description="bytes of KV a token takes there (0: the planner's setting)"
+    )
 
 
 class TtftAlternative(Frozen):

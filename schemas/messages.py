@@ -75,6 +75,12 @@ class WorkerRegistration(Frozen):
         description="its engine enforces a response_format (JSON Schema, JSON object) while "
         "sampling",
     )
+    kv_bytes_per_token: int = Field(
+        default=0,
+        ge=0,
+        description="bytes a token's KV takes in its engine, every layer's K and V (0: unknown, "
+        "the planner's LANEWAY_KV_BYTES_PER_TOKEN)",
+    )
     draining: bool = Field(
         default=False, description="finishing in-flight work before a role change; takes none new"
     )

@@ -4,7 +4,8 @@ waits for the real bytes)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,15 @@ class KvTransferModel:
         if tokens <= 0:
             return 0.0
         return self.latency_ms + tokens * self.kv_bytes_per_token / (self.bandwidth_gb_s * 1e6)
+
+
+@lru_cache(maxsize=256)
+def sized(link: KvTransferModel, kv_bytes_per_token: int) -> KvTransferModel:
+    """``link`` carrying a model whose token's KV takes ``kv_bytes_per_token`` (0: unknown, the
+    link's own size stands)."""
+    if not kv_bytes_per_token or kv_bytes_per_token == link.kv_bytes_per_token:
+        return link
+    return replace(link, kv_bytes_per_token=kv_bytes_per_token)
 
 
 # A PCIe transfer's fixed cost (DMA setup), far below a network link's.

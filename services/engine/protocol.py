@@ -115,6 +115,10 @@ class EngineCapabilities:
     # for a model any of whose workers lacks it; an engine without it refuses the request
     # itself too (:func:`refuse_structured_output`).
     structured_outputs: bool = False
+    # Bytes a token's KV takes in this engine's cache, every layer's K and V: what a KV move or
+    # hand-off of its prompts carries. Workers register it, and the planner prices moves with
+    # it. 0: unknown (the planner's configured size stands in).
+    kv_bytes_per_token: int = 0
 
 
 def refuse_structured_output(request: EngineRequest, engine: str) -> None:

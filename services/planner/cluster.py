@@ -204,6 +204,7 @@ class ClusterView:
                     node=reg.node,
                     rack=reg.rack,
                     step_cost=load.step_cost if load else None,
+                    kv_bytes_per_token=reg.kv_bytes_per_token,
                 )
             )
         return views

@@ -148,6 +148,7 @@ def _view_of(candidate: RouteCandidate) -> WorkerView:
         node=candidate.node,
         rack=candidate.rack,
         step_cost=candidate.step_cost,
+        kv_bytes_per_token=candidate.kv_bytes_per_token,
     )
 
 
@@ -252,5 +253,6 @@ def _route_candidate(
             "node": view.node,
             "rack": view.rack,
             "step_cost": view.step_cost,
+            "kv_bytes_per_token": view.kv_bytes_per_token,
         },
     )

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.common.kv_transfer import KvTransferModel
+from services.common.kv_transfer import KvTransferModel, sized
 from services.planner.kv_policy import KvAware
 from services.planner.policy import RouteRequest, WorkerView
 
@@ -109,10 +109,11 @@ def handoff_link(
     policy: KvAware, settings: DisaggSettings, a: WorkerView, b: WorkerView
 ) -> KvTransferModel:
     """The link a hand-off between ``a`` and ``b`` crosses: the topology's when both say where
-    they are, else the one configured link."""
+    they are, else the one configured link; carrying the KV size the workers declare."""
+    link = settings.transfer
     if a.node and b.node:
-        return policy.links.between((a.node, a.rack), (b.node, b.rack))
-    return settings.transfer
+        link = policy.links.between((a.node, a.rack), (b.node, b.rack))
+    return sized(link, b.kv_bytes_per_token or a.kv_bytes_per_token)
 
 
 def handoff_ms_per_token(transfer: KvTransferModel, uncached: int, max_tokens: int) -> float:
@@ -139,7 +140,7 @@ def pick_decoder(
         output = request.output_tokens
         step = policy.decode_step_ms(worker, request.prompt_tokens + output)
         link = (
-            settings.transfer
+            sized(settings.transfer, worker.kv_bytes_per_token)
             if prefill is None
             else handoff_link(policy, settings, prefill, worker)
         )

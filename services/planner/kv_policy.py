@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from schemas.events import KvMove, TtftAlternative
-from services.common.kv_transfer import PCIE_LATENCY_MS, KvTransferModel, LinkModel
+from services.common.kv_transfer import PCIE_LATENCY_MS, KvTransferModel, LinkModel, sized
 from services.common.perf_model import PerfModel, measured_perf, perf_model
 from services.planner.policy import Choice, RouteRequest, WorkerView, decision_rng
 
@@ -240,7 +240,10 @@ class KvAware:
             depth = min((source.cached_blocks + source.host_blocks) * bs, limit)
             moved = max(0, depth - cached - host) // bs * bs
             if moved:
-                link = self.links.between((source.node, source.rack), (worker.node, worker.rack))
+                link = sized(
+                    self.links.between((source.node, source.rack), (worker.node, worker.rack)),
+                    worker.kv_bytes_per_token,
+                )
                 move_from, move_blocks = source.worker_id, moved // bs
                 move_ms = link.transfer_ms(moved)
                 host += moved  # arrives before the request queues: like a host hit, not computed
@@ -248,7 +251,8 @@ class KvAware:
         queued = worker.waiting_prefill_tokens
         queue_ms = self._prefill_ms(queued, worker)
         prefill_ms = self._prefill_ms(queued + uncached, worker) - queue_ms
-        prefill_ms += self._host_link.transfer_ms(host - move_blocks * bs)
+        host_link = sized(self._host_link, worker.kv_bytes_per_token)
+        prefill_ms += host_link.transfer_ms(host - move_blocks * bs)
         output = request.output_tokens
         # Decode steps slow down as the worker's KV fills (the perf model's decode term), and
         # this request's tokens will be generated at that pace: long answers weigh more.

@@ -43,6 +43,8 @@ class WorkerView:
     rack: str = ""
     # Its step times as it measured them; None: the policy's perf model stands in.
     step_cost: StepCost | None = None
+    # Bytes a token's KV takes there; 0: the policy's configured size.
+    kv_bytes_per_token: int = 0
 
     @property
     def load(self) -> int:

@@ -112,8 +112,8 @@ async def test_greedy_answers_are_vllms_own(
     _assert_exact(streamed, expected)
 
 
-async def test_the_planner_predicts_with_the_step_costs_vllm_workers_measured(
-    cluster: LocalCluster, http: httpx.AsyncClient
+async def test_the_planner_weighs_what_vllm_workers_measured_and_declared(
+    cluster: LocalCluster, http: httpx.AsyncClient, vllm_model: Path
 ) -> None:
     bus, seen = await observe(cluster.nats_url)
     # Prompts of their own (none cached), one at a time: each worker prefills and decodes.
@@ -124,16 +124,24 @@ async def test_the_planner_predicts_with_the_step_costs_vllm_workers_measured(
         ids.append((await http.post("/completions", json=body)).raise_for_status().json()["id"])
     await eventually(lambda: seen.of(RouteDecided, ids[-1].removeprefix("cmpl-")), timeout=5)
     await bus.close()
-    measured = {
-        c.worker_id: c.step_cost
+    candidates = [
+        c
         for event in seen.events["RouteDecided"]
         if isinstance(event, RouteDecided)
         for c in event.candidates
-        if c.step_cost is not None
-    }
+    ]
+    measured = {c.worker_id: c.step_cost for c in candidates if c.step_cost is not None}
     # Both workers measured their steps, and the planner weighed them with those costs (the
     # decisions record them, so a replay predicts alike).
-    assert set(measured) == set(await registrations(cluster.etcd_endpoints)), measured
+    workers = await registrations(cluster.etcd_endpoints)
+    assert set(measured) == set(workers), measured
+    # Each declared its KV's size, which prices moves and hand-offs: the tiny model's K and V
+    # in float32.
+    config = json.loads((vllm_model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    size = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    assert {w.kv_bytes_per_token for w in workers.values()} == {size}
+    assert {c.kv_bytes_per_token for c in candidates} == {size}
     for cost in measured.values():
         assert cost is not None
         # The tiny model on 2 shared CPU cores: far from the preset's 16.5 ms + 0.015 ms a token.

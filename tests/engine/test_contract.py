@@ -285,6 +285,11 @@ def test_a_prompts_kv_moves_to_another_engine_when_the_engine_can_hand_off(
     local = outputs_by_request(run_one(prefill, "r", prompt))["r"]
     count, payload = source.export_prefix(hashes)
     assert count == len(hashes)
+    # The KV size the engine declares (what the planner prices a move at) is what moves.
+    # A real engine knows its cache; a simulated one moves no real KV.
+    declared = prefill.capabilities.kv_bytes_per_token * count * block
+    assert declared > 0 or prefill.capabilities.modelled_time
+    assert declared == 0 or declared <= len(payload) < declared + 4096
     decode = new_engine()
     target = kv_portable(decode)
     assert target is not None

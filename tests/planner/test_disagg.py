@@ -14,7 +14,12 @@ from schemas.events import SamplingParams, StructuredOutput
 from services.common.kv_transfer import KvTransferModel
 from services.engine.sim import SimConfig
 from services.planner.decision import DecisionInputs, decide, inputs_of
-from services.planner.disagg import DisaggSettings, handoff_ms_per_token, plan_prefill
+from services.planner.disagg import (
+    DisaggSettings,
+    handoff_link,
+    handoff_ms_per_token,
+    plan_prefill,
+)
 from services.planner.kv_policy import KvAware
 from services.planner.policy import RouteRequest, WorkerView
 from tests.helpers import routed
@@ -133,6 +138,20 @@ def test_a_short_answer_behind_a_long_transfer_prefills_locally() -> None:
     assert plan_prefill(KvAware(), huge, busy, [view("p")], settings).prefill_worker == "p"
     off = dataclasses.replace(settings, max_handoff_ms_per_token=0)
     assert plan_prefill(KvAware(), short, busy, [view("p")], off).prefill_worker == "p"
+
+
+def test_a_hand_off_is_priced_at_the_kv_size_the_workers_declare() -> None:
+    # The short answer above, with the workers' engines declaring a small model's KV (4 KiB a
+    # token, not the configured 128 KiB): its 8,000 tokens move in about 1 ms, not 43.
+    settings = DisaggSettings(max_handoff_ms_per_token=3.0, max_local_stall_tokens=8192)
+    short = RouteRequest("r", 8000, tuple(range(8000 // 64)), max_tokens=10)
+    small = {"kv_bytes_per_token": 4096}
+    busy, prefill = view("d", running=60, **small), view("p", **small)
+    plan = plan_prefill(KvAware(), short, busy, [prefill], settings)
+    assert plan.prefill_worker == "p", plan.reason
+    link = handoff_link(KvAware(), settings, prefill, busy)
+    assert link.kv_bytes_per_token == 4096
+    assert link.transfer_ms(8000) == pytest.approx(1.0 + 8000 * 4096 / 25e6)
 
 
 def test_handoff_cost_is_the_transfer_over_the_gaps() -> None:

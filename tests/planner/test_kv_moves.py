@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from services.common.kv_transfer import KvTransferModel, LinkModel
 from services.planner.decision import Decision, DecisionInputs, decide
 from services.planner.disagg import DisaggSettings, plan_prefill
@@ -43,6 +45,24 @@ def test_a_host_tier_hit_costs_the_pcie_load_not_a_prefill() -> None:
     load = KvTransferModel(bandwidth_gb_s=25.0, latency_ms=0.05).transfer_ms((BLOCKS - 11) * 16)
     assert abs(host.prefill_ms - gpu.prefill_ms - load) < 1e-6
     assert host.cost < cold.cost
+
+
+def test_a_move_and_a_host_load_carry_the_kv_size_the_worker_declares() -> None:
+    policy = KvAware(KvSettings(kv_moves=True))
+    source = view("a", cached_blocks=BLOCKS - 1)
+    # A model whose token's KV takes 4 KiB, as its engine declares, not the configured 128 KiB.
+    small = view("b", kv_bytes_per_token=4096)
+    moved = policy.predict(request(), small, source)
+    tokens = (BLOCKS - 1) * 16
+    assert moved.move_ms == pytest.approx(0.05 + tokens * 4096 / 300e6)
+    assert policy.predict(request(), view("b"), source).move_ms > 20 * moved.move_ms
+    # A host-tier load of the same blocks: PCIe at the declared size too.
+    gpu = policy.predict(request(), view("a", cached_blocks=BLOCKS - 1, kv_bytes_per_token=4096))
+    host = policy.predict(
+        request(), view("a", cached_blocks=10, host_blocks=BLOCKS - 11, kv_bytes_per_token=4096)
+    )
+    load = KvTransferModel(4096, 25.0, 0.05).transfer_ms((BLOCKS - 11) * 16)
+    assert host.prefill_ms - gpu.prefill_ms == pytest.approx(load)
 
 
 def _decide(

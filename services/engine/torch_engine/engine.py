@@ -46,7 +46,6 @@ class _Sampling:
 
 class TorchEngine(ScheduledEngine):
     engine_kind = "torch"
-    capabilities = EngineCapabilities(kv_handoff=True, kv_events=True, modelled_time=False)
 
     def __init__(self, model_dir: Path, config: TorchEngineConfig | None = None) -> None:
         config = config or TorchEngineConfig()
@@ -63,6 +62,12 @@ class TorchEngine(ScheduledEngine):
         )
         self._cache = PagedKvCache(
             self.model.config, config.num_gpu_blocks, config.block_size, device, dtype
+        )
+        self.capabilities = EngineCapabilities(
+            kv_handoff=True,
+            kv_events=True,
+            modelled_time=False,
+            kv_bytes_per_token=self._cache.bytes_per_token,
         )
         host = HostKvStore(self._cache, config.num_host_blocks) if config.num_host_blocks else None
         pool = PagedBlockPool(config.num_gpu_blocks, host)

@@ -40,6 +40,8 @@ class PagedKvCache:
         self.block_size = block_size
         self.key = torch.zeros(shape, device=device, dtype=dtype)
         self.value = torch.zeros(shape, device=device, dtype=dtype)
+        # K and V of one token in every layer.
+        self.bytes_per_token = 2 * self.key[:, 0, 0].numel() * self.key.element_size()
 
 
 @dataclass(frozen=True, slots=True)

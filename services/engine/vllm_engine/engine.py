@@ -111,6 +111,7 @@ class VllmEngine:
             kv_events=True,
             modelled_time=False,
             structured_outputs=True,
+            kv_bytes_per_token=self._kv_bytes_per_token(core),
         )
         self._sampling = _sampling_class()
         self._hashes = KvHashes(self.block_size)
@@ -223,6 +224,13 @@ class VllmEngine:
                 break
             block_ids.append(blocks[0].block_id)
         return block_ids
+
+    def _kv_bytes_per_token(self, core: Any) -> int:
+        """One token's KV in every layer's cache tensor (each holds its blocks first)."""
+        forward = core.vllm_config.compilation_config.static_forward_context
+        groups = core.scheduler.kv_cache_config.kv_cache_groups
+        layers = [forward[name].kv_cache for group in groups for name in group.layer_names]
+        return sum(int(t[0].numel()) * int(t.element_size()) for t in layers) // self.block_size
 
     def _attach_stage(self, core: Any) -> bool:
         """Give the stage vLLM's KV cache; whether hand-offs can go through it: Laneway's
