@@ -46,7 +46,7 @@ from schemas.messages import OverlapQuery, OverlapReply
 from tests.helpers import eventually, routed
 from tests.ingress.helpers import request_spec
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 
 def kv_event(worker: str, seq: int, event_id: str | None = None) -> KvBlocksStored:
@@ -65,9 +65,9 @@ async def stored(bus: Bus, stream: str, subject: str) -> int:
     return (info.state.subjects or {}).get(subject, 0)
 
 
-def test_the_readme_table_is_the_declared_one() -> None:
-    assert readme_table(README.read_text()) == channel_table(), (
-        "regenerate it: python -m bus.topology --readme README.md"
+def test_the_docs_table_is_the_declared_one() -> None:
+    assert readme_table(ARCHITECTURE.read_text()) == channel_table(), (
+        "regenerate it: python -m bus.topology --readme docs/architecture.md"
     )
 
 
