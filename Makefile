@@ -38,7 +38,10 @@ $(PROMETHEUS):
 run: $(STAMP) ## install and start the whole local cluster on http://127.0.0.1:8000/v1
 	$(BIN)/laneway up
 
-test: $(STAMP) $(PHOENIX) $(PROMETHEUS) ## install and run the test suite (starts its own NATS, etcd, OTLP backend, Prometheus)
+# The docs site first: a broken link or anchor between docs pages fails in a second. Not
+# --quiet: mkdocs then drops the warnings that --strict turns into a failure. site/ is ignored.
+test: $(STAMP) $(PHOENIX) $(PROMETHEUS) ## install, build the docs strictly, run the test suite (starts its own NATS, etcd, OTLP backend, Prometheus)
+	$(BIN)/mkdocs build --strict --site-dir site
 	$(BIN)/pytest -q -n 2 --dist loadgroup -m "not vllm"
 	$(BIN)/pytest -q -n 2 --dist loadgroup -m vllm
 
