@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import orjson
@@ -57,14 +58,35 @@ def _events(raw: str) -> list[object]:
     return out
 
 
-def judge(seed: int, max_tokens: int, status: int, raw: str, whole: str) -> tuple[str, str]:
+@dataclass(frozen=True)
+class Load:
+    """What the clients ask for. The sim's seeded answers (one byte a token) are exact at any
+    length; a real engine's are exact when greedy, and its tokens are not bytes, so every
+    request asks for the whole answer (``fixed_length``)."""
+
+    fields: dict[str, Any] = field(default_factory=dict)
+    fixed_length: bool = False
+
+    def length(self, rng: random.Random) -> int:
+        return MAX_TOKENS if self.fixed_length else rng.randint(1, MAX_TOKENS)
+
+    def expected(self, whole: str, max_tokens: int) -> str:
+        return whole if self.fixed_length else whole[:max_tokens]
+
+
+SIM = Load()
+
+
+def judge(
+    seed: int, max_tokens: int, status: int, raw: str, whole: str, load: Load = SIM
+) -> tuple[str, str]:
     """(kind, detail) of one finished request; ``whole``: the seed's unfaulted answer."""
     if status != 200:
         return "failed", f"status {status}: {raw[:200]}"
     events = _events(raw)
     chunks = [e for e in events if isinstance(e, dict) and "choices" in e]
     text = "".join(c.get("text", "") for chunk in chunks for c in chunk["choices"])
-    expected = whole[:max_tokens]
+    expected = load.expected(whole, max_tokens)
     if not expected.startswith(text):
         kind = "dup" if len(text) > len(expected) else "lost"
         return kind, f"seed {seed}: streamed {text!r}, unstreamed {expected!r}"
@@ -73,12 +95,14 @@ def judge(seed: int, max_tokens: int, status: int, raw: str, whole: str) -> tupl
         return "failed", orjson.dumps(errors[-1]).decode()[:200]
     if events[-1:] != ["[DONE]"]:
         return "cut", f"seed {seed}: ends {events[-2:]!r}"
-    wrong = mismatch(Streamed(seed, max_tokens, status, events), whole)
+    wrong = mismatch(
+        Streamed(seed, max_tokens, status, events), whole, byte_tokens=not load.fixed_length
+    )
     return ("ok", "") if wrong is None else ("lost", wrong)
 
 
 async def one_stream(
-    http: httpx.AsyncClient, seed: int, max_tokens: int, whole: str, user: str
+    http: httpx.AsyncClient, seed: int, max_tokens: int, whole: str, user: str, load: Load = SIM
 ) -> Outcome:
     """``user``: its session (the planner binds it to a worker in etcd)."""
     sent = time.monotonic()
@@ -89,7 +113,9 @@ async def one_stream(
     async def run() -> None:
         nonlocal status
         async with http.stream(
-            "POST", "/completions", json={**stream_body(seed, max_tokens), "user": user}
+            "POST",
+            "/completions",
+            json={**stream_body(seed, max_tokens, **load.fields), "user": user},
         ) as response:
             status = response.status_code
             async for text in response.aiter_text():
@@ -102,11 +128,11 @@ async def one_stream(
         return Outcome(sent, time.monotonic(), "hung", repr(exc), chunks)
     except httpx.HTTPError as exc:
         # A connection refused or reset before an answer began: the client got no clean error.
-        kind, _ = judge(seed, max_tokens, status or 200, "".join(raw), whole)
+        kind, _ = judge(seed, max_tokens, status or 200, "".join(raw), whole, load)
         return Outcome(
             sent, time.monotonic(), kind if kind in ("lost", "dup") else "cut", repr(exc), chunks
         )
-    kind, detail = judge(seed, max_tokens, status, "".join(raw), whole)
+    kind, detail = judge(seed, max_tokens, status, "".join(raw), whole, load)
     return Outcome(sent, time.monotonic(), kind, detail, chunks)
 
 
@@ -116,6 +142,7 @@ async def closed_loop(
     clients: int,
     stop: asyncio.Event,
     seed: int,
+    load: Load = SIM,
 ) -> list[Outcome]:
     """``clients`` clients, each sending its next seeded stream as soon as its last one ended,
     until ``stop`` is set; every outcome."""
@@ -124,8 +151,8 @@ async def closed_loop(
     async def client(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
         while not stop.is_set():
-            prompt, n = rng.randrange(SEEDS), rng.randint(1, MAX_TOKENS)
-            outcomes.append(await one_stream(http, prompt, n, whole[prompt], f"client-{i}"))
+            prompt, n = rng.randrange(SEEDS), load.length(rng)
+            outcomes.append(await one_stream(http, prompt, n, whole[prompt], f"client-{i}", load))
 
     await asyncio.gather(*(client(i) for i in range(clients)))
     return outcomes
