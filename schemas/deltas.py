@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
 from schemas.codec import current_version
 from schemas.events import TokenBatch, TokensGenerated
 from schemas.lean import decoder
+from schemas.logprobs import TokenLogprob, TopLogprob
 from schemas.trusted import trusted
 
 
@@ -28,6 +29,8 @@ class Run(Protocol):
     def token_ids(self) -> tuple[int, ...]: ...
     @property
     def text(self) -> str: ...
+    @property
+    def logprobs(self) -> Sequence[Any]: ...
 
 
 class Batch(Protocol):
@@ -72,13 +75,24 @@ def runs_delta(batch: Batch, runs: Sequence[Run]) -> TokensGenerated:
     the result to the validated event's)."""
     first = runs[0]
     if len(runs) == 1:
-        token_ids, text = first.token_ids, first.text
+        token_ids, text, logprobs = first.token_ids, first.text, first.logprobs
     else:
         token_ids = tuple(i for run in runs for i in run.token_ids)
         text = "".join(run.text for run in runs)
+        logprobs = tuple(p for run in runs for p in run.logprobs)
     return trusted(TokensGenerated, {
         "event_id": batch.event_id, "schema_version": 1, "occurred_at": batch.occurred_at,
         "source": batch.source, "request_id": first.request_id, "session_id": None,
         "trace": None, "type": "TokensGenerated", "worker_id": batch.worker_id,
         "index": first.index, "token_ids": token_ids, "text": text, "attempt": first.attempt,
+        "logprobs": tuple(_logprob(p) for p in logprobs),
     })  # fmt: skip
+
+
+def _logprob(entry: Any) -> TokenLogprob:
+    """A run's log probability as the model's: a lean batch's is a struct (one only where the
+    request asked for them: the common run has none)."""
+    if isinstance(entry, TokenLogprob):
+        return entry
+    top = tuple(trusted(TopLogprob, msgspec.structs.asdict(t)) for t in entry.top)
+    return trusted(TokenLogprob, {"token": entry.token, "logprob": entry.logprob, "top": top})

@@ -27,6 +27,7 @@ from schemas.envelope import (
     utc_now,
 )
 from schemas.latency import LatencyHistogram
+from schemas.logprobs import TokenLogprob
 from schemas.sampling import SamplingParams, StructuredOutput
 from schemas.worker_events import (
     CacheWiped,
@@ -242,6 +243,9 @@ class TokensGenerated(Envelope):
     token_ids: TokenIds
     text: str = Field(description="detokenized text of `token_ids`, stop strings removed")
     attempt: int = attempt_field()
+    logprobs: tuple[TokenLogprob, ...] = Field(
+        default=(), description="one for each of `token_ids` where the request asked for them"
+    )
 
 
 class Usage(Frozen):

@@ -75,6 +75,11 @@ class WorkerRegistration(Frozen):
         description="its engine enforces a response_format (JSON Schema, JSON object) while "
         "sampling",
     )
+    logprobs: bool = Field(
+        default=False,
+        description="its engine gives each token's log probability and the most likely tokens "
+        "at its position",
+    )
     kv_bytes_per_token: int = Field(
         default=0,
         ge=0,

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from schemas.envelope import Frozen, TokenIds
+from schemas.logprobs import MAX_TOP_LOGPROBS
 
 
 class StructuredOutput(Frozen):
@@ -44,6 +45,13 @@ class SamplingParams(Frozen):
         ge=0,
         description="answer tokens already generated, the last of the prompt (a migrated "
         "request's continuation): sampling continues at this position of the answer",
+    )
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="give each answer token's log probability and this many most likely tokens "
+        "at its position; None: none",
     )
     structured_output: StructuredOutput | None = Field(
         default=None,

@@ -16,6 +16,7 @@ from schemas.envelope import (
     TokenIds,
     attempt_field,
 )
+from schemas.logprobs import TokenLogprob
 
 
 class KvBlocksStored(Envelope):
@@ -169,6 +170,9 @@ class TokenRun(Frozen):
     index: int = Field(ge=0, description="position of the first token in the completion")
     token_ids: TokenIds
     text: str = Field(description="detokenized text of `token_ids`, stop strings removed")
+    logprobs: tuple[TokenLogprob, ...] = Field(
+        default=(), description="one for each of `token_ids` where the request asked for them"
+    )
 
 
 class TokenBatch(Envelope):

@@ -88,8 +88,13 @@ class IncrementalDetokenizer:
         # A tail this long could still turn out to be the start of a stop string.
         self._held = max((len(s) for s in self._stop), default=1) - 1
         self._decoder = tokenizer.stream_decoder()
+        self._tokenizer = tokenizer
         self._pending = ""
         self.stopped = False
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text alone, as log probabilities name it."""
+        return self._tokenizer.decode((token_id,))
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Text that is final after these tokens; sets ``stopped`` when a stop string appeared."""

@@ -40,6 +40,18 @@ class RequestOutput:
     finish_reason: Literal["stop", "length"] | None = None
     # Set on the first output of a request: prompt tokens found in the prefix cache.
     cached_tokens: int | None = None
+    # Where the request asked for log probabilities (``SamplingParams.logprobs``): one for each
+    # of ``new_token_ids``.
+    logprobs: tuple[Logprobs, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """A generated token's log probability, and the most likely tokens at its position (id and
+    log probability, most likely first)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,22 +125,32 @@ class EngineCapabilities:
     # ``add_request`` takes a request with a ``structured_output`` and its answer has that shape
     # (vLLM's structured outputs). Workers register it, and the ingress refuses such a request
     # for a model any of whose workers lacks it; an engine without it refuses the request
-    # itself too (:func:`refuse_structured_output`).
+    # itself too (:func:`refuse_unsupported`).
     structured_outputs: bool = False
+    # ``step`` gives each token's log probability and the most likely tokens at its position
+    # where a request's ``SamplingParams.logprobs`` asks (vLLM's). Workers register it, and the
+    # ingress refuses such a request for a model any of whose workers lacks it; an engine
+    # without it refuses the request itself too (:func:`refuse_unsupported`).
+    logprobs: bool = False
     # Bytes a token's KV takes in this engine's cache, every layer's K and V: what a KV move or
     # hand-off of its prompts carries. Workers register it, and the planner prices moves with
     # it. 0: unknown (the planner's configured size stands in).
     kv_bytes_per_token: int = 0
 
 
-def refuse_structured_output(request: EngineRequest, engine: str) -> None:
-    """ValueError for a request that asks for a response_format, from an engine that does no
-    structured outputs: answered as free text it would break the client's parser."""
+def refuse_unsupported(request: EngineRequest, engine: str) -> None:
+    """ValueError for a request that asks for what only the vllm engine does: a response_format
+    (answered as free text it would break the client's parser) or log probabilities."""
     wanted = request.sampling.structured_output
     if wanted is not None:
         raise ValueError(
             f"request {request.request_id} asks for response_format {wanted.type}, and the "
             f"{engine} engine does no structured outputs (the vllm engine does)"
+        )
+    if request.sampling.logprobs is not None:
+        raise ValueError(
+            f"request {request.request_id} asks for log probabilities, and the {engine} engine "
+            "gives none (the vllm engine does)"
         )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from starlette.types import Message, Receive, Send
 
 from schemas.events import RequestFinished, RequestSpec, TokensGenerated, Usage, new_id
+from schemas.logprobs import TokenLogprob
 from services.ingress.errors import (
     ApiError,
     from_terminal,
@@ -193,26 +194,37 @@ class Exchange:
     async def _relay(self, events: AsyncIterator[GatewayEvent], send: Send) -> int:
         stream = self._params.stream
         texts: list[str] = []
+        # Log probabilities not yet sent (a token whose text is held back, part of a character
+        # or of a possible stop string, goes out with the text that follows); None: not asked.
+        logprobs: list[TokenLogprob] | None = None if self._params.logprobs is None else []
         async for event in events:
             if isinstance(event, TokensGenerated):
                 if self.ttft_s is None:
                     self.ttft_s = self._elapsed()
                     self._metrics.first_token(self._endpoint.name, self.ttft_s)
+                if logprobs is not None:
+                    logprobs.extend(event.logprobs)
                 if not event.text:
                     continue
-                if stream:
+                if not stream:
+                    texts.append(event.text)
+                elif logprobs is None:
                     await self._stream(send, self._format.delta(event.text), more=True)
                 else:
-                    texts.append(event.text)
+                    body = self._format.delta_logprobs(event.text, logprobs)
+                    logprobs = []
+                    await self._stream(send, body, more=True)
                 continue
             self._ended = True
             if not isinstance(event, RequestFinished):
                 return await self._fail(send, from_terminal(event))
             if stream:
                 body = self._format.closing(event)
+                if logprobs:
+                    body = self._format.delta_logprobs("", logprobs) + body
                 await self._stream(send, body, more=False)
             else:
-                body = self._format.full("".join(texts), event)
+                body = self._format.full("".join(texts), event, logprobs)
                 await send_json(send, 200, body, self._headers(JSON_HEADERS))
             usage = self.usage = event.usage
             self._metrics.completed(

@@ -44,6 +44,7 @@ class Intake:
         if params.model not in self._models:
             raise model_not_found(params.model)
         self._features.check_structured(params.model, params.structured_output)
+        self._features.check_logprobs(params.model, params.logprobs)
         prompt_ids = self._prompt_ids(request)
         prompt_len = len(prompt_ids)
         if not prompt_len:
@@ -72,7 +73,7 @@ class Intake:
         sampling = trusted(SamplingParams, {
             "max_tokens": max_tokens, "temperature": params.temperature, "top_p": params.top_p,
             "seed": params.seed, "stop": params.stop, "stop_token_ids": params.stop_token_ids,
-            "ignore_eos": params.ignore_eos, "offset": 0,
+            "ignore_eos": params.ignore_eos, "offset": 0, "logprobs": params.logprobs,
             "structured_output": params.structured_output,
         })  # fmt: skip
         salt = request_salt(group_salt, params.cache_salt)

@@ -3,8 +3,8 @@
 Checked by hand rather than by pydantic: these run once per request on the hot path, and plain
 checks cost a fraction of model validation while naming the offending field just as precisely.
 Fields we do not know are ignored, as OpenAI does; fields we know but cannot honour (``n`` > 1,
-``logprobs``, ``echo``, ``best_of`` > 1, ``suffix``, tools) are refused rather than silently
-answered wrongly; a JSON ``response_format`` is refused later, where a model's workers lack it.
+``echo``, ``best_of`` > 1, ``suffix``, tools) are refused rather than silently answered wrongly;
+a JSON ``response_format`` or ``logprobs`` are refused later, where a model's workers lack them.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import orjson
 
 from schemas.cache_salt import MAX_CLIENT_SALT_CHARS
 from schemas.events import StructuredOutput
+from schemas.logprobs import MAX_TOP_LOGPROBS
 from services.ingress.admission import PRIORITIES, Priority
 from services.ingress.errors import InvalidRequest
 from services.ingress.json_fields import (
@@ -75,6 +76,9 @@ class Params:
     """The body's ``cache_salt`` (vLLM's): narrows prefix-cache sharing (``schemas.cache_salt``)."""
     structured_output: StructuredOutput | None = None
     """The body's ``response_format`` but text: the answer's required shape."""
+    logprobs: int | None = None
+    """Log probabilities of each answer token and of this many most likely tokens at its
+    position (chat's ``top_logprobs``, the legacy API's ``logprobs``); None: none asked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,11 +103,12 @@ def parse_chat_request(body: bytes) -> ChatRequest:
     data = _json_object(body)
     messages = _messages(required(data, "messages"))
     _refuse_chat_features(data)
+    logprobs = _chat_logprobs(data)
     # max_completion_tokens replaced max_tokens in OpenAI's chat API; the newer name wins.
     max_tokens = optional_int(data, "max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = optional_int(data, "max_tokens", minimum=1)
-    return ChatRequest(messages, _params(data, max_tokens))
+    return ChatRequest(messages, _params(data, max_tokens, logprobs))
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
@@ -111,13 +116,14 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
     prompt = _prompt(required(data, "prompt"))
     if data.get("echo"):
         raise InvalidRequest("'echo' is not supported.", "echo")
-    _refuse_logprobs(data)
+    logprobs = _top_logprobs(data, "logprobs")
     if data.get("suffix"):
         raise InvalidRequest("'suffix' is not supported.", "suffix")
     best_of = optional_int(data, "best_of", minimum=1)
     if best_of not in (None, 1):
         raise InvalidRequest("Only best_of=1 is supported.", "best_of")
-    return CompletionRequest(prompt, _params(data, optional_int(data, "max_tokens", minimum=1)))
+    max_tokens = optional_int(data, "max_tokens", minimum=1)
+    return CompletionRequest(prompt, _params(data, max_tokens, logprobs))
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
@@ -134,7 +140,7 @@ def _json_object(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _params(data: dict[str, Any], max_tokens: int | None) -> Params:
+def _params(data: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> Params:
     model = required(data, "model")
     if not isinstance(model, str):
         raise type_error("model", "a string", model)
@@ -180,6 +186,7 @@ def _params(data: dict[str, Any], max_tokens: int | None) -> Params:
         priority=None if data.get("priority") is None else _priority(data["priority"], "priority"),
         cache_salt=_cache_salt(data.get("cache_salt")),
         structured_output=parse_response_format(data.get("response_format")),
+        logprobs=logprobs,
     )
 
 
@@ -194,19 +201,34 @@ def _cache_salt(value: object) -> str | None:
     return value
 
 
-def _refuse_logprobs(data: dict[str, Any]) -> None:
-    # Any value but false: the chat's true, the legacy API's integer, where 0 asks for the
-    # sampled tokens' own log probabilities (0 == False, hence the identity test).
-    if data.get("logprobs") is not None and data["logprobs"] is not False:
-        raise InvalidRequest("'logprobs' is not supported.", "logprobs")
+def _top_logprobs(data: dict[str, Any], field: str) -> int | None:
+    """How many most likely tokens ``field`` asks for at each position (0: the answer's own
+    log probabilities alone); None: absent or null."""
+    value = data.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise type_error(field, "an integer", value)
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise range_error(field, f"between 0 and {MAX_TOP_LOGPROBS}", value)
+    return value
+
+
+def _chat_logprobs(data: dict[str, Any]) -> int | None:
+    """Chat's ``logprobs`` (true: each answer token's) and ``top_logprobs`` (how many most
+    likely tokens beside, which needs ``logprobs``), as one number; None: not asked."""
+    wanted = optional_bool(data, "logprobs")
+    top = _top_logprobs(data, "top_logprobs")
+    if not wanted:
+        if top:
+            raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
+        return None
+    return top or 0
 
 
 def _refuse_chat_features(data: dict[str, Any]) -> None:
-    """What a chat request may ask for that no engine here does: log probabilities, tool calls
-    (a tool list is fine with ``tool_choice`` none, which asks for none)."""
-    _refuse_logprobs(data)
-    if data.get("top_logprobs") not in (None, 0):
-        raise InvalidRequest("'top_logprobs' is not supported.", "top_logprobs")
+    """What a chat request may ask for that no engine here does: tool calls (a tool list is
+    fine with ``tool_choice`` none, which asks for none)."""
     for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
         if data.get(choice) not in (None, "none"):
             raise InvalidRequest(f"Only {choice}='none' is supported: no tool is called.", choice)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.cache_salt import MAX_CLIENT_SALT_CHARS
 from schemas.events import FinishReason
+from schemas.logprobs import MAX_TOP_LOGPROBS
 from services.ingress.admission import Priority
 from services.ingress.openai_models import (
     MAX_MESSAGES,
@@ -90,12 +91,17 @@ ResponseFormat = Annotated[
 ]
 
 
+_LOGPROBS = (
+    "each answer token's log probability; only where every worker of the model gives them "
+    "(the vllm engine), else 400"
+)
+
+
 class _Params(_Doc):
     model: str = Field(max_length=MAX_MODEL_CHARS, description="a served model's name")
     stream: bool | None = None
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     n: Literal[1] | None = None
-    logprobs: Literal[False] | None = None
     user: str | None = Field(
         None, max_length=MAX_SESSION_ID_CHARS, description="the session, unless x-session-id"
     )
@@ -122,7 +128,10 @@ class ChatCompletionRequest(_Params):
     messages: list[Message | AssistantTurn] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
     max_tokens: int | None = Field(None, ge=1)
-    top_logprobs: Literal[0] | None = None
+    logprobs: bool | None = Field(None, description=_LOGPROBS)
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="most likely tokens beside; needs logprobs"
+    )
     tools: list[Any] | None = Field(None, description="refused unless tool_choice is none")
     tool_choice: Literal["none"] | None = None
     functions: list[Any] | None = Field(None, description="refused unless function_call is none")
@@ -134,6 +143,9 @@ class CompletionRequest(_Params):
         description="a string or token ids, or an array of exactly one of these"
     )
     max_tokens: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description=f"most likely tokens beside; {_LOGPROBS}"
+    )
     echo: Literal[False] | None = None
     best_of: Literal[1] | None = None
     suffix: Literal[""] | None = None
@@ -155,17 +167,39 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopChatLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopChatLogprob):
+    top_logprobs: list[TopChatLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: Literal[0]
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
 
 
 class CompletionChoice(BaseModel):
     index: Literal[0]
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import orjson
 from starlette.types import Send
 
 from schemas.events import RequestFinished
+from schemas.logprobs import TokenLogprob
 from services.ingress.errors import ApiError
 
 Headers = list[tuple[bytes, bytes]]
@@ -38,6 +39,7 @@ class Format(ABC):
     pre-encoded pieces: it is written once per token batch, the hottest line of the ingress."""
 
     __slots__ = ("_base", "_text_head", "_text_tail")
+    # Log probabilities' objects differ only in their shape: none of them is on the hot path.
 
     id_prefix: ClassVar[str]
     chunk_object: ClassVar[str]
@@ -70,6 +72,10 @@ class Format(ABC):
     def _answer(self, text: str) -> Mapping[str, object]:
         """The choice content of a whole (not streamed) answer."""
 
+    @abstractmethod
+    def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, object]:
+        """A choice's ``logprobs`` object for ``entries``, the tokens after those before."""
+
     def opening(self) -> bytes:
         """The events that open a stream, before any text."""
         return b""
@@ -77,18 +83,30 @@ class Format(ABC):
     def delta(self, text: str) -> bytes:
         return self._text_head + orjson.dumps(text) + self._text_tail
 
+    def delta_logprobs(self, text: str, logprobs: Sequence[TokenLogprob]) -> bytes:
+        """A streamed chunk of ``text`` with its tokens' log probabilities."""
+        content = self._text(text)
+        return self._event(choices=[_choice(content, None, self._logprobs(logprobs))])
+
     def closing(self, finished: RequestFinished) -> bytes:
         out = self._event(choices=[_choice(self._last(), finished.finish_reason)])
         if "usage" in self._base:
             out += self._event(choices=[], usage=_usage(finished))
         return out + _SSE_DONE
 
-    def full(self, text: str, finished: RequestFinished) -> bytes:
+    def full(
+        self,
+        text: str,
+        finished: RequestFinished,
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> bytes:
+        """``logprobs``: the answer's tokens', where the request asked for them."""
+        choice_logprobs = None if logprobs is None else self._logprobs(logprobs)
         return orjson.dumps(
             {
                 **self._base,
                 "object": self.answer_object,
-                "choices": [_choice(self._answer(text), finished.finish_reason)],
+                "choices": [_choice(self._answer(text), finished.finish_reason, choice_logprobs)],
                 "usage": _usage(finished),
             }
         )
@@ -115,11 +133,28 @@ class ChatFormat(Format):
     def _answer(self, text: str) -> Mapping[str, object]:
         return {"message": {"role": "assistant", "content": text}}
 
+    def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, object]:
+        return {
+            "content": [
+                {
+                    **_chat_token(e.token, e.logprob),
+                    "top_logprobs": [_chat_token(t.token, t.logprob) for t in e.top],
+                }
+                for e in entries
+            ],
+            "refusal": None,
+        }
+
 
 class CompletionFormat(Format):
-    __slots__ = ()
+    __slots__ = ("_offset",)
     id_prefix = "cmpl-"
     chunk_object = answer_object = "text_completion"
+
+    def __init__(self, request_id: str, model: str, include_usage: bool = False) -> None:
+        super().__init__(request_id, model, include_usage)
+        # Where the next token's text starts in the answer (a streamed one's text_offset).
+        self._offset = 0
 
     def _text(self, text: str) -> Mapping[str, object]:
         return {"text": text}
@@ -129,6 +164,23 @@ class CompletionFormat(Format):
 
     def _answer(self, text: str) -> Mapping[str, object]:
         return self._text(text)
+
+    def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, object]:
+        offsets = []
+        offset = self._offset
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e.token)
+        self._offset = offset
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            # The sampled token beside the most likely ones, as vLLM's server gives them.
+            "top_logprobs": [
+                {**{t.token: t.logprob for t in e.top}, e.token: e.logprob} for e in entries
+            ],
+            "text_offset": offsets,
+        }
 
 
 def sse_error(error: ApiError) -> bytes:
@@ -141,8 +193,16 @@ async def send_json(send: Send, status: int, body: bytes, headers: Headers = JSO
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def _choice(content: Mapping[str, object], finish_reason: str | None) -> dict[str, object]:
-    return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+def _choice(
+    content: Mapping[str, object],
+    finish_reason: str | None,
+    logprobs: Mapping[str, object] | None = None,
+) -> dict[str, object]:
+    return {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _chat_token(token: str, logprob: float) -> dict[str, object]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
 def _usage(finished: RequestFinished) -> dict[str, object]:

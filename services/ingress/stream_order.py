@@ -48,6 +48,7 @@ def _joined(batches: list[TokensGenerated]) -> TokensGenerated:
         update={
             "token_ids": tuple(i for batch in batches for i in batch.token_ids),
             "text": "".join(batch.text for batch in batches),
+            "logprobs": tuple(p for batch in batches for p in batch.logprobs),
         }
     )
 

@@ -102,7 +102,7 @@ class Outputs:
         # Of a validated route and the engine's own tokens: nothing a validation would refuse.
         run = trusted(TokenRun, {
             "request_id": request_id, "attempt": spec.attempt, "index": chunk.position,
-            "token_ids": chunk.token_ids, "text": chunk.text,
+            "token_ids": chunk.token_ids, "text": chunk.text, "logprobs": chunk.logprobs,
         })  # fmt: skip
         self.kept.published(run)
         runs = self._runs.get(spec.reply_to)

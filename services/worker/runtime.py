@@ -122,6 +122,7 @@ class Worker:
             kv_events=self._opt.kv_events,
             kv_handoff=self._driver.portable is not None,
             structured_outputs=engine.capabilities.structured_outputs,
+            logprobs=engine.capabilities.logprobs,
             kv_bytes_per_token=engine.capabilities.kv_bytes_per_token,
             draining=self._next_role is not None or self._handlers.draining,
             pid=os.getpid(),

@@ -9,8 +9,9 @@ from typing import NamedTuple
 
 from schemas.events import FinishReason, RequestFinished, RequestSpec, TraceContext, Usage
 from schemas.latency import LatencyHistogram
+from schemas.logprobs import TokenLogprob, TopLogprob
 from services.common.tokenizer import IncrementalDetokenizer, Tokenizer
-from services.engine.protocol import RequestOutput
+from services.engine.protocol import Logprobs, RequestOutput
 
 
 class Chunk(NamedTuple):
@@ -19,6 +20,8 @@ class Chunk(NamedTuple):
     position: int
     token_ids: tuple[int, ...]
     text: str
+    # Where the request asked for them: one for each token.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 def request_detokenizer(tokenizer: Tokenizer, spec: RequestSpec) -> IncrementalDetokenizer:
@@ -119,7 +122,13 @@ class RequestStream:
         # requests into one message per ingress, so holding them back would save no message.
         chunk = None
         if ids or text:
-            chunk = Chunk(self.emitted, ids, text)
+            logprobs: tuple[TokenLogprob, ...] = ()
+            if output.logprobs and detok is not None:
+                logprobs = tuple(
+                    _named(detok, token_id, entry)
+                    for token_id, entry in zip(ids, output.logprobs, strict=True)
+                )
+            chunk = Chunk(self.emitted, ids, text, logprobs)
             self.emitted += len(ids)
         if finished:
             self.finished_at = now
@@ -158,3 +167,11 @@ class RequestStream:
             prefill_worker_id=prefill_worker_id,
             attempt=attempt,
         )
+
+
+def _named(detok: IncrementalDetokenizer, token_id: int, entry: Logprobs) -> TokenLogprob:
+    """An engine's log probabilities with each token's text, as the client reads them."""
+    top = tuple(
+        TopLogprob(token_id=t, token=detok.token_text(t), logprob=lp) for t, lp in entry.top
+    )
+    return TokenLogprob(token=detok.token_text(token_id), logprob=entry.logprob, top=top)

@@ -41,7 +41,7 @@ from services.common.hf_tokenizer import HfTokenizer
 from tests.e2e.exact import Streamed, mismatch, stream
 from tests.e2e.moves import observe_moves
 from tests.e2e.vllm_cluster import api, served_model, vllm_env
-from tests.e2e.vllm_reference import Reference
+from tests.e2e.vllm_reference import TOP_LOGPROBS, Reference
 from tests.helpers import eventually
 from tests.ingress.helpers import sse_data
 from tests.live import ClusterFactory, api_block_hashes, observe, registrations
@@ -110,6 +110,52 @@ async def test_greedy_answers_are_vllms_own(
     # Streamed, the same text: every token once, in order.
     streamed = await asyncio.gather(*(_stream(http, cluster, i) for i in range(4)))
     _assert_exact(streamed, expected)
+
+
+async def test_log_probabilities_are_vllms_own(
+    cluster: LocalCluster, http: httpx.AsyncClient, reference: Reference, vllm_model: Path
+) -> None:
+    tokenizer = HfTokenizer(vllm_model)
+    wanted = reference.logprobs()
+    for i in range(3):
+        body = {**_body(cluster, i, max_tokens=24), "logprobs": TOP_LOGPROBS}
+        whole = (await http.post("/completions", json=body)).raise_for_status().json()
+        got = whole["choices"][0]["logprobs"]
+        assert len(got["token_logprobs"]) == 24
+        ids = reference.answers()[i][:24]
+        assert got["tokens"] == [tokenizer.decode([t]) for t in ids]
+        for position, (logprob, top) in enumerate(wanted[i][:24]):
+            # Batched beside other requests, float32 sums differ in their last bits.
+            assert got["token_logprobs"][position] == pytest.approx(logprob, abs=1e-3)
+            # The legacy shape keys them by text: tokens that decode alike (parts of characters)
+            # share a key, so only the others can be told apart.
+            texts = [tokenizer.decode([t]) for t in (ids[position], *(t for t, _ in top))]
+            named = {text: lp for text, (_, lp) in zip(texts[1:], top, strict=True)}
+            named = {text: lp for text, lp in named.items() if texts.count(text) == 1}
+            seen = got["top_logprobs"][position]
+            assert set(named) <= set(seen), (position, named, seen)
+            assert all(seen[t] == pytest.approx(lp, abs=1e-3) for t, lp in named.items()), (
+                position,
+                named,
+                seen,
+            )
+        # Streamed on chat's shape, the same tokens once each.
+        chat = {
+            "model": served_model(cluster),
+            "messages": [{"role": "user", "content": f"story {i}"}],
+            "max_tokens": 8,
+            "logprobs": True,
+            "top_logprobs": 1,
+            "stream": True,
+            **GREEDY,
+        }
+        raw = (await http.post("/chat/completions", json=chat)).raise_for_status().text
+        chunks = [c for c in sse_data(raw) if c != "[DONE]" and c["choices"]]
+        carried = [c["choices"][0]["logprobs"] for c in chunks]
+        content = [e for part in carried if part for e in part["content"]]
+        assert len(content) == 8
+        for e in content:
+            assert e["top_logprobs"][0]["token"] == e["token"]  # greedy: the most likely
 
 
 async def test_the_planner_weighs_what_vllm_workers_measured_and_declared(

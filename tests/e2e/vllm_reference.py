@@ -13,9 +13,12 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 # The host memory its KV cache takes: the tiny model's prompts need a few MiB.
 _KV_CACHE_BYTES = 256 << 20
+# Most likely tokens at each position, beside each answer token's log probability.
+TOP_LOGPROBS = 2
 
 
 class Reference:
@@ -35,15 +38,23 @@ class Reference:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
             )
-        self._answers: list[list[int]] | None = None
+        self._answers: list[dict[str, Any]] | None = None
 
-    def answers(self, timeout: float = 240.0) -> list[list[int]]:
-        """The generated token ids of each prompt, in order."""
+    def _read(self, timeout: float) -> list[dict[str, Any]]:
         if self._answers is None:
             code = self._proc.wait(timeout)
             assert code == 0, self._log.read_text()[-4000:]
             self._answers = json.loads(self._out.read_text())
         return self._answers
+
+    def answers(self, timeout: float = 240.0) -> list[list[int]]:
+        """The generated token ids of each prompt, in order."""
+        return [answer["tokens"] for answer in self._read(timeout)]
+
+    def logprobs(self, timeout: float = 240.0) -> list[list[tuple[float, list[list[Any]]]]]:
+        """Each prompt's answer tokens' log probabilities, and at each position the
+        ``TOP_LOGPROBS`` most likely tokens as [id, log probability], most likely first."""
+        return [[(lp, top) for lp, top in answer["logprobs"]] for answer in self._read(timeout)]
 
     def stop(self) -> None:
         if self._proc.poll() is None:
@@ -57,7 +68,7 @@ class Reference:
         self.stop()
 
 
-def _generate(request: dict[str, object]) -> list[list[int]]:
+def _generate(request: dict[str, object]) -> list[dict[str, Any]]:
     from services.engine.vllm_engine.compat import import_vllm
 
     import_vllm()
@@ -77,9 +88,21 @@ def _generate(request: dict[str, object]) -> list[list[int]]:
     max_tokens = request["max_tokens"]
     prompts = request["prompts"]
     assert isinstance(max_tokens, int) and isinstance(prompts, list)
-    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    greedy = SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=TOP_LOGPROBS
+    )
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy)
-    return [list(out.outputs[0].token_ids) for out in outputs]
+    answers = []
+    for out in outputs:
+        completion = out.outputs[0]
+        logprobs = []
+        for token_id, position in zip(completion.token_ids, completion.logprobs or (), strict=True):
+            assert position is not None
+            ranked = sorted(position.items(), key=lambda item: item[1].rank)[:TOP_LOGPROBS]
+            top = [[t, p.logprob] for t, p in ranked]
+            logprobs.append([position[token_id].logprob, top])
+        answers.append({"tokens": list(completion.token_ids), "logprobs": logprobs})
+    return answers
 
 
 if __name__ == "__main__":

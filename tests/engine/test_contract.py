@@ -224,6 +224,34 @@ def test_a_request_the_engine_can_never_serve_is_refused_and_changes_nothing(
     assert set(outputs) == {"ok"} and len(tokens_of(outputs["ok"])) == 2
 
 
+def test_log_probabilities_come_with_each_token_or_the_request_is_refused(
+    new_engine: EngineFactory,
+) -> None:
+    engine = new_engine()
+    prompt = prompts(engine.block_size)["a"]
+    sampling = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3)
+    request = EngineRequest("r", tuple(prompt), sampling)
+    if not engine.capabilities.logprobs:
+        with pytest.raises(ValueError, match="log probabilities"):
+            engine.add_request(request)
+        assert not engine.has_work()
+        return
+    engine.add_request(request)
+    outputs = outputs_by_request(run_to_end(engine))["r"]
+    for out in outputs:
+        assert len(out.logprobs) == len(out.new_token_ids)
+        for token_id, entry in zip(out.new_token_ids, out.logprobs, strict=True):
+            ids = [t for t, _ in entry.top]
+            assert len(ids) == 3 and len(set(ids)) == 3
+            values = [lp for _, lp in entry.top]
+            assert values == sorted(values, reverse=True) and all(lp <= 0 for lp in values)
+            # Greedy: the sampled token is the most likely one.
+            assert ids[0] == token_id and entry.logprob == pytest.approx(values[0])
+    # Not asked, none given.
+    engine.add_request(make_request("plain", prompt, 3))
+    assert all(not out.logprobs for out in outputs_by_request(run_to_end(engine))["plain"])
+
+
 def test_a_request_of_max_model_len_tokens_is_served(new_engine: EngineFactory) -> None:
     engine = new_engine()
     block = engine.block_size

@@ -16,6 +16,7 @@ from schemas.events import (
     TokensGenerated,
     Usage,
 )
+from schemas.logprobs import TokenLogprob, TopLogprob
 from services.ingress.gateway import CancelReason, GatewayEvent
 
 SOURCE = "worker/fake"
@@ -23,7 +24,11 @@ SOURCE = "worker/fake"
 
 @dataclass(frozen=True)
 class Tokens:
+    """A step's text, one token a byte; ``held``: those tokens, their text not yet out (part
+    of a character, or of a possible stop string)."""
+
     text: str
+    held: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ class FakeGateway:
         try:
             for step in self.script:
                 match step:
-                    case Tokens(text):
+                    case Tokens(text, held):
                         ids = tuple(text.encode())
                         yield TokensGenerated(
                             source=SOURCE,
@@ -90,7 +95,8 @@ class FakeGateway:
                             worker_id="w0",
                             index=generated,
                             token_ids=ids,
-                            text=text,
+                            text="" if held else text,
+                            logprobs=_logprobs(ids, generated, spec.sampling.logprobs),
                         )
                         generated += len(ids)
                     case Finish(reason, cached_tokens):
@@ -133,3 +139,21 @@ class FakeGateway:
     async def cancel(self, request_id: str, reason: CancelReason) -> None:
         self.cancelled.append((request_id, reason))
         self._cancel_events[request_id].set()
+
+
+def _logprobs(ids: tuple[int, ...], position: int, top: int | None) -> tuple[TokenLogprob, ...]:
+    """Made-up log probabilities where the request asks: the answer's i-th token's is -i/10,
+    and its alternatives are the next bytes, each a tenth less likely."""
+    if top is None:
+        return ()
+    return tuple(
+        TokenLogprob(
+            token=chr(t),
+            logprob=-(position + i) / 10,
+            top=tuple(
+                TopLogprob(token_id=t + k, token=chr(t + k), logprob=-(position + i + k) / 10)
+                for k in range(top)
+            ),
+        )
+        for i, t in enumerate(ids)
+    )

@@ -269,15 +269,16 @@ BAD_CHAT = [
     (chat_body(stream="yes"), "stream"),
     (chat_body(stream_options={"include_usage": True}), "stream_options"),
     (chat_body(stream=True, stream_options={"include_usage": 1}), "stream_options.include_usage"),
-    (chat_body(logprobs=True), "logprobs"),
+    (chat_body(logprobs="yes"), "logprobs"),
     (chat_body(user=7), "user"),
     (chat_body(stop_token_ids=[-1]), "stop_token_ids[0]"),
     (chat_body(stop_token_ids=["1"]), "stop_token_ids"),
     (chat_body(seed=2**63), "seed"),
     (chat_body(seed=-(2**63) - 1), "seed"),
     (chat_body(seed=1e23), "seed"),
-    (chat_body(logprobs=True), "logprobs"),
-    (chat_body(top_logprobs=2), "top_logprobs"),
+    (chat_body(top_logprobs=2), "top_logprobs"),  # without logprobs
+    (chat_body(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (chat_body(logprobs=True, top_logprobs=1.5), "top_logprobs"),
     (chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (chat_body(tool_choice="required"), "tool_choice"),
     (chat_body(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
@@ -317,9 +318,9 @@ BAD_COMPLETION = [
     (completion_body(prompt=5), "prompt"),
     (completion_body(echo=True), "echo"),
     (completion_body(best_of=3), "best_of"),
-    (completion_body(logprobs=2), "logprobs"),
-    # 0 asks for the sampled tokens' own log probabilities.
-    (completion_body(logprobs=0), "logprobs"),
+    (completion_body(logprobs=21), "logprobs"),
+    (completion_body(logprobs=-1), "logprobs"),
+    (completion_body(logprobs=True), "logprobs"),
     (completion_body(suffix="x"), "suffix"),
 ]
 

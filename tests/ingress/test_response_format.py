@@ -19,24 +19,22 @@ from schemas.events import (
     SamplingParams,
     StructuredOutput,
 )
-from schemas.messages import ResendReply, WorkerRegistration
+from schemas.messages import ResendReply
 from schemas.plain import to_json
 from services.common.tokenizer import ByteTokenizer
 from services.engine.protocol import EngineRequest
 from services.engine.sim import SimConfig, SimEngine
 from services.ingress.api import create_app
-from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.errors import InvalidRequest
 from services.ingress.follow import Follow, Recovery
-from services.ingress.intake import Intake
 from services.ingress.mailbox import Mailbox
 from services.ingress.migration import unresumable
 from services.ingress.openai_models import parse_chat_request, parse_completion_request
 from services.ingress.response_format import MAX_SCHEMA_BYTES
 from services.ingress.settings import IngressApiSettings
 from services.ingress.worker_features import WorkerFeatures
-from tests.helpers import registration
 from tests.ingress.fakes import FakeGateway
+from tests.ingress.features import features_of, intake, worker
 from tests.ingress.helpers import MODEL, batch, chat_body, collect, request_spec
 
 # Property order is the client's: the answer gives them in that order.
@@ -112,23 +110,6 @@ def test_a_schema_just_within_the_bound_is_taken() -> None:
         completion(response_format=_schema(schema={"enum": ["x" * room]}))
     ).params.structured_output
     assert wanted is not None and len(wanted.json_schema or "") == MAX_SCHEMA_BYTES
-
-
-def worker(worker_id: str, engine: str, structured: bool, model: str = MODEL) -> WorkerRegistration:
-    return registration(worker_id).model_copy(
-        update={"engine": engine, "model": model, "structured_outputs": structured}
-    )
-
-
-async def features_of(*workers: WorkerRegistration) -> WorkerFeatures:
-    features = WorkerFeatures()
-    await features.on_workers({w.worker_id: w for w in workers})
-    return features
-
-
-def intake(features: WorkerFeatures) -> Intake:
-    settings = IngressApiSettings(instance_id="i", served_model_names=(MODEL, "other"))
-    return Intake(ByteTokenizer(), settings, WorkerContextLimit(), features)
 
 
 async def test_a_model_served_by_an_engine_without_structured_outputs_refuses_it() -> None:

@@ -14,12 +14,27 @@ from schemas import codec
 from schemas.deltas import lean_batch, runs_delta
 from schemas.events import TokenBatch, TokenRun, TraceContext
 from schemas.lean import struct_of
+from schemas.logprobs import TokenLogprob, TopLogprob
 
 
 def _batch(**fields: Any) -> TokenBatch:
     runs = (
         TokenRun(request_id="a" * 32, attempt=1, index=7, token_ids=(5, 6), text="hé"),
         TokenRun(request_id="b" * 32, index=0, token_ids=(), text=""),
+        # A request that asked for log probabilities: the lean read builds them as models.
+        TokenRun(
+            request_id="c" * 32,
+            index=2,
+            token_ids=(9,),
+            text="x",
+            logprobs=(
+                TokenLogprob(
+                    token="x",
+                    logprob=-0.25,
+                    top=(TopLogprob(token_id=9, token="x", logprob=-0.25),),
+                ),
+            ),
+        ),
     )
     return TokenBatch(source="worker/w1", worker_id="w1", runs=runs, **fields)
 

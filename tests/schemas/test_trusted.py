@@ -5,11 +5,20 @@ from __future__ import annotations
 import pytest
 
 from schemas.events import TokenRun
+from schemas.logprobs import TokenLogprob
 from schemas.trusted import trusted
 
 
 def test_a_trusted_model_equals_the_validated_one_and_dumps_alike() -> None:
-    values = {"request_id": "r", "attempt": 1, "index": 3, "token_ids": (5, 6), "text": "ab"}
+    logprobs = tuple(TokenLogprob(token=t, logprob=-0.5) for t in "ab")
+    values = {
+        "request_id": "r",
+        "attempt": 1,
+        "index": 3,
+        "token_ids": (5, 6),
+        "text": "ab",
+        "logprobs": logprobs,
+    }
     built, checked = trusted(TokenRun, dict(values)), TokenRun(**values)
     assert built == checked and built.model_dump_json() == checked.model_dump_json()
     assert built.model_fields_set == checked.model_fields_set

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.tokenizer import ByteTokenizer, IncrementalDetokenizer
-from services.engine.protocol import RequestOutput
+from services.engine.protocol import Logprobs, RequestOutput
 from services.worker.stream import Chunk, RequestStream
 
 
@@ -79,3 +79,20 @@ def test_a_continued_request_counts_cached_tokens_of_the_clients_prompt_only() -
     stream.push(out(1, finished=True, cached=112), 0.1)
     usage = stream.finished_event("worker/w", "r", None, None, "w").usage
     assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (97, 97, 31)
+
+
+def test_log_probabilities_go_out_with_their_tokens_each_named_by_its_text() -> None:
+    stream = RequestStream(3, 0.0, IncrementalDetokenizer(ByteTokenizer()))
+    # "é" is two byte tokens: the first's text waits for the second, its log probability not.
+    entries = (Logprobs(-0.5, ((0xC3, -0.5), (ord("a"), -1.5))), Logprobs(-0.1, ()))
+    output = RequestOutput("r", (0xC3, 0xA9), logprobs=entries)
+    chunk = stream.push(output, 1.0)
+    assert chunk is not None and chunk.text == "é"
+    assert [(e.token, e.logprob) for e in chunk.logprobs] == [("\ufffd", -0.5), ("\ufffd", -0.1)]
+    assert [(t.token_id, t.token, t.logprob) for t in chunk.logprobs[0].top] == [
+        (0xC3, "\ufffd", -0.5),
+        (ord("a"), "a", -1.5),
+    ]
+    # Not asked: none.
+    plain = stream.push(out(ord("b")), 2.0)
+    assert plain is not None and plain.logprobs == ()

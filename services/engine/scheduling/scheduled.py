@@ -11,7 +11,7 @@ from services.engine.protocol import (
     EngineLoad,
     EngineRequest,
     RequestOutput,
-    refuse_structured_output,
+    refuse_unsupported,
 )
 from services.engine.scheduling.block_pool import BlockPool
 from services.engine.scheduling.config import SimConfig
@@ -39,7 +39,7 @@ class ScheduledEngine:
     def _new_request(self, request: EngineRequest) -> SimRequest:
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id} is already in the engine")
-        refuse_structured_output(request, self.engine_kind)
+        refuse_unsupported(request, self.engine_kind)
         req = SimRequest.from_engine_request(request, self.block_size)
         self._check(req)
         # The KV of every token but the last sampled one; a request that can never fit would be

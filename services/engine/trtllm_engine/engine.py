@@ -24,7 +24,7 @@ from services.engine.protocol import (
     RequestOutput,
     StepResult,
     checked_prompt,
-    refuse_structured_output,
+    refuse_unsupported,
 )
 from services.engine.trtllm_engine.config import TrtllmEngineConfig, TrtllmError
 from services.engine.trtllm_engine.kv_events import KvEventTranslator
@@ -89,7 +89,7 @@ class TrtllmEngine:
         request_id = request.request_id
         prompt = checked_prompt(request, self._requests, self._max_seq_len, "context")
         # TensorRT-LLM has guided decoding of its own; no adapter of it is built.
-        refuse_structured_output(request, "trtllm")
+        refuse_unsupported(request, "trtllm")
         positions = len(prompt) + request.sampling.max_tokens
         # The KV of every token but the last sampled one must fit at once.
         needed_blocks = -(-(positions - 1) // self.block_size)

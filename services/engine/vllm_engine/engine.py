@@ -30,6 +30,7 @@ from services.engine.protocol import (
     EngineLoad,
     EngineRequest,
     KvChange,
+    Logprobs,
     RequestOutput,
     StepResult,
     checked_prompt,
@@ -111,12 +112,15 @@ class VllmEngine:
             kv_events=True,
             modelled_time=False,
             structured_outputs=True,
+            logprobs=True,
             kv_bytes_per_token=self._kv_bytes_per_token(core),
         )
         self._sampling = _sampling_class()
         self._hashes = KvHashes(self.block_size)
         # Requests held, and whether each has produced its first output yet.
         self._started: dict[str, bool] = {}
+        # The requests that asked for log probabilities, and how many most likely tokens.
+        self._top: dict[str, int] = {}
 
     # -- the Engine protocol ---------------------------------------------------------------
 
@@ -142,8 +146,11 @@ class VllmEngine:
         except self._invalid as err:  # a schema its structured-output backend refuses
             raise ValueError(f"request {request_id}: {err}") from err
         self._started[request_id] = False
+        if sampling.logprobs is not None:
+            self._top[request_id] = sampling.logprobs
 
     def abort(self, request_id: str) -> bool:
+        self._top.pop(request_id, None)
         if self._started.pop(request_id, None) is None:
             return False
         self._engine.abort_request([request_id])
@@ -162,17 +169,20 @@ class VllmEngine:
             reason = _finish_reason(completion.finish_reason) if out.finished else None
             if out.finished and reason is None:
                 self._started.pop(request_id, None)  # aborted by vLLM itself: nothing to say
+                self._top.pop(request_id, None)
                 continue
             cached = None
             if not first:
                 self._started[request_id] = True
                 cached = int(out.num_cached_tokens or 0)
                 prefill_tokens += max(0, len(out.prompt_token_ids or ()) - cached)
-            outputs.append(
-                RequestOutput(request_id, tuple(completion.token_ids), out.finished, reason, cached)
-            )
+            ids = tuple(completion.token_ids)
+            top = self._top.get(request_id)
+            logprobs = () if top is None else _logprobs(ids, completion.logprobs or (), top)
+            outputs.append(RequestOutput(request_id, ids, out.finished, reason, cached, logprobs))
             if out.finished:
                 del self._started[request_id]
+                self._top.pop(request_id, None)
         return StepResult(
             outputs=outputs,
             kv_changes=self._kv_changes(),
@@ -300,6 +310,22 @@ def _root_of(extra_keys: tuple[Any, ...]) -> int:
     return ROOT_HASH
 
 
+def _logprobs(ids: tuple[int, ...], positions: Sequence[Any], top: int) -> tuple[Logprobs, ...]:
+    """vLLM's log probabilities of the new tokens ``ids`` (a delta output's): at each position
+    the sampled token's, and the ``top`` most likely (vLLM gives those and the sampled token,
+    each with its rank)."""
+    out = []
+    for token_id, position in zip(ids, positions, strict=True):
+        ranked = sorted(position.items(), key=lambda item: item[1].rank)[:top]
+        out.append(
+            Logprobs(
+                float(position[token_id].logprob),
+                tuple((t, float(p.logprob)) for t, p in ranked),
+            )
+        )
+    return tuple(out)
+
+
 def _finish_reason(reason: str | None) -> Literal["stop", "length"] | None:
     return reason if reason in ("stop", "length") else None  # type: ignore[return-value]
 
@@ -327,6 +353,7 @@ def _sampling_class() -> Any:
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
             structured_outputs=structured(sampling.structured_output),
+            logprobs=sampling.logprobs,
         )
 
     return make
