@@ -62,8 +62,20 @@ def test_no_part_is_negative() -> None:
     assert cost.prefill_ms_per_token == pytest.approx(0.05, rel=0.05)
 
 
+def test_the_engines_warm_up_steps_do_not_count() -> None:
+    # Its first prefill and decode took seconds (a real engine's first steps warm it up).
+    fit = StepCostFit()
+    fit.observe(100, 0, 5000.0)
+    fit.observe(0, 1, 2000.0)
+    run(fit, 60, (6.0, 0.07, 9.0, 0.5), seed=4)
+    cost = fit.estimate()
+    assert cost is not None
+    assert cost.prefill_ms_per_token == pytest.approx(0.07, rel=0.1)
+    assert cost.prefill_step_ms < 12 and cost.decode_step_ms < 12
+
+
 def test_it_follows_the_hardware_when_steps_get_slower() -> None:
-    fit = StepCostFit(half_life_steps=100)
+    fit = StepCostFit(window_steps=100)
     run(fit, 300, (6.0, 0.07, 9.0, 0.5), seed=2)
     run(fit, 1000, (12.0, 0.14, 18.0, 1.0), seed=3)
     cost = fit.estimate()
