@@ -6,6 +6,7 @@ computes only the rest of the prompt, and every stream is the one its seed gives
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import httpx
 
@@ -44,6 +45,14 @@ async def streamed(http: httpx.AsyncClient, prompt: str) -> tuple[str, Streamed]
     )
 
 
+def _routes(seen: Observed, request_ids: list[str]) -> list[RouteDecided] | None:
+    """The route of each request, once every one was heard."""
+    routes = [e for rid in request_ids for e in seen.of(RouteDecided, rid)]
+    if len(routes) < len(request_ids):
+        return None
+    return [r for r in routes if isinstance(r, RouteDecided)]
+
+
 def blocks_stored(seen: Observed, worker_id: str) -> set[int]:
     return set(stored_blocks(seen.events["KvChanged"], worker_id))
 
@@ -73,18 +82,24 @@ async def test_a_hot_prefix_moves_to_an_idle_worker_and_every_stream_is_exact(
                 ),
                 timeout=20.0,
             )
-            prompts = [PREFIX + f" request {n}: " + "x" * 3000 for n in range(4)]
-            results = await asyncio.gather(*(streamed(http, p) for p in prompts))
+            # Four at once: the first queues on the prefix's worker, the next move. On a loaded
+            # machine a round can go without a move (an overlap answer late, a queue drained
+            # before the next request came): up to three rounds, each stream exact.
+            results: list[tuple[str, Streamed]] = []
+            moved: list[tuple[str, RouteDecided]] = []
+            for round_ in range(3):
+                prompts = [PREFIX + f" request {round_}.{n}: " + "x" * 3000 for n in range(4)]
+                this = await asyncio.gather(*(streamed(http, p) for p in prompts))
+                results.extend(this)
+                routes = await eventually(partial(_routes, seen, [r for r, _ in this]), timeout=5)
+                moved.extend((r.request_id or "", r) for r in routes if r.kv_move is not None)
+                if moved:
+                    break
         finally:
             await bus.close()
     wrong = [m for _, s in results if (m := mismatch(s, expected)) is not None]
     assert not wrong, wrong
-    moved = []
-    for request_id, _ in results:
-        [route] = [e for e in seen.of(RouteDecided, request_id) if isinstance(e, RouteDecided)]
-        if route.kv_move is not None:
-            moved.append((request_id, route))
-    assert moved, "no request was moved"
+    assert moved, "no request was moved in three rounds"
     for request_id, route in moved:
         move = route.kv_move
         assert move is not None and move.source_worker_id == owner != route.worker_id

@@ -84,7 +84,7 @@ async def test_a_live_run_replays_to_identical_decisions(cluster_factory: Cluste
                     continue
             served += 1
 
-    async def kill_a_worker() -> tuple[WorkerRegistration, str]:
+    async def kill_a_worker() -> tuple[WorkerRegistration, str, bool]:
         nonlocal served
         await eventually(lambda: served >= USERS * TURNS // 3, timeout=60)
         # A long answer (400 tokens of 5 ms each) is streamed; once its first token is here
@@ -115,14 +115,20 @@ async def test_a_live_run_replays_to_identical_decisions(cluster_factory: Cluste
                 pass
         victim = decoding[worker]
         os.kill(victim.pid, signal.SIGKILL)
-        async for _ in stream:  # it ends, on another worker
-            pass
+        try:
+            async for _ in stream:  # it ends, on another worker
+                pass
+        except openai.APIError as error:
+            # No decode worker at that moment (the capacity loop had moved the other away).
+            if error.code not in UNDECIDED:
+                raise
+            return victim, request_id, False
         served += 1
-        return victim, request_id
+        return victim, request_id, True
 
     killing = asyncio.create_task(kill_a_worker())
     await asyncio.gather(*(conversation(u) for u in range(USERS)))
-    victim, killed = await killing
+    victim, killed, continued = await killing
     await watch.close()
     bus = await Bus.connect(cluster.nats_url, "test-determinism")
     configs: dict[str, PlannerConfigured] = {}
@@ -149,7 +155,8 @@ async def test_a_live_run_replays_to_identical_decisions(cluster_factory: Cluste
     assert len(configs) == 2 and {e.source for e in decisions.values()} == set(configs)
     assert moves, "the capacity loop moved no worker"
     assert decisions[f"{killed}/0"].worker_id == victim.worker_id
-    assert decisions[f"{killed}/1"].worker_id != victim.worker_id
+    if continued:
+        assert decisions[f"{killed}/1"].worker_id != victim.worker_id
     assert any(c.owns_session for e in decisions.values() for c in e.candidates)
     placements = [e.prefill for e in decisions.values() if e.prefill is not None]
     assert any(p.prefill_worker_id for p in placements), [p.reason for p in placements]
