@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import logging
+import os
+from typing import Any, ClassVar
+
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger(__name__)
 
 
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LANEWAY_", extra="ignore")
+
+    # Settings renamed: each old environment variable, and the field that took it over. An old
+    # name is read for a release, with a one-line warning, so that operators' environments keep
+    # working; the new name wins where both are set.
+    renamed: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_renamed(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for old, field in cls.renamed.items():
+            value = os.environ.get(old)
+            if value is None or field in data:
+                continue
+            new = cls.model_config.get("env_prefix", "") + field.upper()
+            log.warning("%s is deprecated and goes in the next release: use %s", old, new)
+            data = {**data, field: value}
+        return data
 
     # Either may list a cluster's members, comma-separated; clients fail over between them.
     nats_url: str = "nats://127.0.0.1:4222"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable
 
 
@@ -39,3 +40,24 @@ def positive(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text[:40]}")
     return value
+
+
+def renamed(new: str) -> type[argparse.Action]:
+    """An action for a flag's old names: it stores the value under the new one's name, with a
+    one-line warning, so that users' scripts keep working for a release."""
+
+    class Renamed(argparse.Action):
+        def __call__(
+            self,
+            parser: argparse.ArgumentParser,
+            namespace: argparse.Namespace,
+            values: object,
+            option_string: str | None = None,
+        ) -> None:
+            print(
+                f"laneway: {option_string} is deprecated and goes in the next release: use {new}",
+                file=sys.stderr,
+            )
+            setattr(namespace, self.dest, values)
+
+    return Renamed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from infra.arg_types import at_least, positive
+from infra.arg_types import at_least, positive, renamed
 from infra.bench.tiers import add_tier_arguments
 from services.common.kv_transfer import KvTransferModel
 from services.common.perf_model import PERF_MODEL_NAMES
@@ -37,8 +37,19 @@ def add_perf_model_argument(parser: argparse.ArgumentParser) -> None:
         "--perf-model",
         choices=PERF_MODEL_NAMES,
         default="dynamo-mocker",
-        help="step times of the sim engine and of the kv policy's predictions (a real engine "
-        "ignores it): Dynamo mocker's model, or cheap and linear",
+        help="step times of the sim engine and of the kv policy's predictions where a worker "
+        "reports none of its own (a real engine measures its own): Dynamo mocker's model, or "
+        "cheap and linear",
+    )
+    # Its names before 2026-12-01 (`laneway up --timing`, `laneway bench --engine-preset`).
+    parser.add_argument(
+        "--timing",
+        "--engine-preset",
+        dest="perf_model",
+        choices=PERF_MODEL_NAMES,
+        default=argparse.SUPPRESS,
+        action=renamed("--perf-model"),
+        help=argparse.SUPPRESS,
     )
 
 

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from dataclasses import replace
 from importlib.metadata import version
-from typing import Literal
+from typing import ClassVar, Literal
 
 import aetcd
 from pydantic import Field
@@ -39,6 +39,8 @@ _CAPACITY = CapacitySettings()
 
 
 class PlannerSettings(FoldSettings):
+    renamed: ClassVar[dict[str, str]] = {"LANEWAY_KV_PERF_MODEL": "perf_model"}
+
     instance_id: str = Field(default_factory=new_id)
     # round_robin | random | least_loaded | kv
     policy: str = "kv"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -55,6 +55,8 @@ class WorkerOptions:
 
 
 class WorkerSettings(ServiceSettings):
+    renamed: ClassVar[dict[str, str]] = {"LANEWAY_TIMING": "perf_model"}
+
     worker_id: str = Field(default_factory=new_id)
     role: Role = "both"
     # sim: simulated timing, real KV accounting. torch, trtllm, vllm: a real model from
