@@ -39,7 +39,6 @@ class Format(ABC):
     pre-encoded pieces: it is written once per token batch, the hottest line of the ingress."""
 
     __slots__ = ("_base", "_text_head", "_text_tail")
-    # Log probabilities' objects differ only in their shape: none of them is on the hot path.
 
     id_prefix: ClassVar[str]
     chunk_object: ClassVar[str]
