@@ -85,7 +85,7 @@ def runs_delta(batch: Batch, runs: Sequence[Run]) -> TokensGenerated:
         "source": batch.source, "request_id": first.request_id, "session_id": None,
         "trace": None, "type": "TokensGenerated", "worker_id": batch.worker_id,
         "index": first.index, "token_ids": token_ids, "text": text, "attempt": first.attempt,
-        "logprobs": tuple(_logprob(p) for p in logprobs),
+        "logprobs": tuple(map(_logprob, logprobs)) if logprobs else (),
     })  # fmt: skip
 
 
