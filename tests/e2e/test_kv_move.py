@@ -99,7 +99,12 @@ async def test_a_hot_prefix_moves_to_an_idle_worker_and_every_stream_is_exact(
             await bus.close()
     wrong = [m for _, s in results if (m := mismatch(s, expected)) is not None]
     assert not wrong, wrong
-    assert moved, "no request was moved in three rounds"
+    assert moved, [
+        (r.worker_id, r.reason, [(c.worker_id, c.cached_blocks, c.cost) for c in r.candidates])
+        for rid, _ in results
+        for r in seen.of(RouteDecided, rid)
+        if isinstance(r, RouteDecided)
+    ]
     for request_id, route in moved:
         move = route.kv_move
         assert move is not None and move.source_worker_id == owner != route.worker_id
