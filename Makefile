@@ -48,7 +48,7 @@ test: $(STAMP) $(PHOENIX) $(PROMETHEUS) ## install, build the docs strictly, run
 chaos: $(STAMP) ## faults under load: node loss on 3+3 NATS/etcd, then each service and single server killed under laneway up (about 7 min)
 	$(BIN)/pytest -q -s -m chaos tests/chaos/test_node_loss.py tests/chaos/test_faults.py
 
-test-slow: $(STAMP) ## the long tests the suite leaves out: 3,000 exact streams, 4x-capacity admission, key cost, 1M-block index, Mooncake replay vs Dynamo's figures
+test-slow: $(STAMP) ## the long tests the suite leaves out: 3,000 exact streams, 4x-capacity admission, key cost, 1M-block index, Mooncake replay vs Dynamo's figures, the e2e KV move
 	$(BIN)/pytest -q -m slow
 
 test-pure: $(STAMP) ## only the tests that start no servers or processes

