@@ -100,6 +100,27 @@ class HeldHeads:
     """What the others were answered, each to its connection's end."""
     not_made: int = 0
 
+    async def at_most(self, count: int, within_s: float) -> None:
+        """Waits up to ``within_s`` for no more than ``count`` to be held, then moves those
+        that ended since into ``answers`` or ``not_made``. On a busy host the server can go
+        quiet for ``hold_heads``'s ``settle_s`` with heads still unread in its sockets; those
+        are answered once it reads them."""
+        deadline = time.monotonic() + within_s
+        while sum(not task.done() for task in self.held) > count and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        held, self.held = self.held, []
+        for task in held:
+            self.add(task)
+
+    def add(self, task: asyncio.Task[bytes]) -> None:
+        """One connection counted by what has come of it so far."""
+        if not task.done():
+            self.held.append(task)
+        elif task.exception() is not None:
+            self.not_made += 1
+        else:
+            self.answers.append(task.result())
+
     async def close(self) -> None:
         for task in self.held:
             task.cancel()
@@ -109,7 +130,8 @@ class HeldHeads:
 async def hold_heads(port: int, count: int, head_bytes: int, settle_s: float = 2.0) -> HeldHeads:
     """``count`` connections each sending ``head_bytes`` of a keyless request's head and never its
     end; once all have sent it and nothing has happened to any for ``settle_s`` (the server has
-    read every head by then, and holds those it has not answered), what came of them."""
+    read every head by then unless it is starved of CPU: see ``HeldHeads.at_most``, and holds
+    those it has not answered), what came of them."""
     head = unfinished_head(head_bytes)
     connecting = asyncio.Semaphore(_CONNECTING)
     last = [time.monotonic()]
@@ -130,12 +152,7 @@ async def hold_heads(port: int, count: int, head_bytes: int, settle_s: float = 2
         await asyncio.sleep(0.1)
     result = HeldHeads()
     for task in tasks:
-        if not task.done():
-            result.held.append(task)
-        elif task.exception() is not None:
-            result.not_made += 1
-        else:
-            result.answers.append(task.result())
+        result.add(task)
     return result
 
 

@@ -186,6 +186,7 @@ async def test_heads_within_their_limits_cannot_together_hold_more_than_the_buff
     before = _ingress_rss_mb(cluster)
     heads = await hold_heads(port, HELD_HEADS, HELD_HEAD_BYTES)
     try:
+        await heads.at_most(fit, within_s=20)
         growth = _ingress_rss_mb(cluster) - before
         assert heads.not_made == 0
         held = len(heads.held)
