@@ -20,16 +20,9 @@ from pydantic import BaseModel, ValidationError
 
 from bus.channels import Consumer, Topic
 from bus.confirms import Confirmations
-from bus.credentials import (
-    NATS_CREDS_ENV,
-    Credentials,
-    inbox_prefix,
-    is_inbox,
-    split_credentials,
-)
+from bus.credentials import is_inbox, nats_options
 from bus.provision import ensure_consumer, ensure_streams
 from bus.received import drops, for_handler, received, undecodable
-from bus.tls import nats_tls_from_env
 from observability.drops import first_line
 from observability.tracing import context_of_headers, trace_headers
 from schemas.codec import decode_as, decode_event, encode
@@ -99,25 +92,15 @@ class Bus:
         """``url`` may list several servers of one cluster, comma-separated: the connection
         moves to another (those listed, or those the cluster tells of) when its server goes.
 
-        Credentials come from the URL (``nats://user:password@host``) or else from the file
-        ``LANEWAY_NATS_CREDS_FILE`` names; TLS from ``tls`` or else the ``LANEWAY_NATS_TLS_*``
-        settings (see :mod:`bus.tls`)."""
-        creds, plain = split_credentials(url)
-        creds = creds or Credentials.from_env(NATS_CREDS_ENV)
-        login: dict[str, Any] = {}
-        if creds is not None:
-            login = {
-                "user": creds.user,
-                "password": creds.password,
-                "inbox_prefix": inbox_prefix(creds.user),
-            }
-        servers = [u.strip() for u in plain.split(",") if u.strip()]
+        Credentials as ``bus.credentials.nats_login`` finds them; TLS from ``tls`` or else the
+        ``LANEWAY_NATS_TLS_*`` settings (see :mod:`bus.tls`)."""
+        options = nats_options(url)
+        if tls is not None:
+            options["tls"] = tls
         nc = await nats.connect(
-            servers,
             name=name,
             error_cb=_log_error,
-            tls=tls or nats_tls_from_env(),
-            **login,
+            **options,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             # A server that is up but silent (partitioned, frozen) is left after about 6 s of

@@ -3,7 +3,12 @@
 Services get the path of their file in an environment variable, never the secret on their
 command line (which every user of the machine can read in ``ps``). Tools and tests may carry the
 credentials in the address instead (``nats://user:password@host:port``, ``user:password@host:port``
-for etcd), as the NATS clients do.
+for etcd, the password percent-encoded where it has ``:@/,%``), as the NATS clients do.
+
+Servers the operator runs take what they were set up with: for etcd, ``LANEWAY_ETCD_USER`` and
+``LANEWAY_ETCD_PASSWORD`` (or a client certificate, ``bus.tls``); for NATS, a user in the URL, a
+NATS credentials file (``LANEWAY_NATS_CREDENTIALS``: a user JWT and its seed, as ``nsc`` writes
+it) or an nkey seed file (``LANEWAY_NATS_NKEY``).
 """
 
 from __future__ import annotations
@@ -14,9 +19,17 @@ import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+from bus.tls import nats_tls_from_env
 
 NATS_CREDS_ENV = "LANEWAY_NATS_CREDS_FILE"
 ETCD_CREDS_ENV = "LANEWAY_ETCD_CREDS_FILE"
+ETCD_USER_ENV = "LANEWAY_ETCD_USER"
+ETCD_PASSWORD_ENV = "LANEWAY_ETCD_PASSWORD"
+NATS_JWT_CREDS_ENV = "LANEWAY_NATS_CREDENTIALS"
+NATS_NKEY_ENV = "LANEWAY_NATS_NKEY"
 
 # User names become subject tokens (a user's reply inbox) and etcd role names.
 _USER = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -34,8 +47,8 @@ class Credentials:
             raise ValueError(
                 f"a user name is 1-128 letters, digits, '_' or '-': {self.user[:64]!r}"
             )
-        if not self.password or any(c in self.password for c in ":@/,\n"):
-            raise ValueError(f"the password of {self.user} is empty or has ':@/,' or a newline")
+        if not self.password or any(c in self.password for c in "\r\n\0"):
+            raise ValueError(f"the password of {self.user} is empty or has a line end")
 
     def __repr__(self) -> str:  # keeps the password out of logs and tracebacks
         return f"Credentials(user={self.user!r})"
@@ -76,7 +89,7 @@ class Credentials:
         """``addresses`` (comma-separated, with or without a scheme) carrying these
         credentials."""
         return ",".join(
-            f"{scheme}{self.user}:{self.password}@{rest}"
+            f"{scheme}{self.user}:{quote(self.password, safe='')}@{rest}"
             for scheme, _, rest in (_parts(a) for a in addresses.split(","))
         )
 
@@ -103,9 +116,64 @@ def split_credentials(addresses: str) -> tuple[Credentials | None, str]:
         scheme, userinfo, rest = _parts(address)
         if userinfo and found is None:
             user, _, password = userinfo.partition(":")
-            found = Credentials(user, password)
+            found = Credentials(unquote(user), unquote(password))
         plain.append(scheme + rest)
     return found, ",".join(plain)
+
+
+def etcd_credentials(endpoints: str) -> Credentials | None:
+    """Who a process is to etcd: the user in ``endpoints``, else the file
+    ``LANEWAY_ETCD_CREDS_FILE`` names (a service's own, from ``laneway up`` or ``laneway bus
+    provision``), else ``LANEWAY_ETCD_USER`` and ``LANEWAY_ETCD_PASSWORD``; None for an etcd
+    without auth (or one that knows its clients by certificate)."""
+    found = split_credentials(endpoints)[0] or Credentials.from_env(ETCD_CREDS_ENV)
+    if found is not None:
+        return found
+    user, password = os.environ.get(ETCD_USER_ENV), os.environ.get(ETCD_PASSWORD_ENV)
+    if not user:
+        if password:
+            raise ValueError(f"{ETCD_PASSWORD_ENV} is set without {ETCD_USER_ENV}")
+        return None
+    return _checked(user, password or "", ETCD_PASSWORD_ENV)
+
+
+def nats_options(url: str) -> dict[str, Any]:
+    """nats-py's connect options for ``url`` (several servers, comma-separated): its servers
+    without credentials, the login (``nats_login``) and TLS (``bus.tls``)."""
+    servers = [u.strip() for u in split_credentials(url)[1].split(",") if u.strip()]
+    return {"servers": servers, "tls": nats_tls_from_env(), **nats_login(url)}
+
+
+def nats_login(url: str) -> dict[str, Any]:
+    """nats-py's connect options that log a process in: the user in ``url``, else the file
+    ``LANEWAY_NATS_CREDS_FILE`` names, else a NATS credentials file or an nkey seed file; none
+    for a server that lets anyone in (or knows its clients by certificate)."""
+    creds = split_credentials(url)[0] or Credentials.from_env(NATS_CREDS_ENV)
+    if creds is not None:
+        return {
+            "user": creds.user,
+            "password": creds.password,
+            "inbox_prefix": inbox_prefix(creds.user),
+        }
+    jwt, nkey = os.environ.get(NATS_JWT_CREDS_ENV), os.environ.get(NATS_NKEY_ENV)
+    if jwt and nkey:
+        raise ValueError(f"set {NATS_JWT_CREDS_ENV} or {NATS_NKEY_ENV}, not both")
+    options = {NATS_JWT_CREDS_ENV: "user_credentials", NATS_NKEY_ENV: "nkeys_seed"}
+    for variable, option in options.items():
+        path = os.environ.get(variable)
+        if path:
+            if not Path(path).is_file():
+                raise ValueError(f"{variable}: no file {path}")
+            return {option: path}
+    return {}
+
+
+def _checked(user: str, password: str, variable: str) -> Credentials:
+    """Credentials from settings, a bad one named by its variable."""
+    try:
+        return Credentials(user, password)
+    except ValueError as exc:
+        raise ValueError(f"{variable}: {exc}") from None
 
 
 def _parts(address: str) -> tuple[str, str, str]:

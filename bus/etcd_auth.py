@@ -32,15 +32,19 @@ async def enable_auth(
     users: dict[Identity, Credentials],
     timeout: int = 5,
     tls: TlsFiles | None = None,
-) -> None:
-    """TLS from ``tls`` or else the ``LANEWAY_ETCD_TLS_*`` settings, as every service's."""
+    turn_on: bool = True,
+) -> bool:
+    """TLS from ``tls`` or else the ``LANEWAY_ETCD_TLS_*`` settings, as every service's.
+    ``turn_on``: where auth is off, turn it on (else the users wait for the operator to).
+    Whether auth is on now."""
     if root.user != ROOT:
         raise ValueError(f"etcd's bootstrap user is {ROOT}, not {root.user}")
     client, enabled = await _as_root(endpoints, root, timeout, tls)
     try:
-        await _Bootstrap(client).run(root, users, enable=not enabled)
+        await _Bootstrap(client).run(root, users, enable=turn_on and not enabled)
     finally:
         await client.close()
+    return enabled or turn_on
 
 
 async def remove_users(

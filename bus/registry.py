@@ -19,7 +19,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import aetcd
 
-from bus.credentials import ETCD_CREDS_ENV, Credentials, split_credentials
+from bus.credentials import Credentials, etcd_credentials, split_credentials
 from bus.etcd_tls import TlsClient
 from bus.skipped import Skipped
 from bus.tls import TlsFiles
@@ -49,10 +49,9 @@ def etcd_endpoints(endpoints: str) -> list[tuple[str, int]]:
 
 
 def connect_etcd(endpoints: str) -> EtcdCluster:
-    """Credentials come from the endpoints (``user:password@host:port``) or else from the file
-    ``LANEWAY_ETCD_CREDS_FILE`` names; none for an etcd without auth. TLS where
+    """Credentials as ``bus.credentials.etcd_credentials`` finds them. TLS where
     ``LANEWAY_ETCD_TLS_CA`` is set (``bus.tls``)."""
-    creds = split_credentials(endpoints)[0] or Credentials.from_env(ETCD_CREDS_ENV)
+    creds = etcd_credentials(endpoints)
     return EtcdCluster(etcd_endpoints(endpoints), credentials=creds, tls=TlsFiles.from_env("ETCD"))
 
 

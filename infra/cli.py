@@ -36,8 +36,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = sub.add_parser("up", help="start the whole local cluster and serve the OpenAI API")
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     up.add_argument("--port", type=port, default=8000, help="HTTP port of the OpenAI API")
-    up.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
-    up.add_argument("--etcd-endpoints", help="use this etcd (host:port) instead of an embedded one")
+    bench.add_server_arguments(up, "an embedded one")
     up.add_argument(
         "--ha",
         action="store_true",
@@ -180,6 +179,7 @@ def _up(args: argparse.Namespace) -> int:
             policy=args.policy,
             api_auth=not args.no_auth,
             auth=not args.no_bus_auth,
+            bus_credentials=args.bus_credentials.resolve() if args.bus_credentials else None,
             api_tls=tls,
             bus_tls=args.bus_tls_dir.resolve() if args.bus_tls_dir else None,
             env={
@@ -252,6 +252,7 @@ _COMMANDS: dict[str, str | Callable[..., None]] = {
     "replay": "infra.debug.replay",
     "status": "infra.status",
     "keys": "infra.keys",
+    "bus": "infra.bus_provision",
 }
 
 

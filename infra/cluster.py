@@ -22,6 +22,8 @@ from pathlib import Path
 
 import httpx
 
+from bus.credentials import split_credentials
+from bus.permissions import Identity
 from bus.registry import PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
 from bus.tls import BusTlsDir
 from infra.bus_servers import bus_tls, embedded_etcd, embedded_nats
@@ -31,15 +33,17 @@ from infra.cluster_auth import (
     ClusterAuth,
     identity_of,
     open_etcd,
+    provide,
     secure,
 )
 from infra.cluster_plan import ClusterConfig, Service, plan_services
 from infra.embedded import EmbeddedServer, die_with_parent, is_nats
 from infra.keys import STARTUP_KEY_FILE, startup_key
 from infra.metrics_targets import assign_metrics_ports
+from infra.provisioned import NoIdentityLeft, Provisioned
 from infra.startup import StartupError, check_port_free, check_reachable, log_cause
 from infra.statedir import StateDir, open_log
-from infra.supervisor import Child, Supervisor
+from infra.supervisor import Child, GaveUp, Supervisor
 from schemas.events import new_id
 
 logger = logging.getLogger(__name__)
@@ -54,6 +58,7 @@ class LocalCluster:
         self.etcd_endpoints = config.etcd_endpoints or ""
         self.state = StateDir(config.state_dir)
         self._auth: ClusterAuth | None = None
+        self._provisioned = Provisioned(config.bus_credentials or config.state_dir)
         # The key this run made for itself, where the API takes keys.
         self.api_key: str | None = None
 
@@ -81,11 +86,7 @@ class LocalCluster:
             self.logs.mkdir(mode=0o700, parents=True, exist_ok=True)
             # Planned first: the embedded servers' users are the services' identities.
             self.services = plan_services(cfg)
-            self._auth = auth = (
-                ClusterAuth(cfg.state_dir / AUTH_FOLDER, [identity_of(s) for s in self.services])
-                if cfg.auth
-                else None
-            )
+            self._auth = auth = self._plan_auth()
             users = auth.nats_authorization() if auth and not cfg.nats_url else ""
             if not cfg.nats_url:
                 self.nats_url = self._embed(
@@ -104,6 +105,34 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+
+    def _plan_auth(self) -> ClusterAuth | None:
+        """Whose credentials each planned service gets: users made here for the embedded
+        servers, or those `laneway bus provision` made on the operator's (each service's id
+        then one of its users')."""
+        cfg = self.config
+        if cfg.bus_credentials is not None:
+            if not (cfg.nats_url and cfg.etcd_endpoints):
+                raise StartupError(
+                    "--bus-credentials is for servers given by --nats-url and --etcd-endpoints"
+                )
+            self._provisioned = Provisioned(cfg.bus_credentials)
+            try:
+                provide(self.services, self._provisioned)
+            except NoIdentityLeft as exc:
+                raise StartupError(str(exc)) from None
+            return ClusterAuth(cfg.bus_credentials, self._identities(), provisioned=True)
+        return ClusterAuth(cfg.state_dir / AUTH_FOLDER, self._identities()) if cfg.auth else None
+
+    def _identities(self) -> list[Identity]:
+        return [identity_of(s) for s in self.services]
+
+    def _embedded(self) -> tuple[str, ...]:
+        """The servers this cluster runs itself, where each service gets a user of its own."""
+        cfg = self.config
+        return tuple(
+            s for s, given in (("nats", cfg.nats_url), ("etcd", cfg.etcd_endpoints)) if not given
+        )
 
     def _embed(self, servers: list[EmbeddedServer]) -> str:
         """Keep started servers for stopping; their URLs as the services take them."""
@@ -137,12 +166,20 @@ class LocalCluster:
         common = {"LANEWAY_NATS_URL": self.nats_url, "LANEWAY_ETCD_ENDPOINTS": self.etcd_endpoints}
         if tls is not None:
             common.update(tls.env())
-        if auth is not None:
-            nats, etcd = not cfg.nats_url, not cfg.etcd_endpoints
+        # The servers on which each service has a user of its own.
+        ours = self._embedded()
+        replicas = 3 if cfg.ha else 1
+        if auth is not None and auth.provisioned:
+            ours = self._provisioned.servers()
+            self.nats_url = secure(auth, self.nats_url, "", replicas, nats=True, etcd=False)[0]
+            if "etcd" in ours:
+                self.etcd_endpoints = auth.admin("etcd").within(self.etcd_endpoints)
+        elif auth is not None:
             self.nats_url, self.etcd_endpoints = secure(
-                auth, self.nats_url, self.etcd_endpoints, 3 if cfg.ha else 1, nats, etcd
+                auth, self.nats_url, self.etcd_endpoints, replicas, "nats" in ours, "etcd" in ours
             )
-        elif not cfg.etcd_endpoints:
+        _say_given_credentials(cfg, ours if auth is not None else ())
+        if auth is None and not cfg.etcd_endpoints:
             try:
                 open_etcd(cfg.state_dir / AUTH_FOLDER, self.etcd_endpoints)
             except PermissionError as exc:
@@ -153,8 +190,8 @@ class LocalCluster:
         for service in self.services:
             service.env.update(common)
             if auth is not None:
-                service.env.update(auth.env(identity_of(service)))
-                if not cfg.nats_url:
+                service.env.update(auth.env(identity_of(service), ours))
+                if "nats" in ours:
                     service.env.update(BY_ADMIN_ENV)
 
     def spawn(self, service: Service) -> None:
@@ -195,14 +232,27 @@ class LocalCluster:
         predecessor's lease and route consumer must not be taken for its own. With auth on it
         gets credentials for the new id."""
         before = identity_of(service)
-        service.env["LANEWAY_WORKER_ID"] = new_id()
-        if self._auth is not None:
+        auth = self._auth
+        if auth is not None and auth.provisioned:
+            in_use = {identity_of(s) for s in self.services}
+            try:
+                identity = self._provisioned.take("worker", in_use)
+            except NoIdentityLeft as exc:
+                raise GaveUp(f"{service.name} cannot start again: {exc}") from None
+            service.env["LANEWAY_WORKER_ID"] = identity.instance
+            at = split_credentials(self.nats_url)[1]
+            auth.add(identity, [], None, replaces=before, durables_at=at)
+            service.env.update(auth.env(identity, self._provisioned.servers()))
+        elif auth is not None:
+            service.env["LANEWAY_WORKER_ID"] = new_id()
             identity = identity_of(service)
             cfg = self.config
             nats = [] if cfg.nats_url else [s for s in self.servers if is_nats(s)]
             etcd = None if cfg.etcd_endpoints else self.etcd_endpoints
-            self._auth.add(identity, nats, etcd, replaces=before)
-            service.env.update(self._auth.env(identity))
+            auth.add(identity, nats, etcd, replaces=before)
+            service.env.update(auth.env(identity, self._embedded()))
+        else:
+            service.env["LANEWAY_WORKER_ID"] = new_id()
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
@@ -324,6 +374,22 @@ class LocalCluster:
         pids = {f"{s.name} (embedded)": s.proc.pid for s in self.servers}
         pids.update({s.name: s.proc.pid for s in self.services if s.proc is not None})
         return pids
+
+
+def _say_given_credentials(cfg: ClusterConfig, ours: tuple[str, ...]) -> None:
+    """Once per start: on the servers given where the services have no users of their own,
+    they share whatever credentials those were given with (none, where they let anyone in)."""
+    given = [
+        f"{name} at {split_credentials(address)[1]}"
+        for name, address in (("nats", cfg.nats_url), ("etcd", cfg.etcd_endpoints))
+        if address and name not in ours
+    ]
+    if given:
+        logger.warning(
+            "every service uses the credentials given for %s; `laneway bus provision` makes a "
+            "user per service with only what it needs (docs/operations.md)",
+            " and ".join(given),
+        )
 
 
 def _ready(service: Service) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ from bus.provision import delete_consumer, ensure_consumer, ensure_streams
 from bus.tls import nats_tls_from_env
 from bus.topology import worker_routes
 from infra.embedded import EmbeddedServer, reload_nats
+from infra.provisioned import Provisioned
 
 ADMIN = Identity("admin")
 # The credentials' folder in a `laneway up`'s state dir.
@@ -74,6 +76,21 @@ async def _wait_login(url: str, timeout: float = 10.0) -> None:
             if asyncio.get_running_loop().time() > deadline:
                 raise
             await asyncio.sleep(0.1)
+
+
+def provide(services: Sequence[Planned], provisioned: Provisioned) -> None:
+    """Each planned service's id set to one of ``provisioned``'s users (a worker's spent), so
+    that it runs as that user; NoIdentityLeft where there are too few."""
+    provisioned.check()
+    taken: set[Identity] = set()
+    for service in services:
+        role = identity_of(service).role
+        if role == "planner":  # its replicas share one user
+            continue
+        identity = provisioned.take(role, taken)
+        taken.add(identity)
+        variable = "LANEWAY_WORKER_ID" if role == "worker" else "LANEWAY_INSTANCE_ID"
+        service.env[variable] = identity.instance
 
 
 def admin_within(service_creds: str | None, addresses: str) -> str:
@@ -147,8 +164,12 @@ def open_etcd(folder: Path, etcd_endpoints: str) -> None:
 
 
 class ClusterAuth:
-    def __init__(self, folder: Path, identities: list[Identity]) -> None:
+    """``provisioned``: the folder of ``laneway bus provision``, whose users the operator's
+    servers know: nothing is made here, and a user it lacks is an error."""
+
+    def __init__(self, folder: Path, identities: list[Identity], provisioned: bool = False) -> None:
         self.folder = folder
+        self.provisioned = provisioned
         # Replicas that share an identity (the planners) share its user.
         self.identities = list(dict.fromkeys([ADMIN, *identities]))
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -161,6 +182,8 @@ class ClusterAuth:
         path = self.path(server, user)
         if path.exists():
             return Credentials.read(path)
+        if self.provisioned:
+            raise FileNotFoundError(f"{path}: {self.folder} provisions no {server} user {user}")
         creds = Credentials.new(user)
         creds.write(path)
         return creds
@@ -189,17 +212,22 @@ class ClusterAuth:
         nats_servers: list[EmbeddedServer],
         etcd_endpoints: str | None,
         replaces: Identity | None = None,
+        durables_at: str | None = None,
     ) -> None:
         """A new identity on the running embedded servers (a worker restarted under a new id,
         ``replaces`` the one it had, which is retired: its users and durable deleted, its
         credentials' files removed, so that whoever holds them holds nothing): the NATS servers
         reload their users, the admin makes its durable, etcd (None: not ours) gets its user and
-        role. Returns once NATS lets it in, or says in the log why it may not."""
+        role. Returns once NATS lets it in, or says in the log why it may not. On servers the
+        operator runs (``provisioned``), the users exist already: ``durables_at`` is the NATS
+        where the admin makes the new durable and deletes the old."""
         kept = [i for i in self.identities if i != replaces]
         self.identities = list(dict.fromkeys([*kept, identity]))
-        users = self.nats_authorization()
-        for server in nats_servers:
-            reload_nats(server, users)
+        if nats_servers:
+            users = self.nats_authorization()
+            for server in nats_servers:
+                reload_nats(server, users)
+        durables_at = durables_at or ",".join(server.url for server in nats_servers)
 
         async def run() -> None:
             if etcd_endpoints is not None:
@@ -207,9 +235,8 @@ class ClusterAuth:
                 await enable_auth(etcd_endpoints, self.etcd_root, creds)
                 if replaces is not None:
                     await remove_users(etcd_endpoints, self.etcd_root, [replaces.user])
-            if nats_servers:
-                urls = ",".join(server.url for server in nats_servers)
-                bus = await Bus.connect(self.admin("nats").within(urls), "laneway-up")
+            if durables_at:
+                bus = await Bus.connect(self.admin("nats").within(durables_at), "laneway-up")
                 try:
                     await _durables(bus, identity, made=True)
                     if replaces is not None:
@@ -239,9 +266,9 @@ class ClusterAuth:
     def admin(self, server: str) -> Credentials:
         return self.credentials(server, ADMIN.user)
 
-    def env(self, identity: Identity) -> dict[str, str]:
-        """What hands a service its credentials: paths, not secrets."""
-        return {
-            NATS_CREDS_ENV: str(self.path("nats", identity.user)),
-            ETCD_CREDS_ENV: str(self.path("etcd", identity.user)),
-        }
+    def env(
+        self, identity: Identity, servers: tuple[str, ...] = ("nats", "etcd")
+    ) -> dict[str, str]:
+        """What hands a service its credentials for ``servers``: paths, not secrets."""
+        variables = {"nats": NATS_CREDS_ENV, "etcd": ETCD_CREDS_ENV}
+        return {variables[server]: str(self.path(server, identity.user)) for server in servers}

@@ -45,6 +45,9 @@ class ClusterConfig:
     # A NATS user per service with only its subjects, and etcd auth, on the embedded servers
     # (servers given by URL are their operator's to secure); False for experiments.
     auth: bool = True
+    # The folder of `laneway bus provision` for the NATS and etcd given by URL: each service
+    # runs there as a user of its own, which the operator's servers know.
+    bus_credentials: Path | None = None
     # How `supervise` restarts a child that exits.
     restart: RestartPolicy = field(default_factory=RestartPolicy)
 

@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal, cast
 import orjson
 from pydantic import ValidationError
 
-from bus.credentials import split_credentials
+from bus.credentials import nats_options, split_credentials
 from schemas.codec import current_version, decode_event, event_from
 from schemas.events import (
     Event,
@@ -230,12 +230,12 @@ async def read_log(
 
     try:
         nc = await nats.connect(
-            nats_url,
             name="laneway-record",
             allow_reconnect=False,
             max_reconnect_attempts=1,
             connect_timeout=2,
             error_cb=failed,
+            **nats_options(nats_url),
         )
     except (OSError, NatsError) as err:
         cause = causes[-1] if causes else str(err)

@@ -25,7 +25,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from bus.credentials import inbox_prefix, split_credentials
+from bus.credentials import inbox_prefix, nats_options, split_credentials
 from bus.registry import LEADER_KEY, PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
 from bus.topology import KV, LOAD, Subjects, worker_routes
 from infra import status_local
@@ -180,11 +180,11 @@ async def _nats_server(url: str) -> tuple[dict[str, Any], NatsClient | None]:
         # nats-py keeps trying a lone server that refuses, reconnects off or not.
         nc = await asyncio.wait_for(
             nats.connect(
-                url,
                 name="laneway-status",
                 connect_timeout=_CONNECT_TIMEOUT_S,
                 allow_reconnect=False,
                 error_cb=quiet,
+                **nats_options(url),
             ),
             _CONNECT_TIMEOUT_S,
         )

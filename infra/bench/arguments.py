@@ -32,6 +32,20 @@ def add_disagg_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_server_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """The NATS and etcd a cluster uses where the operator runs them (``what``: the command's
+    words for the embedded ones), and who the services are there."""
+    parser.add_argument("--nats-url", help=f"use this NATS instead of {what}")
+    parser.add_argument("--etcd-endpoints", help=f"use this etcd (host:port) instead of {what}")
+    parser.add_argument(
+        "--bus-credentials",
+        type=Path,
+        metavar="DIR",
+        help="with --nats-url and --etcd-endpoints: the folder of `laneway bus provision`; each "
+        "service runs as a user of its own there (by default all use the credentials given)",
+    )
+
+
 def add_perf_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--perf-model",
@@ -211,8 +225,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         help="live, sim engine: run the whole replay this many times faster (times are scaled "
         "back; a real engine's time cannot be: --speedup compresses its arrivals)",
     )
-    bench.add_argument("--nats-url", help="live: use this NATS instead of an embedded one")
-    bench.add_argument("--etcd-endpoints", help="live: use this etcd instead of an embedded one")
+    add_server_arguments(bench, "live: an embedded one")
     bench.add_argument("--json", type=Path, help="write the reports here")
     bench.add_argument("--plot", type=Path, help="write a PNG here")
     bench.add_argument(

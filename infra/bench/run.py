@@ -144,6 +144,7 @@ def _live(
                 http_port=free_port(),
                 nats_url=args.nats_url,
                 etcd_endpoints=args.etcd_endpoints,
+                bus_credentials=args.bus_credentials.resolve() if args.bus_credentials else None,
                 workers=decode,
                 prefill_workers=prefill,
                 policy=policy,

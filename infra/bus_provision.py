@@ -1,0 +1,143 @@
+"""`laneway bus provision`: least privilege on a NATS and an etcd the operator runs.
+
+Run once (and again for more users) with etcd's root: it makes a user per service identity
+(``bus.permissions``: each with only its subjects and keys, as on the servers `laneway up`
+embeds) and writes, in a folder of the operator's choosing (0700, each file 0600):
+
+- ``nats-accounts.conf``: the NATS accounts and users, for nats-server's configuration
+  (``include``), taking effect on its next reload;
+- ``nats/<user>.json`` and ``etcd/<user>.json``: each service's credentials, for
+  ``laneway up --bus-credentials`` (which hands each service the path of its own);
+- the etcd users and roles themselves, made at once where etcd takes users.
+
+Worker users are spent as workers start (``infra.provisioned``): run it again to add fresh ones
+(``--workers`` counts the unspent) and to drop the spent from NATS and etcd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from bus.credentials import ETCD_PASSWORD_ENV, ETCD_USER_ENV, etcd_credentials, split_credentials
+from bus.etcd_auth import enable_auth, remove_users
+from bus.permissions import Identity
+from infra.arg_types import at_least
+from infra.cluster_auth import ADMIN, ClusterAuth
+from infra.provisioned import NATS_ACCOUNTS_FILE, Provisioned
+from schemas.events import new_id
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """How many unspent users of each keyed role the folder should hold."""
+
+    workers: int = 16
+    ingresses: int = 1
+    indexers: int = 1
+
+
+@dataclass(frozen=True)
+class Provisioning:
+    identities: list[Identity]
+    etcd: str
+    """What was done on etcd, in words."""
+
+
+def provision(folder: Path, wanted: Wanted, etcd_endpoints: str | None) -> Provisioning:
+    """The folder's users topped up to ``wanted`` (the spent ones dropped), the NATS accounts
+    file written, and, with ``etcd_endpoints`` where root's credentials are given, the etcd
+    users and roles made (those of spent users deleted)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    (folder / "nats").mkdir(mode=0o700, exist_ok=True)
+    held = Provisioned(folder)
+    spent = held.spent()
+    kept = held.unspent()
+    for identity in held.identities():
+        if identity.user in spent:
+            for server in ("nats", "etcd"):
+                (folder / server / f"{identity.user}.json").unlink(missing_ok=True)
+    identities = list(dict.fromkeys([ADMIN, Identity("planner"), *kept]))
+    identities += [
+        Identity("kv-indexer", f"indexer-{i}")
+        for i in range(wanted.indexers)
+        if Identity("kv-indexer", f"indexer-{i}") not in identities
+    ]
+    ingresses = sum(identity.role == "ingress" for identity in identities)
+    identities += [Identity("ingress", new_id()) for _ in range(wanted.ingresses - ingresses)]
+    workers = sum(identity.role == "worker" for identity in identities)
+    identities += [Identity("worker", new_id()) for _ in range(wanted.workers - workers)]
+    auth = ClusterAuth(folder, identities)
+    accounts = auth.nats_authorization()  # makes each NATS user's credentials
+    path = folder / NATS_ACCOUNTS_FILE
+    path.unlink(missing_ok=True)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(accounts)
+    done = _etcd(auth, etcd_endpoints, sorted(spent)) if etcd_endpoints else "not given"
+    return Provisioning(auth.identities, done)
+
+
+def _etcd(auth: ClusterAuth, endpoints: str, spent: list[str]) -> str:
+    root = etcd_credentials(endpoints)
+    shown = split_credentials(endpoints)[1]
+    if root is None:
+        return (
+            f"no users made at {shown}: give its root as {ETCD_USER_ENV} and {ETCD_PASSWORD_ENV} "
+            "(or in the endpoints) to make them; the services use none meanwhile"
+        )
+
+    async def run() -> bool:
+        on = await enable_auth(endpoints, root, auth.etcd_users(), turn_on=False)
+        if spent:
+            await remove_users(endpoints, root, spent)
+        return on
+
+    on = asyncio.run(run())
+    made = f"{len(auth.identities)} users and roles made at {shown}"
+    return made if on else made + " (its auth is off: they take effect once it is on)"
+
+
+def _provision(args: argparse.Namespace) -> int:
+    wanted = Wanted(args.workers, args.ingresses, args.kv_indexers)
+    done = provision(args.out, wanted, args.etcd_endpoints)
+    roles = [identity.role for identity in done.identities]
+    counts = ", ".join(f"{roles.count(role)} {role}" for role in dict.fromkeys(roles))
+    accounts = (args.out / NATS_ACCOUNTS_FILE).resolve()
+    print(f"laneway bus provision: users for {counts} in {args.out}")
+    print(f"  NATS: include {accounts} in nats-server's configuration (`include` takes a path")
+    print("        from the configuration's folder) and reload it (nats-server --signal reload)")
+    print(f"  etcd: {done.etcd}")
+    print(
+        "  then: laneway up --nats-url nats://HOST:PORT --etcd-endpoints HOST:PORT "
+        f"--bus-credentials {args.out}"
+    )
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bus = sub.add_parser("bus", help="NATS and etcd users for servers you run yourself")
+    commands = bus.add_subparsers(dest="bus_command", required=True)
+    prov = commands.add_parser(
+        "provision",
+        help="a user per service with only what it needs: NATS accounts to include, etcd users "
+        "made, each service's credentials written (see docs/operations.md)",
+    )
+    prov.add_argument("--out", type=Path, required=True, help="folder for the credentials")
+    prov.add_argument(
+        "--etcd-endpoints",
+        help="etcd (host:port) to make the users on, as its root (LANEWAY_ETCD_USER and "
+        "LANEWAY_ETCD_PASSWORD, or root:PASSWORD@host:port); left out: NATS users only",
+    )
+    prov.add_argument(
+        "--workers",
+        type=at_least(1),
+        default=16,
+        help="unspent worker users to hold: each worker start, restarts included, spends one",
+    )
+    prov.add_argument("--ingresses", type=at_least(1), default=1, help="ingress users")
+    prov.add_argument("--kv-indexers", type=at_least(1), default=1, help="kv-indexer users")
+    prov.set_defaults(func=_provision)

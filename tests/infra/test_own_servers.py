@@ -1,0 +1,223 @@
+"""`laneway up` on a NATS and an etcd the operator runs with auth of their own (issue 38): with
+the credentials given (a user in the URL, etcd's root from LANEWAY_ETCD_USER/PASSWORD), and
+after `laneway bus provision`, each service as a user of its own. The servers are real and
+started here as an operator would run them: nats-server with a users list, etcd with auth on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import nats
+import nkeys
+import pytest
+
+from bus.client import Bus
+from bus.credentials import NATS_CREDS_ENV, NATS_NKEY_ENV, Credentials, split_credentials
+from bus.etcd_auth import enable_auth
+from bus.permissions import etcd_grants
+from bus.registry import connect_etcd
+from infra.cli import main
+from infra.cluster import LocalCluster
+from infra.embedded import EmbeddedServer, start_etcd, start_nats
+from infra.ports import free_port
+from infra.provisioned import NATS_ACCOUNTS_FILE, Provisioned, identity_of_user
+from tests.live import ClusterFactory
+
+pytestmark = pytest.mark.live  # real nats-server and etcd, and a cluster on them
+
+# Every character a URL's user part must escape, so that the URL's reading is tested too.
+OP_PASSWORD = "p@ss:w/rd,%x"
+ROOT_PASSWORD = "root-pw"
+
+
+@dataclass
+class OwnServers:
+    nats: EmbeddedServer
+    etcd: EmbeddedServer
+    monitor: int
+    nkey_public: str
+
+    @property
+    def nats_plain(self) -> str:
+        return self.nats.url
+
+    @property
+    def etcd_plain(self) -> str:
+        return split_credentials(self.etcd.url)[1]
+
+    @property
+    def conf(self) -> Path:
+        return Path(self.nats.args[self.nats.args.index("-c") + 1])
+
+
+def _user_seed() -> bytes:
+    return bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+
+
+@pytest.fixture
+def own_servers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[OwnServers]:
+    """nats-server (JetStream) whose users are an operator's (a password user and an nkey user:
+    nothing anonymous), and etcd with auth on as its root; the root's credentials in
+    LANEWAY_ETCD_USER/LANEWAY_ETCD_PASSWORD, as an operator sets them (services inherit them)."""
+    seed = _user_seed()
+    (tmp_path / "user.nk").write_bytes(seed)
+    public = nkeys.from_seed(bytearray(seed)).public_key.decode()
+    monitor = free_port()
+    users = (
+        f'http: "127.0.0.1:{monitor}"\n'
+        f"authorization {{ users: [ {{user: op, password: {json.dumps(OP_PASSWORD)}}}, "
+        f"{{nkey: {public}}} ] }}\n"
+    )
+    nats_server = start_nats(tmp_path / "nats", authorization=users)
+    etcd = start_etcd(tmp_path / "etcd")
+    try:
+        asyncio.run(enable_auth(etcd.url, Credentials("root", ROOT_PASSWORD), {}))
+        monkeypatch.setenv("LANEWAY_ETCD_USER", "root")
+        monkeypatch.setenv("LANEWAY_ETCD_PASSWORD", ROOT_PASSWORD)
+        yield OwnServers(nats_server, etcd, monitor, public)
+    finally:
+        nats_server.stop()
+        etcd.stop()
+
+
+def _complete(cluster: LocalCluster) -> None:
+    reply = httpx.post(
+        cluster.config.base_url + "/completions",
+        json={"model": "laneway-sim", "prompt": "Once upon", "max_tokens": 4},
+        headers=cluster.api_headers,
+        timeout=30,
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 4
+
+
+async def _refused(url: str) -> bool:
+    async def quiet(_: Exception) -> None:
+        return None
+
+    try:
+        nc = await nats.connect(url, allow_reconnect=False, error_cb=quiet, connect_timeout=2)
+    except Exception:
+        return True
+    await nc.close()
+    return False
+
+
+def test_up_serves_with_the_credentials_given(
+    own_servers: OwnServers, cluster_factory: ClusterFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert asyncio.run(_refused(own_servers.nats_plain))  # the server takes no stranger
+    user_url = own_servers.nats_plain.replace("://", f"://op:{quote(OP_PASSWORD, safe='')}@")
+    cluster = cluster_factory(workers=1, nats_url=user_url, etcd_endpoints=own_servers.etcd_plain)
+    try:
+        _complete(cluster)
+        for service in cluster.services:  # no files of users the servers do not know
+            assert NATS_CREDS_ENV not in service.env, service.name
+        state = str(cluster.config.state_dir)
+        assert main(["status", "--state-dir", state]) == 0
+        assert "healthy" in capsys.readouterr().out
+        assert main(["keys", "list", "--state-dir", state]) == 0
+    finally:
+        cluster.stop()
+
+
+def test_an_nkey_seed_file_logs_in(own_servers: OwnServers, tmp_path: Path) -> None:
+    async def login(seed_file: Path) -> bool:
+        os.environ[NATS_NKEY_ENV] = str(seed_file)
+        try:
+            bus = await asyncio.wait_for(Bus.connect(own_servers.nats_plain, "nkey-test"), 5)
+        except Exception:
+            return False
+        finally:
+            del os.environ[NATS_NKEY_ENV]
+        await bus.close()
+        return True
+
+    stranger = tmp_path / "stranger.nk"
+    stranger.write_bytes(_user_seed())
+    assert asyncio.run(login(tmp_path / "user.nk"))
+    assert not asyncio.run(login(stranger))
+
+
+def _include_and_reload(servers: OwnServers, folder: Path) -> None:
+    """What the operator does with the accounts file: includes it (a path from the
+    configuration's folder) and reloads nats-server; returns once its admin logs in."""
+    accounts = os.path.relpath(folder / NATS_ACCOUNTS_FILE, servers.conf.parent)
+    conf = servers.conf.read_text()
+    if accounts not in conf:
+        servers.conf.write_text(conf + f'include "{accounts}"\n')
+    servers.nats.proc.send_signal(signal.SIGHUP)
+    admin = Credentials.read(folder / "nats" / "admin.json").within(servers.nats_plain)
+    deadline = time.monotonic() + 10
+    while asyncio.run(_refused(admin)):
+        assert time.monotonic() < deadline, "nats-server did not take the provisioned users"
+        time.sleep(0.1)
+
+
+def _nats_users(monitor: int) -> list[str]:
+    """The user of each client connection nats-server holds now."""
+    reply = httpx.get(f"http://127.0.0.1:{monitor}/connz?auth=true&limit=1024", timeout=5)
+    return [c.get("authorized_user", "") for c in reply.json()["connections"]]
+
+
+async def _etcd_login(creds: Credentials, endpoints: str) -> bool:
+    """Whether etcd lets ``creds`` read a key its role may read."""
+    identity = identity_of_user(creds.user)
+    assert identity is not None
+    client = connect_etcd(creds.within(endpoints))
+    try:
+        await client.get(etcd_grants(identity)[0].key)
+    except Exception:
+        return False
+    finally:
+        await client.close()
+    return True
+
+
+def test_after_provision_each_service_runs_as_its_own_user(
+    own_servers: OwnServers, cluster_factory: ClusterFactory, tmp_path: Path
+) -> None:
+    folder = tmp_path / "provisioned"
+    args = ["bus", "provision", "--out", str(folder), "--etcd-endpoints", own_servers.etcd_plain]
+    assert main([*args, "--workers", "3"]) == 0
+    _include_and_reload(own_servers, folder)
+    cluster = cluster_factory(
+        workers=2,
+        nats_url=own_servers.nats_plain,
+        etcd_endpoints=own_servers.etcd_plain,
+        bus_credentials=folder,
+    )
+    try:
+        _complete(cluster)
+        identities = set(os.listdir(folder / "nats"))
+        services = set()
+        for service in cluster.services:
+            services.add(Path(service.env[NATS_CREDS_ENV]).name)
+            assert Path(service.env["LANEWAY_ETCD_CREDS_FILE"]).parent == folder / "etcd"
+            assert split_credentials(service.env["LANEWAY_NATS_URL"])[0] is None
+        assert services <= identities and len(services) == 5  # 2 workers, and one of each
+        connected = set(_nats_users(own_servers.monitor))
+        assert connected == {name.removesuffix(".json") for name in services}, connected
+        spent = Provisioned(folder).spent()
+        assert len(spent) == 2
+    finally:
+        cluster.stop()
+    # Run again: the spent workers' users are gone from NATS's accounts and from etcd, and
+    # fresh ones take their place.
+    spent_creds = [Credentials.read(folder / "etcd" / f"{user}.json") for user in spent]
+    assert asyncio.run(_etcd_login(spent_creds[0], own_servers.etcd_plain))
+    assert main([*args, "--workers", "3"]) == 0
+    accounts = (folder / NATS_ACCOUNTS_FILE).read_text()
+    assert not any(user in accounts for user in spent)
+    assert sum(i.role == "worker" for i in Provisioned(folder).unspent()) == 3
+    for creds in spent_creds:
+        assert not asyncio.run(_etcd_login(creds, own_servers.etcd_plain))

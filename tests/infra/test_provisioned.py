@@ -1,0 +1,115 @@
+"""How credentials are found for servers the operator runs, and how a provisioned folder's users
+are handed out (no servers: the live path is tests/infra/test_own_servers.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bus.credentials import (
+    ETCD_CREDS_ENV,
+    NATS_CREDS_ENV,
+    NATS_JWT_CREDS_ENV,
+    NATS_NKEY_ENV,
+    Credentials,
+    etcd_credentials,
+    nats_login,
+    split_credentials,
+)
+from bus.permissions import Identity
+from infra.bus_provision import Wanted, provision
+from infra.cluster_auth import provide
+from infra.cluster_plan import ClusterConfig, plan_services
+from infra.provisioned import NATS_ACCOUNTS_FILE, NoIdentityLeft, Provisioned, identity_of_user
+
+
+@pytest.fixture(autouse=True)
+def no_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in (ETCD_CREDS_ENV, NATS_CREDS_ENV, NATS_JWT_CREDS_ENV, NATS_NKEY_ENV):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.delenv("LANEWAY_ETCD_USER", raising=False)
+    monkeypatch.delenv("LANEWAY_ETCD_PASSWORD", raising=False)
+
+
+def test_a_password_with_url_characters_survives_the_url() -> None:
+    creds = Credentials("op", "p@ss:w/rd,%20x")
+    url = creds.within("nats://a:4222,nats://b:4222")
+    assert url.count("@") == 2 and "p@ss" not in url
+    assert split_credentials(url) == (creds, "nats://a:4222,nats://b:4222")
+
+
+def test_etcd_credentials_come_from_the_endpoints_then_the_file_then_the_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert etcd_credentials("127.0.0.1:2379") is None
+    monkeypatch.setenv("LANEWAY_ETCD_USER", "root")
+    monkeypatch.setenv("LANEWAY_ETCD_PASSWORD", "pw:@/")
+    assert etcd_credentials("127.0.0.1:2379") == Credentials("root", "pw:@/")
+    Credentials("planner", "own").write(tmp_path / "planner.json")
+    monkeypatch.setenv(ETCD_CREDS_ENV, str(tmp_path / "planner.json"))
+    assert etcd_credentials("127.0.0.1:2379") == Credentials("planner", "own")
+    assert etcd_credentials("u:v@127.0.0.1:2379") == Credentials("u", "v")
+
+
+def test_an_etcd_password_without_its_user_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LANEWAY_ETCD_PASSWORD", "pw")
+    with pytest.raises(ValueError, match="LANEWAY_ETCD_USER"):
+        etcd_credentials("127.0.0.1:2379")
+
+
+def test_nats_login_takes_a_credentials_file_or_an_nkey_never_both(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert nats_login("nats://h:4222") == {}
+    (tmp_path / "user.creds").write_text("x")
+    (tmp_path / "user.nk").write_text("x")
+    monkeypatch.setenv(NATS_JWT_CREDS_ENV, str(tmp_path / "user.creds"))
+    assert nats_login("nats://h:4222") == {"user_credentials": str(tmp_path / "user.creds")}
+    assert nats_login("nats://u:p@h:4222")["user"] == "u"  # the URL's user comes first
+    monkeypatch.setenv(NATS_NKEY_ENV, str(tmp_path / "user.nk"))
+    with pytest.raises(ValueError, match="not both"):
+        nats_login("nats://h:4222")
+    monkeypatch.delenv(NATS_JWT_CREDS_ENV)
+    assert nats_login("nats://h:4222") == {"nkeys_seed": str(tmp_path / "user.nk")}
+    monkeypatch.setenv(NATS_NKEY_ENV, str(tmp_path / "missing.nk"))
+    with pytest.raises(ValueError, match="no file"):
+        nats_login("nats://h:4222")
+
+
+@pytest.mark.parametrize(
+    ("user", "identity"),
+    [
+        ("admin", Identity("admin")),
+        ("planner", Identity("planner")),
+        ("kv-indexer-indexer-0", Identity("kv-indexer", "indexer-0")),
+        ("worker-ab12", Identity("worker", "ab12")),
+        ("ingress-x", Identity("ingress", "x")),
+        ("worker", None),
+        ("root", None),
+        ("planner-1", None),
+    ],
+)
+def test_a_user_name_is_read_back_as_its_identity(user: str, identity: Identity | None) -> None:
+    assert identity_of_user(user) == identity
+
+
+def test_workers_take_unspent_users_and_spend_them(tmp_path: Path) -> None:
+    folder = tmp_path / "prov"
+    provision(folder, Wanted(workers=3), etcd_endpoints=None)
+    held = Provisioned(folder)
+    services = plan_services(ClusterConfig(state_dir=tmp_path, workers=2))
+    provide(services, held)
+    workers = {s.env["LANEWAY_WORKER_ID"] for s in services if "LANEWAY_WORKER_ID" in s.env}
+    assert {f"worker-{w}" for w in workers} == held.spent()
+    again = plan_services(ClusterConfig(state_dir=tmp_path, workers=2))
+    with pytest.raises(NoIdentityLeft, match="laneway bus provision"):
+        provide(again, held)  # one unspent worker user left for two workers
+    # A second run tops the workers up and drops the spent from the accounts and the folder.
+    provision(folder, Wanted(workers=3), etcd_endpoints=None)
+    accounts = (folder / NATS_ACCOUNTS_FILE).read_text()
+    assert not any(user in accounts for user in held.spent())
+    assert sum(i.role == "worker" for i in held.unspent()) == 3
+    assert not any((folder / "nats" / f"{user}.json").exists() for user in held.spent())
+    ingress = [s.env["LANEWAY_INSTANCE_ID"] for s in services if s.module == "services.ingress"]
+    assert Identity("ingress", ingress[0]) in held.unspent()  # ingresses keep theirs
