@@ -32,7 +32,14 @@ from bus import readme
 from bus.api_keys import KEYS_PREFIX
 from bus.channels import Channel, Consumer, Endpoint
 from bus.credentials import inbox_prefix
-from bus.registry import LEADER_KEY, PLANNERS_PREFIX, ROLES_PREFIX, WORKERS_PREFIX, role_key
+from bus.registry import (
+    LEADER_KEY,
+    PLANNERS_PREFIX,
+    ROLES_PREFIX,
+    WORKERS_PREFIX,
+    claim_key,
+    role_key,
+)
 from bus.sessions import SESSIONS_PREFIX
 from bus.topology import (
     CHANNELS,
@@ -206,6 +213,7 @@ def etcd_grants(identity: Identity) -> tuple[KeyGrant, ...]:
             return (
                 KeyGrant(own, prefix=False, write=True),
                 KeyGrant(role_key(identity.instance), prefix=True, write=False),
+                KeyGrant(claim_key(identity.instance), prefix=False, write=True),
             )
         case "planner":
             return (

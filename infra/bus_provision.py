@@ -10,8 +10,8 @@ embeds) and writes, in a folder of the operator's choosing (0700, each file 0600
   ``laneway up --bus-credentials`` (which hands each service the path of its own);
 - the etcd users and roles themselves, made at once where etcd takes users.
 
-Worker users are spent as workers start (``infra.provisioned``): run it again to add fresh ones
-(``--workers`` counts the unspent) and to drop the spent from NATS and etcd.
+A worker user is spent once a worker claims it (``infra.provisioned``): run it again to add fresh
+ones (``--workers`` counts the unspent) and to drop the spent from NATS and etcd.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 from bus.credentials import ETCD_PASSWORD_ENV, ETCD_USER_ENV, etcd_credentials, split_credentials
 from bus.etcd_auth import enable_auth, remove_users
 from bus.permissions import Identity
+from bus.registry import CLAIMS_PREFIX, connect_etcd
 from infra.arg_types import at_least
 from infra.cluster_auth import ADMIN, ClusterAuth
 from infra.provisioned import NATS_ACCOUNTS_FILE, Provisioned
@@ -48,19 +49,20 @@ class Provisioning:
 
 
 def provision(folder: Path, wanted: Wanted, etcd_endpoints: str | None) -> Provisioning:
-    """The folder's users topped up to ``wanted`` (the spent ones dropped), the NATS accounts
-    file written, and, with ``etcd_endpoints`` where root's credentials are given, the etcd
-    users and roles made (those of spent users deleted)."""
+    """The folder's users topped up to ``wanted``, the NATS accounts file written, and, with
+    ``etcd_endpoints`` (as root where etcd has auth), the etcd users and roles made; the worker
+    users a process claimed there are spent: dropped from the folder, the accounts and etcd."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
     (folder / "nats").mkdir(mode=0o700, exist_ok=True)
-    held = Provisioned(folder)
-    spent = held.spent()
-    kept = held.unspent()
-    for identity in held.identities():
-        if identity.user in spent:
-            for server in ("nats", "etcd"):
-                (folder / server / f"{identity.user}.json").unlink(missing_ok=True)
+    spent = _spent(etcd_endpoints) if etcd_endpoints else set()
+    kept = []
+    for identity in Provisioned(folder).identities():
+        if identity.user not in spent:
+            kept.append(identity)
+            continue
+        for server in ("nats", "etcd"):
+            (folder / server / f"{identity.user}.json").unlink(missing_ok=True)
     identities = list(dict.fromkeys([ADMIN, Identity("planner"), *kept]))
     identities += [
         Identity("kv-indexer", f"indexer-{i}")
@@ -79,6 +81,27 @@ def provision(folder: Path, wanted: Wanted, etcd_endpoints: str | None) -> Provi
         file.write(accounts)
     done = _etcd(auth, etcd_endpoints, sorted(spent)) if etcd_endpoints else "not given"
     return Provisioning(auth.identities, done)
+
+
+def _spent(endpoints: str) -> set[str]:
+    """The worker users claimed in etcd; none known where etcd refuses a caller without
+    credentials (then no etcd users are made either)."""
+    try:
+        return asyncio.run(_claimed(endpoints))
+    except Exception:
+        if etcd_credentials(endpoints) is None:
+            return set()
+        raise
+
+
+async def _claimed(endpoints: str) -> set[str]:
+    """The users of the worker ids claimed in etcd (bus.registry.claim)."""
+    client = connect_etcd(endpoints)
+    try:
+        found = await client.get_prefix(CLAIMS_PREFIX, keys_only=True)
+    finally:
+        await client.close()
+    return {"worker-" + kv.key[len(CLAIMS_PREFIX) :].decode() for kv in found}
 
 
 def _etcd(auth: ClusterAuth, endpoints: str, spent: list[str]) -> str:

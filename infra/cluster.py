@@ -118,7 +118,7 @@ class LocalCluster:
                 )
             self._provisioned = Provisioned(cfg.bus_credentials)
             try:
-                provide(self.services, self._provisioned)
+                provide(self.services, self._provisioned, cfg.etcd_endpoints)
             except NoIdentityLeft as exc:
                 raise StartupError(str(exc)) from None
             return ClusterAuth(cfg.bus_credentials, self._identities(), provisioned=True)
@@ -235,8 +235,10 @@ class LocalCluster:
         auth = self._auth
         if auth is not None and auth.provisioned:
             in_use = {identity_of(s) for s in self.services}
+            claiming = self._provisioned.claim_worker(self.config.etcd_endpoints or "", in_use)
             try:
-                identity = self._provisioned.take("worker", in_use)
+                with ThreadPoolExecutor(1) as pool:
+                    identity = pool.submit(asyncio.run, claiming).result()
             except NoIdentityLeft as exc:
                 raise GaveUp(f"{service.name} cannot start again: {exc}") from None
             service.env["LANEWAY_WORKER_ID"] = identity.instance

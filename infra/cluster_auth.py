@@ -78,19 +78,29 @@ async def _wait_login(url: str, timeout: float = 10.0) -> None:
             await asyncio.sleep(0.1)
 
 
-def provide(services: Sequence[Planned], provisioned: Provisioned) -> None:
-    """Each planned service's id set to one of ``provisioned``'s users (a worker's spent), so
-    that it runs as that user; NoIdentityLeft where there are too few."""
+def provide(services: Sequence[Planned], provisioned: Provisioned, etcd_endpoints: str) -> None:
+    """Each planned service's id set to one of ``provisioned``'s users (a worker's claimed in
+    etcd, at ``etcd_endpoints``), so that it runs as that user; NoIdentityLeft where there are
+    too few."""
     provisioned.check()
     taken: set[Identity] = set()
-    for service in services:
-        role = identity_of(service).role
-        if role == "planner":  # its replicas share one user
-            continue
-        identity = provisioned.take(role, taken)
-        taken.add(identity)
-        variable = "LANEWAY_WORKER_ID" if role == "worker" else "LANEWAY_INSTANCE_ID"
-        service.env[variable] = identity.instance
+
+    async def run() -> None:
+        for service in services:
+            role = identity_of(service).role
+            if role == "planner":  # its replicas share one user
+                continue
+            if role == "worker":
+                identity = await provisioned.claim_worker(etcd_endpoints, taken)
+            else:
+                identity = provisioned.take(role, taken)
+            taken.add(identity)
+            variable = "LANEWAY_WORKER_ID" if role == "worker" else "LANEWAY_INSTANCE_ID"
+            service.env[variable] = identity.instance
+
+    # A thread of its own, so that this also works when the caller runs an event loop.
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, run()).result()
 
 
 def admin_within(service_creds: str | None, addresses: str) -> str:

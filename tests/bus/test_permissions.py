@@ -18,7 +18,7 @@ from bus.permissions import (
     permissions_table,
 )
 from bus.readme import section
-from bus.registry import WORKERS_PREFIX
+from bus.registry import WORKERS_PREFIX, claim_key
 from bus.topology import CHANNELS, STREAM_SUBJECTS
 
 WORKER = Identity("worker", "w1")
@@ -139,9 +139,12 @@ def test_a_worker_sends_answers_under_its_own_name_only() -> None:
     assert not any(s.startswith("lw.req.placed.") for s in found.publish)
 
 
-def test_a_worker_writes_its_own_registration_key_only() -> None:
+def test_a_worker_writes_its_own_registration_and_claim_keys_only() -> None:
     writes = [g for g in etcd_grants(WORKER) if g.write]
-    assert [(g.key, g.prefix) for g in writes] == [(WORKERS_PREFIX + b"w1", False)]
+    assert [(g.key, g.prefix) for g in writes] == [
+        (WORKERS_PREFIX + b"w1", False),
+        (claim_key("w1"), False),
+    ]
 
 
 def test_an_instance_id_must_be_a_subject_token() -> None:

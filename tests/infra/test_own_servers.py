@@ -24,12 +24,13 @@ from bus.client import Bus
 from bus.credentials import NATS_CREDS_ENV, NATS_NKEY_ENV, Credentials, split_credentials
 from bus.etcd_auth import enable_auth
 from bus.permissions import etcd_grants
-from bus.registry import connect_etcd
+from bus.registry import CLAIMS_PREFIX, connect_etcd
 from infra.cli import main
 from infra.cluster import LocalCluster
 from infra.embedded import EmbeddedServer, start_etcd, start_nats
 from infra.ports import free_port
 from infra.provisioned import NATS_ACCOUNTS_FILE, Provisioned, identity_of_user
+from infra.startup import StartupError
 from tests.live import ClusterFactory
 
 pytestmark = pytest.mark.live  # real nats-server and etcd, and a cluster on them
@@ -169,6 +170,16 @@ def _nats_users(monitor: int) -> list[str]:
     return [c.get("authorized_user", "") for c in reply.json()["connections"]]
 
 
+async def _claimed(endpoints: str) -> set[str]:
+    """The worker users claimed in etcd, read as root (the environment's)."""
+    client = connect_etcd(endpoints)
+    try:
+        found = await client.get_prefix(CLAIMS_PREFIX, keys_only=True)
+    finally:
+        await client.close()
+    return {"worker-" + kv.key[len(CLAIMS_PREFIX) :].decode() for kv in found}
+
+
 async def _etcd_login(creds: Credentials, endpoints: str) -> bool:
     """Whether etcd lets ``creds`` read a key its role may read."""
     identity = identity_of_user(creds.user)
@@ -207,10 +218,23 @@ def test_after_provision_each_service_runs_as_its_own_user(
         assert services <= identities and len(services) == 5  # 2 workers, and one of each
         connected = set(_nats_users(own_servers.monitor))
         assert connected == {name.removesuffix(".json") for name in services}, connected
-        spent = Provisioned(folder).spent()
-        assert len(spent) == 2
+        workers = {
+            f"worker-{s.env['LANEWAY_WORKER_ID']}"
+            for s in cluster.services
+            if "LANEWAY_WORKER_ID" in s.env
+        }
+        spent = asyncio.run(_claimed(own_servers.etcd_plain))
+        assert spent == workers
     finally:
         cluster.stop()
+    # Three workers wanted, one user left that no process took: refused in one line.
+    with pytest.raises(StartupError, match="laneway bus provision"):
+        cluster_factory(
+            workers=2,
+            nats_url=own_servers.nats_plain,
+            etcd_endpoints=own_servers.etcd_plain,
+            bus_credentials=folder,
+        )
     # Run again: the spent workers' users are gone from NATS's accounts and from etcd, and
     # fresh ones take their place.
     spent_creds = [Credentials.read(folder / "etcd" / f"{user}.json") for user in spent]
@@ -218,6 +242,7 @@ def test_after_provision_each_service_runs_as_its_own_user(
     assert main([*args, "--workers", "3"]) == 0
     accounts = (folder / NATS_ACCOUNTS_FILE).read_text()
     assert not any(user in accounts for user in spent)
-    assert sum(i.role == "worker" for i in Provisioned(folder).unspent()) == 3
+    workers_now = {i.user for i in Provisioned(folder).identities() if i.role == "worker"}
+    assert len(workers_now) == 3 and not workers_now & spent
     for creds in spent_creds:
         assert not asyncio.run(_etcd_login(creds, own_servers.etcd_plain))

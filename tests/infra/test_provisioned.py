@@ -19,8 +19,6 @@ from bus.credentials import (
 )
 from bus.permissions import Identity
 from infra.bus_provision import Wanted, provision
-from infra.cluster_auth import provide
-from infra.cluster_plan import ClusterConfig, plan_services
 from infra.provisioned import NATS_ACCOUNTS_FILE, NoIdentityLeft, Provisioned, identity_of_user
 
 
@@ -94,22 +92,22 @@ def test_a_user_name_is_read_back_as_its_identity(user: str, identity: Identity 
     assert identity_of_user(user) == identity
 
 
-def test_workers_take_unspent_users_and_spend_them(tmp_path: Path) -> None:
+def test_services_but_workers_take_the_users_provisioned(tmp_path: Path) -> None:
     folder = tmp_path / "prov"
-    provision(folder, Wanted(workers=3), etcd_endpoints=None)
+    provision(folder, Wanted(workers=3, ingresses=2, indexers=2), etcd_endpoints=None)
     held = Provisioned(folder)
-    services = plan_services(ClusterConfig(state_dir=tmp_path, workers=2))
-    provide(services, held)
-    workers = {s.env["LANEWAY_WORKER_ID"] for s in services if "LANEWAY_WORKER_ID" in s.env}
-    assert {f"worker-{w}" for w in workers} == held.spent()
-    again = plan_services(ClusterConfig(state_dir=tmp_path, workers=2))
+    roles = [identity.role for identity in held.identities()]
+    assert sorted(roles) == sorted(
+        ["admin", "planner", "ingress", "ingress", "kv-indexer", "kv-indexer", *["worker"] * 3]
+    )
+    assert held.servers() == ("nats",)  # no etcd given: no etcd users
+    first = held.take("ingress", set())
+    assert held.take("ingress", {first}) != first
     with pytest.raises(NoIdentityLeft, match="laneway bus provision"):
-        provide(again, held)  # one unspent worker user left for two workers
-    # A second run tops the workers up and drops the spent from the accounts and the folder.
-    provision(folder, Wanted(workers=3), etcd_endpoints=None)
+        held.take("ingress", {first, held.take("ingress", {first})})
     accounts = (folder / NATS_ACCOUNTS_FILE).read_text()
-    assert not any(user in accounts for user in held.spent())
-    assert sum(i.role == "worker" for i in held.unspent()) == 3
-    assert not any((folder / "nats" / f"{user}.json").exists() for user in held.spent())
-    ingress = [s.env["LANEWAY_INSTANCE_ID"] for s in services if s.module == "services.ingress"]
-    assert Identity("ingress", ingress[0]) in held.unspent()  # ingresses keep theirs
+    assert all(identity.user in accounts for identity in held.identities())
+    # Run again with more: those made before are kept.
+    provision(folder, Wanted(workers=4, ingresses=2, indexers=2), etcd_endpoints=None)
+    assert Provisioned(folder).take("ingress", set()) == first
+    assert sum(i.role == "worker" for i in Provisioned(folder).identities()) == 4
