@@ -244,6 +244,7 @@ def _print_where_secrets_are(cluster: LocalCluster) -> None:
 # so running a command imports its module alone.
 _COMMANDS: dict[str, str | Callable[..., None]] = {
     "up": _add_up,
+    "serve": "infra.serve",
     "bench-engine": "infra.bench.engine_bench",
     "make-tiny-model": _add_make_tiny_model,
     "bench": "infra.bench.run",

@@ -34,6 +34,7 @@ from infra.cluster_auth import (
     identity_of,
     open_etcd,
     provide,
+    say_given_credentials,
     secure,
 )
 from infra.cluster_plan import ClusterConfig, Service, plan_services
@@ -178,7 +179,7 @@ class LocalCluster:
             self.nats_url, self.etcd_endpoints = secure(
                 auth, self.nats_url, self.etcd_endpoints, replicas, "nats" in ours, "etcd" in ours
             )
-        _say_given_credentials(cfg, ours if auth is not None else ())
+        say_given_credentials(cfg.nats_url, cfg.etcd_endpoints, ours if auth is not None else ())
         if auth is None and not cfg.etcd_endpoints:
             try:
                 open_etcd(cfg.state_dir / AUTH_FOLDER, self.etcd_endpoints)
@@ -376,22 +377,6 @@ class LocalCluster:
         pids = {f"{s.name} (embedded)": s.proc.pid for s in self.servers}
         pids.update({s.name: s.proc.pid for s in self.services if s.proc is not None})
         return pids
-
-
-def _say_given_credentials(cfg: ClusterConfig, ours: tuple[str, ...]) -> None:
-    """Once per start: on the servers given where the services have no users of their own,
-    they share whatever credentials those were given with (none, where they let anyone in)."""
-    given = [
-        f"{name} at {split_credentials(address)[1]}"
-        for name, address in (("nats", cfg.nats_url), ("etcd", cfg.etcd_endpoints))
-        if address and name not in ours
-    ]
-    if given:
-        logger.warning(
-            "every service uses the credentials given for %s; `laneway bus provision` makes a "
-            "user per service with only what it needs (docs/operations.md)",
-            " and ".join(given),
-        )
 
 
 def _ready(service: Service) -> bool:

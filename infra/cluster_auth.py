@@ -17,7 +17,7 @@ import nats
 
 from bus.accounts import account_links, account_of
 from bus.client import Bus
-from bus.credentials import ETCD_CREDS_ENV, NATS_CREDS_ENV, Credentials
+from bus.credentials import ETCD_CREDS_ENV, NATS_CREDS_ENV, Credentials, split_credentials
 from bus.etcd_auth import ROOT, disable_auth, enable_auth, remove_users
 from bus.permissions import Identity, nats_permissions
 from bus.provision import delete_consumer, ensure_consumer, ensure_streams
@@ -101,6 +101,23 @@ def provide(services: Sequence[Planned], provisioned: Provisioned, etcd_endpoint
     # A thread of its own, so that this also works when the caller runs an event loop.
     with ThreadPoolExecutor(1) as pool:
         pool.submit(asyncio.run, run()).result()
+
+
+def say_given_credentials(nats_url: str | None, etcd: str | None, ours: tuple[str, ...]) -> None:
+    """Once per start: on the servers given (``nats_url``, ``etcd``) where the services have no
+    users of their own (``ours``: where they have), they share whatever credentials those were
+    given with (none, where they let anyone in)."""
+    given = [
+        f"{name} at {split_credentials(address)[1]}"
+        for name, address in (("nats", nats_url), ("etcd", etcd))
+        if address and name not in ours
+    ]
+    if given:
+        logger.warning(
+            "every service uses the credentials given for %s; `laneway bus provision` makes a "
+            "user per service with only what it needs (docs/operations.md)",
+            " and ".join(given),
+        )
 
 
 def admin_within(service_creds: str | None, addresses: str) -> str:

@@ -29,7 +29,7 @@ from infra.cluster_plan import ClusterConfig
 from infra.embedded import EmbeddedServer, start_etcd, start_nats
 from infra.ports import free_port, unephemeral_ports
 from services.engine.vllm_engine.compat import hide_broken
-from tests.live import ClusterFactory
+from tests.live import FAST_WORKERS, ClusterFactory
 
 # The fixtures that start real servers; a test using any of them, directly or through another
 # fixture, is live.
@@ -72,15 +72,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
-
-
-# Fast, deterministic workers for the end-to-end tests: 1 ms per decode step.
-FAST_WORKERS = {
-    "LANEWAY_PERF_MODEL": "fixed",
-    "LANEWAY_LEASE_TTL_S": "2",
-    "LANEWAY_LOAD_REPORT_INTERVAL_S": "0.2",
-    "LANEWAY_DRAIN_TIMEOUT_S": "1",
-}
 
 
 @pytest.fixture(scope="session")

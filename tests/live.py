@@ -26,6 +26,14 @@ from schemas.messages import WorkerRegistration
 
 ClusterFactory = Callable[..., LocalCluster]
 
+# Fast, deterministic workers for the end-to-end tests: 1 ms per decode step.
+FAST_WORKERS = {
+    "LANEWAY_PERF_MODEL": "fixed",
+    "LANEWAY_LEASE_TTL_S": "2",
+    "LANEWAY_LOAD_REPORT_INTERVAL_S": "0.2",
+    "LANEWAY_DRAIN_TIMEOUT_S": "1",
+}
+
 
 def admin_nats(
     auth: ClusterAuth, data_dir: Path, max_payload: int = NATS_MAX_PAYLOAD

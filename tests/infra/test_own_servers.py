@@ -6,88 +6,32 @@ started here as an operator would run them: nats-server with a users list, etcd 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import signal
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
 import httpx
-import nats
-import nkeys
 import pytest
 
 from bus.client import Bus
 from bus.credentials import NATS_CREDS_ENV, NATS_NKEY_ENV, Credentials, split_credentials
-from bus.etcd_auth import enable_auth
 from bus.permissions import etcd_grants
 from bus.registry import CLAIMS_PREFIX, connect_etcd
 from infra.cli import main
 from infra.cluster import LocalCluster
-from infra.embedded import EmbeddedServer, start_etcd, start_nats
-from infra.ports import free_port
 from infra.provisioned import NATS_ACCOUNTS_FILE, Provisioned, identity_of_user
 from infra.startup import StartupError
+from tests.infra.own_servers import (
+    OP_PASSWORD,
+    OwnServers,
+    include_and_reload,
+    nats_users,
+    refused,
+    user_seed,
+)
 from tests.live import ClusterFactory
 
 pytestmark = pytest.mark.live  # real nats-server and etcd, and a cluster on them
-
-# Every character a URL's user part must escape, so that the URL's reading is tested too.
-OP_PASSWORD = "p@ss:w/rd,%x"
-ROOT_PASSWORD = "root-pw"
-
-
-@dataclass
-class OwnServers:
-    nats: EmbeddedServer
-    etcd: EmbeddedServer
-    monitor: int
-    nkey_public: str
-
-    @property
-    def nats_plain(self) -> str:
-        return self.nats.url
-
-    @property
-    def etcd_plain(self) -> str:
-        return split_credentials(self.etcd.url)[1]
-
-    @property
-    def conf(self) -> Path:
-        return Path(self.nats.args[self.nats.args.index("-c") + 1])
-
-
-def _user_seed() -> bytes:
-    return bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
-
-
-@pytest.fixture
-def own_servers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[OwnServers]:
-    """nats-server (JetStream) whose users are an operator's (a password user and an nkey user:
-    nothing anonymous), and etcd with auth on as its root; the root's credentials in
-    LANEWAY_ETCD_USER/LANEWAY_ETCD_PASSWORD, as an operator sets them (services inherit them)."""
-    seed = _user_seed()
-    (tmp_path / "user.nk").write_bytes(seed)
-    public = nkeys.from_seed(bytearray(seed)).public_key.decode()
-    monitor = free_port()
-    users = (
-        f'http: "127.0.0.1:{monitor}"\n'
-        f"authorization {{ users: [ {{user: op, password: {json.dumps(OP_PASSWORD)}}}, "
-        f"{{nkey: {public}}} ] }}\n"
-    )
-    nats_server = start_nats(tmp_path / "nats", authorization=users)
-    etcd = start_etcd(tmp_path / "etcd")
-    try:
-        asyncio.run(enable_auth(etcd.url, Credentials("root", ROOT_PASSWORD), {}))
-        monkeypatch.setenv("LANEWAY_ETCD_USER", "root")
-        monkeypatch.setenv("LANEWAY_ETCD_PASSWORD", ROOT_PASSWORD)
-        yield OwnServers(nats_server, etcd, monitor, public)
-    finally:
-        nats_server.stop()
-        etcd.stop()
 
 
 def _complete(cluster: LocalCluster) -> None:
@@ -101,22 +45,10 @@ def _complete(cluster: LocalCluster) -> None:
     assert reply.json()["usage"]["completion_tokens"] == 4
 
 
-async def _refused(url: str) -> bool:
-    async def quiet(_: Exception) -> None:
-        return None
-
-    try:
-        nc = await nats.connect(url, allow_reconnect=False, error_cb=quiet, connect_timeout=2)
-    except Exception:
-        return True
-    await nc.close()
-    return False
-
-
 def test_up_serves_with_the_credentials_given(
     own_servers: OwnServers, cluster_factory: ClusterFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert asyncio.run(_refused(own_servers.nats_plain))  # the server takes no stranger
+    assert asyncio.run(refused(own_servers.nats_plain))  # the server takes no stranger
     user_url = own_servers.nats_plain.replace("://", f"://op:{quote(OP_PASSWORD, safe='')}@")
     cluster = cluster_factory(workers=1, nats_url=user_url, etcd_endpoints=own_servers.etcd_plain)
     try:
@@ -144,30 +76,9 @@ def test_an_nkey_seed_file_logs_in(own_servers: OwnServers, tmp_path: Path) -> N
         return True
 
     stranger = tmp_path / "stranger.nk"
-    stranger.write_bytes(_user_seed())
+    stranger.write_bytes(user_seed())
     assert asyncio.run(login(tmp_path / "user.nk"))
     assert not asyncio.run(login(stranger))
-
-
-def _include_and_reload(servers: OwnServers, folder: Path) -> None:
-    """What the operator does with the accounts file: includes it (a path from the
-    configuration's folder) and reloads nats-server; returns once its admin logs in."""
-    accounts = os.path.relpath(folder / NATS_ACCOUNTS_FILE, servers.conf.parent)
-    conf = servers.conf.read_text()
-    if accounts not in conf:
-        servers.conf.write_text(conf + f'include "{accounts}"\n')
-    servers.nats.proc.send_signal(signal.SIGHUP)
-    admin = Credentials.read(folder / "nats" / "admin.json").within(servers.nats_plain)
-    deadline = time.monotonic() + 10
-    while asyncio.run(_refused(admin)):
-        assert time.monotonic() < deadline, "nats-server did not take the provisioned users"
-        time.sleep(0.1)
-
-
-def _nats_users(monitor: int) -> list[str]:
-    """The user of each client connection nats-server holds now."""
-    reply = httpx.get(f"http://127.0.0.1:{monitor}/connz?auth=true&limit=1024", timeout=5)
-    return [c.get("authorized_user", "") for c in reply.json()["connections"]]
 
 
 async def _claimed(endpoints: str) -> set[str]:
@@ -200,7 +111,7 @@ def test_after_provision_each_service_runs_as_its_own_user(
     folder = tmp_path / "provisioned"
     args = ["bus", "provision", "--out", str(folder), "--etcd-endpoints", own_servers.etcd_plain]
     assert main([*args, "--workers", "3"]) == 0
-    _include_and_reload(own_servers, folder)
+    include_and_reload(own_servers, folder)
     cluster = cluster_factory(
         workers=2,
         nats_url=own_servers.nats_plain,
@@ -216,7 +127,7 @@ def test_after_provision_each_service_runs_as_its_own_user(
             assert Path(service.env["LANEWAY_ETCD_CREDS_FILE"]).parent == folder / "etcd"
             assert split_credentials(service.env["LANEWAY_NATS_URL"])[0] is None
         assert services <= identities and len(services) == 5  # 2 workers, and one of each
-        connected = set(_nats_users(own_servers.monitor))
+        connected = set(nats_users(own_servers.monitor))
         assert connected == {name.removesuffix(".json") for name in services}, connected
         workers = {
             f"worker-{s.env['LANEWAY_WORKER_ID']}"
