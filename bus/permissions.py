@@ -213,7 +213,7 @@ def etcd_grants(identity: Identity) -> tuple[KeyGrant, ...]:
             return (
                 KeyGrant(own, prefix=False, write=True),
                 KeyGrant(role_key(identity.instance), prefix=True, write=False),
-                KeyGrant(claim_key(identity.instance), prefix=False, write=True),
+                KeyGrant(claim_key(identity.user), prefix=False, write=True),
             )
         case "planner":
             return (
@@ -228,9 +228,10 @@ def etcd_grants(identity: Identity) -> tuple[KeyGrant, ...]:
                 workers,
                 KeyGrant(PLANNERS_PREFIX, prefix=True, write=False),
                 KeyGrant(KEYS_PREFIX, prefix=True, write=False),
+                KeyGrant(claim_key(identity.user), prefix=False, write=True),
             )
         case "kv-indexer":
-            return (workers,)
+            return (workers, KeyGrant(claim_key(identity.user), prefix=False, write=True))
         case "admin":
             return (KeyGrant(b"/laneway/", prefix=True, write=True),)
 

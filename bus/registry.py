@@ -33,7 +33,7 @@ WORKERS_PREFIX = b"/laneway/workers/"
 PLANNERS_PREFIX = b"/laneway/planners/"
 # The capacity plan: `roles/<worker_id>` → the role the capacity loop gave that worker.
 ROLES_PREFIX = b"/laneway/roles/"
-# Worker ids taken by a process (``claim``): never handed out again.
+# Provisioned users a process took (``claim``): never handed out again.
 CLAIMS_PREFIX = b"/laneway/claims/"
 # Held by the planner replica that runs the capacity loop.
 LEADER_KEY = b"/laneway/planner/leader"
@@ -302,16 +302,17 @@ def role_key(worker_id: str) -> bytes:
     return ROLES_PREFIX + worker_id.encode()
 
 
-def claim_key(worker_id: str) -> bytes:
-    return CLAIMS_PREFIX + worker_id.encode()
+def claim_key(user: str) -> bytes:
+    return CLAIMS_PREFIX + user.encode()
 
 
-async def claim(client: aetcd.Client, worker_id: str, by: str) -> bool:
-    """Take ``worker_id`` for good, for the process ``by`` names (host, pid): True where no one
-    took it before. A worker id is used once (the kv-indexer folds a worker's events in their
-    numbers' order from 1), so workers handed ids from a shared folder of provisioned users,
-    on any host, claim one first (``infra.provisioned``)."""
-    key = claim_key(worker_id)
+async def claim(client: aetcd.Client, user: str, by: str) -> bool:
+    """Take the provisioned ``user`` for good, for the process ``by`` names (host, pid): True
+    where no process took it before. A worker id is used once (the kv-indexer folds a worker's
+    events in their numbers' order from 1), and an ingress's or kv-indexer's id must not be two
+    processes' at once, so processes handed users from a shared folder (``infra.provisioned``),
+    on any host, claim one first."""
+    key = claim_key(user)
     tx = client.transactions
     won, _ = await client.transaction(
         compare=[tx.create(key) == 0], success=[tx.put(key, by.encode())], failure=[]

@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bus.credentials import ETCD_PASSWORD_ENV, ETCD_USER_ENV, etcd_credentials, split_credentials
 from bus.etcd_auth import enable_auth, remove_users
-from bus.permissions import Identity
+from bus.permissions import ROLES, Identity
 from bus.registry import CLAIMS_PREFIX, connect_etcd
 from infra.arg_types import at_least
 from infra.cluster_auth import ADMIN, ClusterAuth
-from infra.provisioned import NATS_ACCOUNTS_FILE, Provisioned
+from infra.provisioned import NATS_ACCOUNTS_FILE, Provisioned, make_streams
 from schemas.events import new_id
 
 
@@ -84,7 +86,7 @@ def provision(folder: Path, wanted: Wanted, etcd_endpoints: str | None) -> Provi
 
 
 def _spent(endpoints: str) -> set[str]:
-    """The worker users claimed in etcd; none known where etcd refuses a caller without
+    """The users claimed in etcd; none known where etcd refuses a caller without
     credentials (then no etcd users are made either)."""
     try:
         return asyncio.run(_claimed(endpoints))
@@ -95,13 +97,13 @@ def _spent(endpoints: str) -> set[str]:
 
 
 async def _claimed(endpoints: str) -> set[str]:
-    """The users of the worker ids claimed in etcd (bus.registry.claim)."""
+    """The users claimed in etcd (bus.registry.claim)."""
     client = connect_etcd(endpoints)
     try:
         found = await client.get_prefix(CLAIMS_PREFIX, keys_only=True)
     finally:
         await client.close()
-    return {"worker-" + kv.key[len(CLAIMS_PREFIX) :].decode() for kv in found}
+    return {kv.key[len(CLAIMS_PREFIX) :].decode() for kv in found}
 
 
 def _etcd(auth: ClusterAuth, endpoints: str, spent: list[str]) -> str:
@@ -124,9 +126,48 @@ def _etcd(auth: ClusterAuth, endpoints: str, spent: list[str]) -> str:
     return made if on else made + " (its auth is off: they take effect once it is on)"
 
 
+def k8s_secrets(folder: Path) -> list[dict[str, Any]]:
+    """The folder as Kubernetes Secrets: ``laneway-nats-accounts`` for nats-server, and per role
+    ``laneway-bus-<role>`` with that role's users alone (``nats.<user>.json``,
+    ``etcd.<user>.json``: the flat layout ``infra.provisioned`` reads), each mounted by that
+    role's pods only."""
+    held = Provisioned(folder)
+    accounts = (folder / NATS_ACCOUNTS_FILE).read_text()
+    secrets = [_secret("laneway-nats-accounts", {NATS_ACCOUNTS_FILE: accounts})]
+    for role in ROLES:
+        data = {
+            f"{server}.{identity.user}.json": held.path(server, identity.user).read_text()
+            for identity in held.identities()
+            if identity.role == role
+            for server in held.servers()
+        }
+        secrets.append(_secret(f"laneway-bus-{role}", data))
+    return secrets
+
+
+def _secret(name: str, data: dict[str, str]) -> dict[str, Any]:
+    labels = {"app.kubernetes.io/part-of": "laneway"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "labels": labels},
+        "type": "Opaque",
+        "stringData": data,
+    }
+
+
+def _write_secrets(folder: Path, out: Path) -> None:
+    text = "".join("---\n" + json.dumps(secret, indent=1) + "\n" for secret in k8s_secrets(folder))
+    out.unlink(missing_ok=True)
+    with os.fdopen(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(text)
+
+
 def _provision(args: argparse.Namespace) -> int:
     wanted = Wanted(args.workers, args.ingresses, args.kv_indexers)
     done = provision(args.out, wanted, args.etcd_endpoints)
+    if args.k8s_secrets is not None:
+        _write_secrets(args.out, args.k8s_secrets)
     roles = [identity.role for identity in done.identities]
     counts = ", ".join(f"{roles.count(role)} {role}" for role in dict.fromkeys(roles))
     accounts = (args.out / NATS_ACCOUNTS_FILE).resolve()
@@ -138,6 +179,19 @@ def _provision(args: argparse.Namespace) -> int:
         "  then: laneway up --nats-url nats://HOST:PORT --etcd-endpoints HOST:PORT "
         f"--bus-credentials {args.out}"
     )
+    if args.k8s_secrets is not None:
+        print(f"  Kubernetes: kubectl apply -f {args.k8s_secrets} (Secrets laneway-bus-<role>)")
+    return 0
+
+
+def _streams(args: argparse.Namespace) -> int:
+    folder = Provisioned(args.bus_credentials.resolve())
+    nats_url = args.nats_url or os.environ.get("LANEWAY_NATS_URL")
+    if not nats_url:
+        raise SystemExit("laneway bus streams: give --nats-url (or LANEWAY_NATS_URL)")
+    workers = [identity for identity in folder.identities() if identity.role == "worker"]
+    asyncio.run(make_streams(folder, nats_url, workers))
+    print(f"laneway bus streams: the streams and {len(workers)} workers' durables are made")
     return 0
 
 
@@ -163,4 +217,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     prov.add_argument("--ingresses", type=at_least(1), default=1, help="ingress users")
     prov.add_argument("--kv-indexers", type=at_least(1), default=1, help="kv-indexer users")
+    prov.add_argument(
+        "--k8s-secrets",
+        type=Path,
+        metavar="FILE",
+        help="also write the users as Kubernetes Secrets here (one per role, and the NATS "
+        "accounts), for deploy/k8s/overlays/gpu",
+    )
     prov.set_defaults(func=_provision)
+    streams = commands.add_parser(
+        "streams",
+        help="make the streams and every provisioned worker's durable, as the folder's admin "
+        "(after nats-server took the users): what no service's own user may",
+    )
+    streams.add_argument("--bus-credentials", type=Path, required=True, metavar="DIR")
+    streams.add_argument("--nats-url", help="the NATS servers (default: LANEWAY_NATS_URL)")
+    streams.set_defaults(func=_streams)

@@ -236,7 +236,7 @@ class LocalCluster:
         auth = self._auth
         if auth is not None and auth.provisioned:
             in_use = {identity_of(s) for s in self.services}
-            claiming = self._provisioned.claim_worker(self.config.etcd_endpoints or "", in_use)
+            claiming = self._provisioned.claim("worker", self.config.etcd_endpoints or "", in_use)
             try:
                 with ThreadPoolExecutor(1) as pool:
                     identity = pool.submit(asyncio.run, claiming).result()

@@ -91,7 +91,7 @@ def provide(services: Sequence[Planned], provisioned: Provisioned, etcd_endpoint
             if role == "planner":  # its replicas share one user
                 continue
             if role == "worker":
-                identity = await provisioned.claim_worker(etcd_endpoints, taken)
+                identity = await provisioned.claim("worker", etcd_endpoints, taken)
             else:
                 identity = provisioned.take(role, taken)
             taken.add(identity)

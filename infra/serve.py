@@ -3,12 +3,12 @@ a container, against the NATS and etcd the operator runs.
 
 Everything a service reads is a ``LANEWAY_*`` setting (what deploy/k8s passes); the flags here
 set the ones each host differs in. With ``--bus-credentials`` (the folder of `laneway bus
-provision`, or a copy of it on each host), the service runs as a user of its own: a worker
-claims a worker user no process took before (``infra.provisioned``), an ingress or kv-indexer
-takes the one ``--id`` names (or the folder's only one), the planner's replicas share theirs.
-Where the folder has the admin's credentials, the streams, the bucket and a worker's durable
-are made as the admin first, as `laneway up` does; a folder without them (a worker host given
-only the workers' users) leaves that to a host that has them.
+provision`, or a copy of it on each host), the service runs as a user of its own: a worker,
+ingress or kv-indexer claims a user of its role no process took before (``infra.provisioned``),
+or takes the one ``--id`` names; the planner's replicas share theirs. Where the folder has the
+admin's credentials, the streams, the bucket and a worker's durable are made as the admin
+first, as `laneway up` does; a folder without them (a host given only its services' users)
+leaves that to `laneway bus streams`.
 
 The service replaces this process (``exec``): its signals, exit code and readiness
 (``/readyz`` on ``--metrics-port``) are the service's own.
@@ -22,10 +22,10 @@ import os
 import sys
 from pathlib import Path
 
-from bus.credentials import ETCD_CREDS_ENV, NATS_CREDS_ENV, Credentials, split_credentials
+from bus.credentials import ETCD_CREDS_ENV, NATS_CREDS_ENV, split_credentials
 from bus.permissions import Identity, Role
 from infra.arg_types import port
-from infra.provisioned import NoIdentityLeft, Provisioned
+from infra.provisioned import NoIdentityLeft, Provisioned, make_streams
 
 # Each service's module, and the role flag's worker modules.
 MODULES = {
@@ -87,18 +87,18 @@ def _provisioned_env(
     except NoIdentityLeft as exc:
         raise SystemExit(f"laneway serve: {exc}") from None
     env = {
-        NATS_CREDS_ENV: str(folder.folder / "nats" / f"{identity.user}.json"),
+        NATS_CREDS_ENV: str(folder.path("nats", identity.user)),
         "LANEWAY_BUS_PROVISIONED": "true",
     }
     if "etcd" in folder.servers():
-        env[ETCD_CREDS_ENV] = str(folder.folder / "etcd" / f"{identity.user}.json")
+        env[ETCD_CREDS_ENV] = str(folder.path("etcd", identity.user))
     if identity.role == "worker":
         env["LANEWAY_WORKER_ID"] = identity.instance
     elif identity.instance:
         env["LANEWAY_INSTANCE_ID"] = identity.instance
-    admin = folder.folder / "nats" / "admin.json"
-    if admin.exists():
-        asyncio.run(_as_admin(Credentials.read(admin).within(nats_url), identity))
+    if folder.path("nats", "admin").exists():
+        workers = [identity] if identity.role == "worker" else []
+        asyncio.run(make_streams(folder, nats_url, workers))
     return env
 
 
@@ -106,33 +106,12 @@ async def _identity(args: argparse.Namespace, folder: Provisioned, etcd: str) ->
     role: Role = args.service
     if role == "planner":
         return Identity("planner")
-    if role == "worker" and not args.id:
-        return await folder.claim_worker(etcd, set())
-    held = [i for i in folder.identities() if i.role == role]
-    if args.id:
-        wanted = Identity(role, args.id)
-        if wanted not in held:
-            raise NoIdentityLeft(f"{folder.folder} has no user {wanted.user}")
-        return wanted
-    if len(held) != 1:
-        names = ", ".join(i.instance for i in held) or "none"
-        raise NoIdentityLeft(f"{folder.folder} has {role} users {names}: name one with --id")
-    return held[0]
-
-
-async def _as_admin(nats_url: str, identity: Identity) -> None:
-    from bus.client import Bus
-    from bus.provision import ensure_consumer, ensure_streams
-    from bus.settings import ServiceSettings
-    from bus.topology import worker_routes
-
-    bus = await Bus.connect(nats_url, "laneway-serve")
-    try:
-        await ensure_streams(bus.js, ServiceSettings().stream_replicas)
-        if identity.role == "worker":
-            await ensure_consumer(bus.js, worker_routes(identity.instance))
-    finally:
-        await bus.close()
+    if not args.id:
+        return await folder.claim(role, etcd, set())
+    wanted = Identity(role, args.id)
+    if wanted not in folder.identities():
+        raise NoIdentityLeft(f"{folder.folder} has no user {wanted.user}")
+    return wanted
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -174,8 +153,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     serve.add_argument(
         "--id",
-        help="the instance id (a worker's id; default: a worker claims a provisioned user, or "
-        "takes a fresh id; an ingress or kv-indexer takes the folder's only one)",
+        help="the instance id (a worker's id); default: with --bus-credentials, a user of the "
+        "service's role that no process took, claimed in etcd; else a fresh id",
     )
     serve.add_argument(
         "--no-auth",

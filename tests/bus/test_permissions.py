@@ -143,7 +143,7 @@ def test_a_worker_writes_its_own_registration_and_claim_keys_only() -> None:
     writes = [g for g in etcd_grants(WORKER) if g.write]
     assert [(g.key, g.prefix) for g in writes] == [
         (WORKERS_PREFIX + b"w1", False),
-        (claim_key("w1"), False),
+        (claim_key("worker-w1"), False),
     ]
 
 

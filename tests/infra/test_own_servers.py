@@ -82,13 +82,13 @@ def test_an_nkey_seed_file_logs_in(own_servers: OwnServers, tmp_path: Path) -> N
 
 
 async def _claimed(endpoints: str) -> set[str]:
-    """The worker users claimed in etcd, read as root (the environment's)."""
+    """The users claimed in etcd, read as root (the environment's)."""
     client = connect_etcd(endpoints)
     try:
         found = await client.get_prefix(CLAIMS_PREFIX, keys_only=True)
     finally:
         await client.close()
-    return {"worker-" + kv.key[len(CLAIMS_PREFIX) :].decode() for kv in found}
+    return {kv.key[len(CLAIMS_PREFIX) :].decode() for kv in found}
 
 
 async def _etcd_login(creds: Credentials, endpoints: str) -> bool:

@@ -18,7 +18,7 @@ from bus.credentials import (
     split_credentials,
 )
 from bus.permissions import Identity
-from infra.bus_provision import Wanted, provision
+from infra.bus_provision import Wanted, k8s_secrets, provision
 from infra.provisioned import NATS_ACCOUNTS_FILE, NoIdentityLeft, Provisioned, identity_of_user
 
 
@@ -101,6 +101,7 @@ def test_services_but_workers_take_the_users_provisioned(tmp_path: Path) -> None
         ["admin", "planner", "ingress", "ingress", "kv-indexer", "kv-indexer", *["worker"] * 3]
     )
     assert held.servers() == ("nats",)  # no etcd given: no etcd users
+    assert held.path("nats", "planner") == folder / "nats" / "planner.json"
     first = held.take("ingress", set())
     assert held.take("ingress", {first}) != first
     with pytest.raises(NoIdentityLeft, match="laneway bus provision"):
@@ -111,3 +112,27 @@ def test_services_but_workers_take_the_users_provisioned(tmp_path: Path) -> None
     provision(folder, Wanted(workers=4, ingresses=2, indexers=2), etcd_endpoints=None)
     assert Provisioned(folder).take("ingress", set()) == first
     assert sum(i.role == "worker" for i in Provisioned(folder).identities()) == 4
+
+
+def test_the_kubernetes_secrets_give_each_role_its_users_alone(tmp_path: Path) -> None:
+    folder = tmp_path / "prov"
+    provision(folder, Wanted(workers=2), etcd_endpoints=None)
+    secrets = {s["metadata"]["name"]: s["stringData"] for s in k8s_secrets(folder)}
+    assert secrets["laneway-nats-accounts"][NATS_ACCOUNTS_FILE].startswith("accounts:")
+    workers = secrets["laneway-bus-worker"]
+    assert len(workers) == 2 and all(key.startswith("nats.worker-") for key in workers)
+    assert list(secrets["laneway-bus-planner"]) == ["nats.planner.json"]
+    for role in ("ingress", "kv-indexer", "admin"):
+        assert all(key.startswith(f"nats.{role}") for key in secrets[f"laneway-bus-{role}"])
+    # As a pod mounts one: the flat layout reads as the folder did.
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    for key, text in workers.items():
+        (mounted / key).write_text(text)
+    held = Provisioned(mounted)
+    assert [i.role for i in held.identities()] == ["worker", "worker"]
+    user = held.identities()[0].user
+    assert held.path("nats", user) == mounted / f"nats.{user}.json"
+    assert Credentials.read(held.path("nats", user)) == Credentials.read(
+        folder / "nats" / f"{user}.json"
+    )

@@ -132,9 +132,17 @@ def test_each_service_in_its_own_process_as_its_own_user(
     assert users == {"kv-indexer-indexer-0", "planner", f"ingress-{ingress_id}", *workers}, users
 
 
-def test_an_ingress_among_several_users_must_be_named(
+def test_services_of_a_role_claim_users_no_other_took(
     served: Served, own_servers: OwnServers
 ) -> None:
-    served.start("ingress", "ingress")
-    assert served.procs["ingress"].wait(30) != 0
-    assert "name one with --id" in (served.logs / "ingress.log").read_text()
+    served.start("kv-indexer", "kv-indexer")
+    served.start("ingress-0", "ingress", "--port", str(free_port()))
+    served.start("ingress-1", "ingress", "--port", str(free_port()))
+    served.wait_ready()
+    users = nats_users(own_servers.monitor)
+    ingresses = [u for u in users if u.startswith("ingress-")]
+    assert len(ingresses) == len(set(ingresses)) == 2, users
+    # The folder held two ingress users, both claimed: a third has none and says so.
+    served.start("ingress-2", "ingress", "--port", str(free_port()))
+    assert served.procs["ingress-2"].wait(30) != 0
+    assert "laneway bus provision" in (served.logs / "ingress-2.log").read_text()
