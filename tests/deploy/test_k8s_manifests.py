@@ -1,10 +1,14 @@
-"""The Kubernetes manifests (deploy/k8s): both overlays render with ``kubectl kustomize``, every
-object validates against the Kubernetes schemas, each service is probed, budgeted and sized, and
-the HA overlay is a three-node NATS and a three-member etcd that the services list in full."""
+"""The Kubernetes manifests (deploy/k8s): every overlay renders with ``kubectl kustomize``, every
+object validates against the Kubernetes schemas, each service is probed, budgeted and sized, the
+HA overlay is a three-node NATS and a three-member etcd that the services list in full, and the
+GPU overlay runs vLLM workers on GPUs, NATS and etcd over TLS with a user per service (the
+Secrets `laneway bus provision` writes) and API keys on. Rendered and validated here, never
+applied: there is no cluster on this machine."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -17,11 +21,16 @@ import yaml
 
 from bus.runtime import SHUTDOWN_GRACE_S
 from bus.settings import ServiceSettings
+from bus.tls import TlsFiles
+from infra.bus_provision import Wanted, k8s_secrets, provision
 from infra.embedded import find_binary
+from infra.provisioned import NATS_ACCOUNTS_FILE
+from infra.serve import MODULES, WORKER_MODULES
 from services.ingress.main import IngressSettings
 from services.kv_indexer.main import IndexerSettings
 from services.planner.main import PlannerSettings
 from services.worker.settings import WorkerSettings
+from tests.security.certificates import make_certificates
 
 pytestmark = pytest.mark.live  # runs kubectl and nats-server (to test the NATS configuration)
 
@@ -37,7 +46,7 @@ SERVICES = {
 }
 WORKERS = ("prefill-worker", "decode-worker")
 # Servers per StatefulSet, and replicas of each Laneway service but the autoscaled ingress.
-SHAPES = {"dev": (1, 1), "ha": (3, 2)}
+SHAPES = {"dev": (1, 1), "ha": (3, 2), "gpu": (3, 2)}
 # The oldest Kubernetes the manifests use features of (the preStop sleep action), and the newest
 # the validator knows.
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
@@ -101,6 +110,17 @@ def _container(deployment: Obj) -> Obj:
     return containers[0]
 
 
+def _module_of(command: list[str]) -> str:
+    """The module a container's command runs: `python -m MODULE`, or `laneway serve SERVICE`."""
+    if command[:2] == ["python", "-m"]:
+        return command[2]
+    assert command[:2] == ["laneway", "serve"], command
+    if command[2] != "worker":
+        return MODULES[command[2]]
+    role = command[command.index("--role") + 1] if "--role" in command else "both"
+    return WORKER_MODULES[role]
+
+
 def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return bool(selector) and selector.items() <= labels.items()
 
@@ -125,7 +145,7 @@ def test_each_service_is_probed_budgeted_and_sized(manifests: Manifests, name: s
     labels = _pod(deployment)["metadata"]["labels"]
     container = _container(deployment)
     module = SERVICES[name]
-    assert container["command"] == ["python", "-m", module]
+    assert _module_of(container["command"]) == module
     assert importlib.util.find_spec(module) is not None
 
     config = manifests.config_map("laneway-config")["metadata"]["name"]
@@ -179,6 +199,9 @@ def test_every_setting_is_one_a_service_reads(manifests: Manifests) -> None:
             )
         )
     )
+    # Read from the environment by bus.tls, beside the settings.
+    files = TlsFiles(Path("ca"), Path("cert"), Path("key"))
+    read |= {v.removeprefix("LANEWAY_").lower() for s in ("NATS", "ETCD") for v in files.env(s)}
     names = set(manifests.settings)
     for name in SERVICES:
         names |= {e["name"] for e in _container(manifests.get("Deployment", name)).get("env", [])}
@@ -233,7 +256,8 @@ def _resolves(manifests: Manifests, host: str) -> bool:
 
 
 def _host(url: str) -> str:
-    return url.strip().removeprefix("nats://").removeprefix("http://").rpartition(":")[0]
+    bare = url.strip().removeprefix("nats://").removeprefix("http://").removeprefix("https://")
+    return bare.rpartition(":")[0]
 
 
 def test_clients_name_every_member(manifests: Manifests) -> None:
@@ -252,8 +276,16 @@ def test_clients_name_every_member(manifests: Manifests) -> None:
 
 
 def test_nats_configuration_is_valid(manifests: Manifests, tmp_path: Path) -> None:
-    for key, text in manifests.config_map("nats-config")["data"].items():
-        (tmp_path / key).write_text(text)
+    # What the GPU overlay mounts from Secrets: a certificate (the test's own CA's) and the
+    # accounts `laneway bus provision` writes, at paths of the test's.
+    tls = tmp_path / "tls"
+    tls.mkdir()
+    ca, cert, key = make_certificates(tls)
+    for mounted, made in (("ca.crt", ca), ("tls.crt", cert), ("tls.key", key)):
+        (tls / mounted).write_bytes(made.read_bytes())
+    provision(tmp_path / "auth", Wanted(workers=2), etcd_endpoints=None)
+    for key_name, text in manifests.config_map("nats-config")["data"].items():
+        (tmp_path / key_name).write_text(text.replace("/etc/nats/tls/", f"{tls}/"))
     checked = subprocess.run(
         [find_binary("nats-server"), "-t", "-c", str(tmp_path / "nats.conf")],
         capture_output=True,
@@ -266,3 +298,87 @@ def test_nats_configuration_is_valid(manifests: Manifests, tmp_path: Path) -> No
     servers = SHAPES[manifests.overlay][0]
     routes = (tmp_path / "cluster.conf").read_text().count("nats://nats-")
     assert routes == (0 if servers == 1 else servers)
+
+
+def test_etcd_takes_every_setting_given_it(manifests: Manifests) -> None:
+    # etcd maps ETCD_X to its flag --x and refuses an unknown ETCD_ variable only at start: a
+    # misspelt one would be found on the cluster, so each is checked against the binary here.
+    helped = subprocess.run(
+        [find_binary("etcd"), "--help"], capture_output=True, text=True, timeout=30, check=False
+    )
+    flags = set(re.findall(r"^\s+--([a-z0-9-]+)", helped.stdout + helped.stderr, re.MULTILINE))
+    assert "initial-cluster" in flags
+    env = _container(manifests.get("StatefulSet", "etcd"))["env"]
+    for variable in (e["name"] for e in env):
+        assert variable.startswith("ETCD_"), variable
+        assert variable.removeprefix("ETCD_").lower().replace("_", "-") in flags, variable
+
+
+def _env(container: Obj) -> dict[str, Obj]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_gpu_workers_run_vllm_on_a_gpu_each() -> None:
+    manifests = _render("gpu")
+    for name in WORKERS:
+        deployment = manifests.get("Deployment", name)
+        pod = _pod(deployment)["spec"]
+        container = _container(deployment)
+        resources = container["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 1
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+            "tolerations"
+        ]
+        env = _env(container)
+        assert env["LANEWAY_ENGINE"]["value"] == "vllm"
+        model = Path(env["LANEWAY_MODEL_DIR"]["value"])
+        [mount] = [m for m in container["volumeMounts"] if model.is_relative_to(m["mountPath"])]
+        assert mount["readOnly"]
+        [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        claim = volume["persistentVolumeClaim"]["claimName"]
+        assert (
+            "ReadOnlyMany" in manifests.get("PersistentVolumeClaim", claim)["spec"]["accessModes"]
+        )
+        assert env["LANEWAY_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+        rack = env["LANEWAY_RACK"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert rack == "metadata.labels['topology.kubernetes.io/zone']"
+        # Ready once the engine is loaded; a large model may take minutes to get there.
+        assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        probe = container["startupProbe"]
+        assert probe["periodSeconds"] * probe["failureThreshold"] >= 600
+
+
+def test_gpu_overlay_secures_the_bus_and_the_api(tmp_path: Path) -> None:
+    manifests = _render("gpu")
+    settings = manifests.settings
+    assert settings["LANEWAY_API_AUTH"] == "true"
+    assert settings["LANEWAY_NATS_TLS_CA"] == settings["LANEWAY_ETCD_TLS_CA"]
+    assert all(e.startswith("https://") for e in settings["LANEWAY_ETCD_ENDPOINTS"].split(","))
+    etcd = _env(_container(manifests.get("StatefulSet", "etcd")))
+    assert etcd["ETCD_LISTEN_CLIENT_URLS"]["value"].startswith("https://")
+    assert etcd["ETCD_PEER_CLIENT_CERT_AUTH"]["value"] == "true"
+    nats_conf = manifests.config_map("nats-config")["data"]["nats.conf"]
+    assert "tls {" in nats_conf and f"include ./auth/{NATS_ACCOUNTS_FILE}" in nats_conf
+    # Every Secret the objects name is one `laneway bus provision --k8s-secrets` writes, or the
+    # bus's certificate, and each service's pod mounts its own role's users alone.
+    provision(tmp_path / "bus", Wanted(workers=2), etcd_endpoints=None)
+    provisioned = {s["metadata"]["name"]: s for s in k8s_secrets(tmp_path / "bus")}
+    for secret in provisioned.values():
+        kubernetes_validate.validate(secret, KUBERNETES_VERSIONS[0], strict=True)
+    named = set()
+    for obj in [*manifests.of_kind("Deployment"), *manifests.of_kind("StatefulSet")]:
+        volumes = obj["spec"]["template"]["spec"].get("volumes", [])
+        named |= {v["secret"]["secretName"] for v in volumes if "secret" in v}
+    named |= {
+        v["secret"]["secretName"]
+        for v in manifests.get("Job", "laneway-bus-init")["spec"]["template"]["spec"]["volumes"]
+        if "secret" in v
+    }
+    assert named - provisioned.keys() == {"laneway-bus-tls"}
+    for name in SERVICES:
+        deployment = manifests.get("Deployment", name)
+        command = _container(deployment)["command"]
+        assert command[-2:] == ["--bus-credentials", "/etc/laneway/bus"]
+        role = "worker" if command[2] == "worker" else command[2]
+        volumes = {v["name"]: v for v in _pod(deployment)["spec"]["volumes"]}
+        assert volumes["bus-credentials"]["secret"]["secretName"] == f"laneway-bus-{role}"
