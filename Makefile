@@ -45,8 +45,8 @@ test: $(STAMP) $(PHOENIX) $(PROMETHEUS) ## install, build the docs strictly, run
 	$(BIN)/pytest -q -n 2 --dist loadgroup -m "not vllm"
 	$(BIN)/pytest -q -n 2 --dist loadgroup -m vllm
 
-chaos: $(STAMP) ## faults under load: node loss on 3+3 NATS/etcd, then each service and single server killed under laneway up (about 7 min)
-	$(BIN)/pytest -q -s -m chaos tests/chaos/test_node_loss.py tests/chaos/test_faults.py
+chaos: $(STAMP) ## faults under load: node loss on 3+3 NATS/etcd, each service and single server killed under laneway up, then three hosts of network namespaces cut off, slowed and made deaf (root; about 20 min)
+	$(BIN)/pytest -q -s -m chaos tests/chaos/test_node_loss.py tests/chaos/test_faults.py tests/chaos/test_hosts.py
 
 test-slow: $(STAMP) ## the long tests the suite leaves out: 3,000 exact streams, 4x-capacity admission, key cost, 1M-block index, Mooncake replay vs Dynamo's figures, the e2e KV move
 	$(BIN)/pytest -q -m slow

@@ -40,6 +40,10 @@ _RETRIED = (nats.errors.TimeoutError, NoStreamResponseError, ServiceUnavailableE
 # flooding it refuses everyone's): tried again, waiting longer each time up to this, seconds.
 _BUSY = 429
 _BUSY_WAIT_MAX_S = 2.0
+# A clustered stream's answer to a try whose message id an earlier try of it is still being
+# stored under (a quorum slow to answer, as while a server is cut off): not a refusal; asked
+# again, the stream answers with that message's place once it has it.
+_IN_PROCESS = 10158
 # The server's answer for a subject no stream takes (it tells requesters there is nobody).
 _NO_RESPONDERS = "503"
 # In a stream's answer only when it refused the message (a PubAck names stream, seq,
@@ -101,7 +105,9 @@ class Confirmations:
                 check(await (answer or await self.send(subject, data, headers)))
                 break
             except (*_RETRIED, APIError) as error:
-                busy = isinstance(error, APIError) and error.code == _BUSY
+                busy = isinstance(error, APIError) and (
+                    error.code == _BUSY or error.err_code == _IN_PROCESS
+                )
                 if (isinstance(error, APIError) and not busy) or (
                     loop.time() > started + CONFIRM_WITHIN_S
                 ):
