@@ -30,6 +30,7 @@ ETCD_USER_ENV = "LANEWAY_ETCD_USER"
 ETCD_PASSWORD_ENV = "LANEWAY_ETCD_PASSWORD"
 NATS_JWT_CREDS_ENV = "LANEWAY_NATS_CREDENTIALS"
 NATS_NKEY_ENV = "LANEWAY_NATS_NKEY"
+NATS_IN_ORDER_ENV = "LANEWAY_NATS_IN_ORDER"
 
 # User names become subject tokens (a user's reply inbox) and etcd role names.
 _USER = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -141,7 +142,17 @@ def nats_options(url: str) -> dict[str, Any]:
     """nats-py's connect options for ``url`` (several servers, comma-separated): its servers
     without credentials, the login (``nats_login``) and TLS (``bus.tls``)."""
     servers = [u.strip() for u in split_credentials(url)[1].split(",") if u.strip()]
-    return {"servers": servers, "tls": nats_tls_from_env(), **nats_login(url)}
+    # nats-py picks any server of the list, which spreads a cluster's clients over its servers.
+    # On hosts that each run a server, a service lists its own host's first and asks for the
+    # order kept: a link cut between hosts then cuts none of its connections (with any, an
+    # ingress whose server was on a worker's host lost its bus with that host).
+    in_order = os.environ.get(NATS_IN_ORDER_ENV, "").lower() in ("1", "true", "yes")
+    return {
+        "servers": servers,
+        "tls": nats_tls_from_env(),
+        "dont_randomize": in_order,
+        **nats_login(url),
+    }
 
 
 def nats_login(url: str) -> dict[str, Any]:

@@ -89,14 +89,14 @@ def _spent(endpoints: str) -> set[str]:
     """The users claimed in etcd; none known where etcd refuses a caller without
     credentials (then no etcd users are made either)."""
     try:
-        return asyncio.run(_claimed(endpoints))
+        return asyncio.run(claimed(endpoints))
     except Exception:
         if etcd_credentials(endpoints) is None:
             return set()
         raise
 
 
-async def _claimed(endpoints: str) -> set[str]:
+async def claimed(endpoints: str) -> set[str]:
     """The users claimed in etcd (bus.registry.claim)."""
     client = connect_etcd(endpoints)
     try:

@@ -50,9 +50,8 @@ def _remove_stale(prefix: str) -> None:
 
 
 def can_make_namespaces() -> bool:
-    return (
-        os.geteuid() == 0 and subprocess.run(["ip", "netns", "list"], check=False).returncode == 0
-    )
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, check=False)
+    return os.geteuid() == 0 and listed.returncode == 0
 
 
 class Hosts:

@@ -65,6 +65,8 @@ SETTINGS = {
     "LANEWAY_SPEEDUP": "0.08",
     "LANEWAY_LEASE_TTL_S": "5",
     "LANEWAY_STREAM_REPLICAS": "3",
+    # Each host's services list its own server first, and keep to it.
+    "LANEWAY_NATS_IN_ORDER": "true",
 }
 
 
@@ -78,11 +80,20 @@ class Cluster:
 
     @property
     def nats_url(self) -> str:
-        return ",".join(f"nats://{self.hosts.address(i)}:4222" for i in range(HOSTS))
+        return self.nats_from(0)
+
+    def nats_from(self, i: int) -> str:
+        """Every server, host ``i``'s own first (as each host's services are given them)."""
+        order = [i, *(j for j in range(HOSTS) if j != i)]
+        return ",".join(f"nats://{self.hosts.address(j)}:4222" for j in order)
 
     @property
     def etcd(self) -> str:
-        return ",".join(f"{self.hosts.address(i)}:2379" for i in range(HOSTS))
+        return self.etcd_from(0)
+
+    def etcd_from(self, i: int) -> str:
+        order = [i, *(j for j in range(HOSTS) if j != i)]
+        return ",".join(f"{self.hosts.address(j)}:2379" for j in order)
 
     @property
     def base_url(self) -> str:
@@ -143,7 +154,7 @@ def _serve(cluster: Cluster, i: int, name: str, *args: str) -> None:
         [
             *(sys.executable, "-m", "infra.cli", "serve", *args),
             *("--bus-credentials", str(cluster.folder)),
-            *("--nats-url", cluster.nats_url, "--etcd-endpoints", cluster.etcd),
+            *("--nats-url", cluster.nats_from(i), "--etcd-endpoints", cluster.etcd_from(i)),
         ],
         env,
     )
@@ -235,6 +246,13 @@ def _http(cluster: Cluster) -> httpx.AsyncClient:
     )
 
 
+async def _whole_now(cluster: Cluster) -> bool:
+    try:
+        return await asyncio.wait_for(_is_whole(cluster), 5)
+    except TimeoutError:
+        return False
+
+
 async def _is_whole(cluster: Cluster) -> bool:
     """Every worker and planner in etcd, and the API ready."""
     etcd = connect_etcd(cluster.admin_etcd())
@@ -319,7 +337,7 @@ def _under(
             healed.set()
             deadline = healed_at + WHOLE_WITHIN_S
             while time.monotonic() < deadline:
-                if in_namespace(cluster.hosts.client, lambda: asyncio.run(_is_whole(cluster))):
+                if in_namespace(cluster.hosts.client, lambda: asyncio.run(_whole_now(cluster))):
                     whole_s = time.monotonic() - healed_at
                     break
                 time.sleep(0.5)

@@ -16,7 +16,8 @@ import pytest
 from bus.client import Bus
 from bus.credentials import NATS_CREDS_ENV, NATS_NKEY_ENV, Credentials, split_credentials
 from bus.permissions import etcd_grants
-from bus.registry import CLAIMS_PREFIX, connect_etcd
+from bus.registry import connect_etcd
+from infra.bus_provision import claimed
 from infra.cli import main
 from infra.cluster import LocalCluster
 from infra.provisioned import NATS_ACCOUNTS_FILE, Provisioned, identity_of_user
@@ -81,16 +82,6 @@ def test_an_nkey_seed_file_logs_in(own_servers: OwnServers, tmp_path: Path) -> N
     assert not asyncio.run(login(stranger))
 
 
-async def _claimed(endpoints: str) -> set[str]:
-    """The users claimed in etcd, read as root (the environment's)."""
-    client = connect_etcd(endpoints)
-    try:
-        found = await client.get_prefix(CLAIMS_PREFIX, keys_only=True)
-    finally:
-        await client.close()
-    return {kv.key[len(CLAIMS_PREFIX) :].decode() for kv in found}
-
-
 async def _etcd_login(creds: Credentials, endpoints: str) -> bool:
     """Whether etcd lets ``creds`` read a key its role may read."""
     identity = identity_of_user(creds.user)
@@ -134,7 +125,7 @@ def test_after_provision_each_service_runs_as_its_own_user(
             for s in cluster.services
             if "LANEWAY_WORKER_ID" in s.env
         }
-        spent = asyncio.run(_claimed(own_servers.etcd_plain))
+        spent = asyncio.run(claimed(own_servers.etcd_plain))
         assert spent == workers
     finally:
         cluster.stop()

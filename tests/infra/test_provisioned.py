@@ -15,6 +15,7 @@ from bus.credentials import (
     Credentials,
     etcd_credentials,
     nats_login,
+    nats_options,
     split_credentials,
 )
 from bus.permissions import Identity
@@ -60,6 +61,10 @@ def test_nats_login_takes_a_credentials_file_or_an_nkey_never_both(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     assert nats_login("nats://h:4222") == {}
+    assert nats_options("nats://u:p@a:1,nats://b:2")["servers"] == ["nats://a:1", "nats://b:2"]
+    assert not nats_options("nats://a:1")["dont_randomize"]
+    monkeypatch.setenv("LANEWAY_NATS_IN_ORDER", "true")
+    assert nats_options("nats://a:1")["dont_randomize"]
     (tmp_path / "user.creds").write_text("x")
     (tmp_path / "user.nk").write_text("x")
     monkeypatch.setenv(NATS_JWT_CREDS_ENV, str(tmp_path / "user.creds"))
