@@ -230,6 +230,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="make the streams and every provisioned worker's durable, as the folder's admin "
         "(after nats-server took the users): what no service's own user may",
     )
-    streams.add_argument("--bus-credentials", type=Path, required=True, metavar="DIR")
+    streams.add_argument(
+        "--bus-credentials",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="the folder of `laneway bus provision` (its admin's credentials and worker users)",
+    )
     streams.add_argument("--nats-url", help="the NATS servers (default: LANEWAY_NATS_URL)")
     streams.set_defaults(func=_streams)
