@@ -84,16 +84,18 @@ class Cluster:
 
     def nats_from(self, i: int) -> str:
         """Every server, host ``i``'s own first (as each host's services are given them)."""
-        order = [i, *(j for j in range(HOSTS) if j != i)]
-        return ",".join(f"nats://{self.hosts.address(j)}:4222" for j in order)
+        return self._from(i, "nats://", 4222)
 
     @property
     def etcd(self) -> str:
         return self.etcd_from(0)
 
     def etcd_from(self, i: int) -> str:
+        return self._from(i, "", 2379)
+
+    def _from(self, i: int, scheme: str, port: int) -> str:
         order = [i, *(j for j in range(HOSTS) if j != i)]
-        return ",".join(f"{self.hosts.address(j)}:2379" for j in order)
+        return ",".join(f"{scheme}{self.hosts.address(j)}:{port}" for j in order)
 
     @property
     def base_url(self) -> str:
