@@ -29,8 +29,11 @@ from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableEr
 
 log = logging.getLogger(__name__)
 
-# How long one try waits for its stream's answer (nats-py's JetStream default).
-ATTEMPT_S = 5.0
+# How long one try waits for its stream's answer before it is sent again (the message id has
+# the stream drop a copy). Less than nats-py's JetStream default of 5 s: a try sent to a
+# stream leader that was just cut off is answered by nobody, and the next try, sent once the
+# others elected a new leader, is what gets the message stored.
+ATTEMPT_S = 2.0
 # How long a publish is tried again while its stream answers nothing: a cluster's new leader
 # for it (a server lost) is elected well within this; past it the publish fails.
 CONFIRM_WITHIN_S = 30.0

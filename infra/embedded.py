@@ -153,6 +153,16 @@ def start_nats(
     return server
 
 
+# How the servers of a cluster keep their routes. A route is found dead after about 6-8 s of
+# silence (a ping every 2 s, closed after 3 without an answer): nats-server's default (2
+# minutes, 2 pings) keeps a cut host's route, and the interest behind it, for minutes, and a
+# deliver group goes on handing a shared durable's messages to the cut host's subscriber, who
+# hears them only after the consumer's ack wait. Shorter, routes across a congested link close
+# and open again, losing what was on them. Compressed as the link's round trip calls for
+# (s2_auto): less to queue on a slow link.
+ROUTE_SETTINGS = 'ping_interval: "2s"\n  ping_max: 3\n  compression: s2_auto'
+
+
 def start_nats_cluster(
     data_dir: Path,
     log_dir: Path,
@@ -172,7 +182,7 @@ def start_nats_cluster(
         cluster = (
             f"server_name: nats-{i}\nhttp: 127.0.0.1:{monitors[i]}\n"
             f"cluster {{\n  name: laneway\n  listen: 127.0.0.1:{routes[i]}\n"
-            f"  routes: [{others}]\n}}\n"
+            f"  {ROUTE_SETTINGS}\n  routes: [{others}]\n}}\n"
         )
         name = f"nats-{i}"
         servers.append(

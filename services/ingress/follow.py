@@ -4,7 +4,8 @@ Token batches are core messages, so one can be lost on its way (a NATS node goin
 worker keeps what it published and answers a resend query for it. A request asks when a batch is
 missing, when the terminal came before tokens it counts, or when its stream is silent. When its
 worker is gone (the planner saw the worker's lease lapse, the worker drained, or it answers
-nothing after it had started; or no worker took the request up at all) the request continues on
+nothing after it had started, or about tokens a finished answer lacks; or no worker took the
+request up at all) the request continues on
 another worker from the tokens the client has (:mod:`services.ingress.migration`); events of an
 attempt it left are dropped from then on.
 
@@ -26,7 +27,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from observability.drops import Drops
-from schemas.events import RequestAccepted, RequestFailed, RequestPlaced, TerminalEvent
+from schemas.events import (
+    RequestAccepted,
+    RequestFailed,
+    RequestFinished,
+    RequestPlaced,
+    TerminalEvent,
+)
 from schemas.messages import ResendReply
 from services.ingress.gateway import GatewayEvent
 from services.ingress.migration import (
@@ -66,9 +73,10 @@ def _not_placed(event: GatewayEvent, placed: str) -> None:
 class Recovery:
     completion_wait_s: float = 2.0
     """How long a terminal waits for tokens it counts that nobody answers for, before the request
-    ends with an error instead: counted from when what was on its way to the ingress as the
-    terminal came has been taken in (``Drain``), not from the terminal; an ingress seconds
-    behind its socket still has them to read."""
+    goes on from the tokens the client has on another attempt (a failure ends as it is):
+    counted from when what was on its way to the ingress as the terminal came has been taken
+    in (``Drain``), not from the terminal; an ingress seconds behind its socket still has them
+    to read."""
     drain_s: float = 30.0
     """How long that taking in may last before the wait is counted anyway (a connection that
     stopped answering)."""
@@ -238,7 +246,7 @@ class Follow:
             if self._held_since is not None:
                 # Not while arrivals wait to be taken: they may be the missing tokens.
                 if now - self._held_since >= self._rec.completion_wait_s and self._queue.empty():
-                    return self._end(order.give_up(self._source))
+                    return await self._unanswered_gap()
                 self._next_ask = now + GAP_WAIT_S
                 return []
             bound = self._rec.unrouted_s if self._worker is None else self._rec.orphan_s
@@ -259,6 +267,15 @@ class Follow:
         if self.ended is None:
             self._next_ask = now + (0.0 if not reply.complete else self._rec.silence_s)
         return ready
+
+    async def _unanswered_gap(self) -> list[GatewayEvent]:
+        """Tokens the terminal counts never came, and their holder answers no ask for them (a
+        link that drops and is too slow to ask across, a holder gone): a finished answer goes
+        on from the tokens the client has, on another attempt, as one whose worker is lost; a
+        failure or cancellation ends as it was."""
+        if isinstance(self._order.held, RequestFinished):
+            return await self._migrate()
+        return self._end(self._order.give_up(self._source))
 
     def _end(self, terminal: TerminalEvent) -> list[GatewayEvent]:
         self.ended = terminal

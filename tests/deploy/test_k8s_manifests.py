@@ -23,7 +23,7 @@ from bus.runtime import SHUTDOWN_GRACE_S
 from bus.settings import ServiceSettings
 from bus.tls import TlsFiles
 from infra.bus_provision import Wanted, k8s_secrets, provision
-from infra.embedded import find_binary
+from infra.embedded import ROUTE_SETTINGS, find_binary
 from infra.provisioned import NATS_ACCOUNTS_FILE
 from infra.serve import MODULES, WORKER_MODULES
 from services.ingress.main import IngressSettings
@@ -296,8 +296,12 @@ def test_nats_configuration_is_valid(manifests: Manifests, tmp_path: Path) -> No
     )
     assert checked.returncode == 0, checked.stderr
     servers = SHAPES[manifests.overlay][0]
-    routes = (tmp_path / "cluster.conf").read_text().count("nats://nats-")
+    cluster = (tmp_path / "cluster.conf").read_text()
+    routes = cluster.count("nats://nats-")
     assert routes == (0 if servers == 1 else servers)
+    if servers > 1:
+        # The routes' liveness and compression the multi-host suite measured.
+        assert all(line.strip() in cluster for line in ROUTE_SETTINGS.splitlines())
 
 
 def test_etcd_takes_every_setting_given_it(manifests: Manifests) -> None:

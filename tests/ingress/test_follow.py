@@ -196,11 +196,36 @@ async def test_tokens_that_came_during_a_slow_resend_query_are_taken_before_givi
     assert text_of(out) == "abcdef" and isinstance(out[-1], RequestFinished)
 
 
-async def test_tokens_lost_on_their_way_end_the_request_once_with_an_error() -> None:
-    """Nothing of them is in the ingress once it drained, and nobody resends them: one error
-    after the completion wait, no hang, no answer silently shorter."""
-    out = await _overtaken(60.0, drain_waits=False)
-    assert text_of(out) == "ab"
+async def test_tokens_lost_on_their_way_continue_on_the_next_attempt_once() -> None:
+    """Nothing of them is in the ingress once it drained, and nobody resends them (a link too
+    slow to ask across): the answer goes on from the two tokens the client has, and the first
+    attempt's batch that comes after is dropped; no error, no answer silently shorter."""
+    first = [placed("w1", 0), of(batch(0, "ab"), "w1", 0), of(finished(6), "w1", 0)]
+    continued = [
+        placed("w2", 1),
+        of(batch(2, "cdef"), "w1", 0),  # the lost batch, too late
+        of(batch(2, "cdef"), "w2", 1),
+        of(finished(6), "w2", 1),
+    ]
+    out, resubmitted = await follow({0: first, 1: continued})
+    assert text_of(out) == "abcdef" and tokens_of(out) == list(b"abcdef")
+    assert [e.type for e in out][-1] == "RequestFinished" and {e.attempt for e in out} == {0, 1}
+    (moved,) = resubmitted
+    assert moved.spec.sampling.offset == 2 and moved.spec.prompt_token_ids[-2:] == tuple(b"ab")
+
+
+async def test_a_failure_whose_tokens_were_lost_ends_as_it_was() -> None:
+    """Only a finished answer goes on elsewhere: a failure that counted tokens nobody resends
+    is passed on as it is, once."""
+    failed = RequestFailed(
+        source="worker/w1",
+        request_id="r1",
+        code="engine_error",
+        message="engine error",
+        completion_tokens=6,
+    )
+    out, resubmitted = await follow(
+        {0: [placed("w1", 0), of(batch(0, "ab"), "w1", 0), of(failed, "w1", 0)]}
+    )
+    assert text_of(out) == "ab" and resubmitted == []
     assert [e.type for e in out] == ["TokensGenerated", "RequestFailed"]
-    ended = out[-1]
-    assert isinstance(ended, RequestFailed) and ended.code == "incomplete_stream"

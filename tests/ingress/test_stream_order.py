@@ -251,16 +251,40 @@ async def test_the_last_batch_overtaken_by_the_terminal_still_reaches_the_client
     assert [type(e).__name__ for e in received][-1] == "RequestFinished"
 
 
-async def test_a_batch_that_never_comes_ends_the_stream_with_an_error(bus: Bus) -> None:
-    script: Script = [
-        ("tokens", batch(0, "ab", "gap")),
-        ("tokens", batch(4, "ef", "gap")),
-        ("terminal", finished(6, "gap")),
-    ]
-    received = await answer(bus, "gap", script)
-    assert text_of(received) == "ab"
+async def test_a_batch_that_never_comes_is_made_again_on_the_next_attempt(bus: Bus) -> None:
+    """Tokens 2-3 never come and nobody answers for them: the request goes on from "ab" on a
+    next attempt, whose answer the client gets; the first attempt's terminal is not passed on."""
+    gateway = NatsGateway(bus, INGRESS, Recovery(completion_wait_s=0.3))
+    await gateway.start()
+    attempts: list[RequestSpec] = []
+
+    def of(event: TokensGenerated | RequestFinished, attempt: int) -> GatewayEvent:
+        return event.model_copy(update={"attempt": attempt})
+
+    async def worker(event: RequestAccepted) -> None:
+        if event.request_id != "gap":
+            return
+        attempts.append(event.spec)
+        script: list[GatewayEvent | RequestPlaced]
+        if event.spec.attempt == 0:
+            script = [placed("gap"), batch(0, "ab", "gap"), batch(4, "ef", "gap")]
+            script.append(finished(6, "gap"))
+        else:
+            script = [placed("gap", attempt=1), of(batch(2, "cdef", "gap"), 1)]
+            script.append(of(finished(6, "gap"), 1))
+        for item in script:
+            await send(bus, item)
+            await asyncio.sleep(0.05)
+
+    await bus.subscribe(Subjects.request_accepted, worker)
+    received = await asyncio.wait_for(
+        collect(gateway.submit("gap", None, request_spec(INGRESS))), 5
+    )
+    assert text_of(received) == "abcdef"
     ended = received[-1]
-    assert isinstance(ended, RequestFailed) and ended.code == "incomplete_stream"
+    assert isinstance(ended, RequestFinished) and ended.attempt == 1
+    assert [a.attempt for a in attempts] == [0, 1]
+    assert attempts[1].prompt_token_ids[-2:] == tuple(b"ab")
 
 
 # Asked again: the holder of a request answers resend queries (lw.resend) with what it kept.
