@@ -153,14 +153,16 @@ def start_nats(
     return server
 
 
-# How the servers of a cluster keep their routes. A route is found dead after about 6-8 s of
-# silence (a ping every 2 s, closed after 3 without an answer): nats-server's default (2
-# minutes, 2 pings) keeps a cut host's route, and the interest behind it, for minutes, and a
-# deliver group goes on handing a shared durable's messages to the cut host's subscriber, who
-# hears them only after the consumer's ack wait. Shorter, routes across a congested link close
-# and open again, losing what was on them. Compressed as the link's round trip calls for
-# (s2_auto): less to queue on a slow link.
-ROUTE_SETTINGS = 'ping_interval: "2s"\n  ping_max: 3\n  compression: s2_auto'
+# How the servers of a cluster keep their routes. A route is found dead after about 3-4 s of
+# silence (a ping a second, closed after 3 without an answer): before the workers' 5 s leases
+# lapse, so that the requests moved off a cut host's workers go to a planner that can be
+# reached. nats-server's default (2 minutes, 2 pings) keeps a cut host's route, and the
+# interest behind it, for minutes, and a deliver group goes on handing the planners' shared
+# durable's messages to the cut host's planner, who hears them only after the durable's ack
+# wait. Across a congested link routes then close and open again, losing what was on them (the
+# ingress asks for, or has made again, what it missed); compressed as the link's round trip
+# calls for (s2_auto), less is queued on it.
+ROUTE_SETTINGS = 'ping_interval: "1s"\n  ping_max: 3\n  compression: s2_auto'
 
 
 def start_nats_cluster(
