@@ -10,7 +10,8 @@ its seed. The faults: host 1 cut off for 20 s, then host 2; host 1 behind a 512 
 bucket with a 300 ms queue; the host of the servers that lead the requests' stream cut off;
 host 2 made deaf (what goes to it dropped, what it sends delivered). Per fault it prints the
 clients' tally, the longest pause near the fault, the longest stream, and the time from the
-heal until the cluster is whole again (every worker and planner back in etcd, the API ready)."""
+heal until the cluster is whole again (every worker and planner back in etcd, the API ready,
+every NATS server healthy, its stream replicas caught up); each fault waits for that first."""
 
 from __future__ import annotations
 
@@ -257,7 +258,7 @@ async def _whole_now(cluster: Cluster) -> bool:
 
 
 async def _is_whole(cluster: Cluster) -> bool:
-    """Every worker and planner in etcd, and the API ready."""
+    """Every worker and planner in etcd, the API ready, and every NATS server healthy."""
     etcd = connect_etcd(cluster.admin_etcd())
     try:
         workers = len(list(await etcd.get_prefix(WORKERS_PREFIX, keys_only=True)))
@@ -269,9 +270,26 @@ async def _is_whole(cluster: Cluster) -> bool:
     async with _http(cluster) as http:
         try:
             ready = (await http.get(cluster.base_url.removesuffix("/v1") + "/health")).status_code
+            # Each nats-server's own word: JetStream's meta leader known, and every stream and
+            # consumer it holds a replica of caught up.
+            bus = [
+                (await http.get(f"http://{cluster.hosts.address(i)}:8222/healthz")).status_code
+                for i in range(HOSTS)
+            ]
         except httpx.HTTPError:
             return False
-    return workers == sum(WORKERS_PER_HOST.values()) and planners == 2 and ready == 200
+    whole = workers == sum(WORKERS_PER_HOST.values()) and planners == 2
+    return whole and ready == 200 and bus == [200] * HOSTS
+
+
+def _until_whole(cluster: Cluster) -> float | None:
+    """Seconds until the cluster is whole, None if not within ``WHOLE_WITHIN_S``."""
+    started = time.monotonic()
+    while time.monotonic() < started + WHOLE_WITHIN_S:
+        if in_namespace(cluster.hosts.client, lambda: asyncio.run(_whole_now(cluster))):
+            return time.monotonic() - started
+        time.sleep(0.5)
+    return None
 
 
 def _stream_leader_host(cluster: Cluster) -> int:
@@ -302,6 +320,8 @@ def _under(
     """The load for ``BEFORE_S``, ``apply`` on ``host`` for ``FAULT_S`` (None: the unfaulted
     baseline), then healed, and the load for ``AFTER_S`` more; the row, and the seconds from
     the heal until the cluster was whole."""
+    # One fault at a time: the last one's heal complete, the bus's replicas caught up included.
+    assert _until_whole(cluster) is not None, f"{name}: the cluster was not whole before it"
     started, healed = threading.Event(), threading.Event()
 
     def load() -> Row:
@@ -331,7 +351,6 @@ def _under(
     with ThreadPoolExecutor(1) as pool:
         row: Future[Row] = pool.submit(in_namespace, cluster.hosts.client, load)
         started.wait(60)
-        whole_s = None
         if apply is not None and host is not None:
             try:
                 apply(host)
@@ -340,13 +359,7 @@ def _under(
                 # Even if the fault could not be made: the load must end for the test to.
                 cluster.hosts.heal(host)
                 healed.set()
-            healed_at = time.monotonic()
-            deadline = healed_at + WHOLE_WITHIN_S
-            while time.monotonic() < deadline:
-                if in_namespace(cluster.hosts.client, lambda: asyncio.run(_whole_now(cluster))):
-                    whole_s = time.monotonic() - healed_at
-                    break
-                time.sleep(0.5)
+            whole_s = _until_whole(cluster)
         else:
             healed.set()
             whole_s = 0.0
