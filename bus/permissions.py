@@ -103,9 +103,9 @@ class NatsPermissions:
 
 
 # Beyond the channels, the JetStream state each role uses. The planner folds the KV stream too
-# (bus/kv_follow.py): it replays it and reads the indexer's snapshots, but writes none. A role
-# replays only a stream it cannot write to, or its replay's deliveries (sent where it says)
-# could carry words of its own.
+# (services/common/kv_follow.py, through bus/kv_source.py): it replays it and reads the
+# indexer's snapshots, but writes none. A role replays only a stream it cannot write to, or its
+# replay's deliveries (sent where it says) could carry words of its own.
 _REPLAYS = {"kv-indexer": (Subjects.all_kv,), "planner": (Subjects.all_kv,)}
 _OBJECT_STORES = {"kv-indexer": (INDEX_SNAPSHOTS,)}
 _OBJECT_READS = {"planner": (INDEX_SNAPSHOTS,)}

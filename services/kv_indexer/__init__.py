@@ -1,3 +1,3 @@
 """The kv-indexer service: a global prefix index folded from the workers' KV events
-(services.common.kv_index, followed by bus.kv_follow), answering overlap queries and
+(services.common.kv_index, followed by services.common.kv_follow), answering overlap queries and
 snapshotting it."""

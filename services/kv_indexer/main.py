@@ -9,7 +9,7 @@ import logging
 from pydantic import Field
 
 from bus.client import Bus
-from bus.kv_follow import FoldSettings, KvFollower
+from bus.kv_source import BusKvSource, FoldSettings
 from bus.objects import save_object
 from bus.registry import connect_etcd
 from bus.runtime import run_service
@@ -18,6 +18,7 @@ from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
 from schemas.events import new_id
 from schemas.messages import IndexStateQuery, OverlapQueries, OverlapQuery
+from services.common.kv_follow import KvFollower
 from services.common.kv_index.indexer import Indexer
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ def main() -> None:
         bus = await Bus.connect(settings.nats_url, f"kv-indexer-{settings.instance_id}")
         await bus.provision(settings.stream_replicas, settings.bus_provisioned)
         etcd = connect_etcd(settings.etcd_endpoints)
-        follower = KvFollower(bus, etcd, settings.predicted_ttl_s, settings.purge_interval_s)
+        source = BusKvSource(bus, etcd)
+        follower = KvFollower(source, settings.predicted_ttl_s, settings.purge_interval_s)
         indexer = await follower.start()
         await bus.serve(Subjects.overlap_query, OverlapQuery, indexer.on_query, queue="kv-indexer")
         await bus.serve(

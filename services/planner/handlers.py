@@ -11,7 +11,6 @@ from collections.abc import Callable
 from opentelemetry import trace
 
 from bus.client import Bus
-from bus.kv_follow import KvFollower
 from bus.sessions import SessionRefused, SessionStore, session_key
 from bus.topology import PLANNER_INTAKE, Subjects
 from observability.tracing import context_of, trace_context
@@ -27,6 +26,7 @@ from schemas.events import (
     utc_now,
 )
 from schemas.messages import WorkerRegistration
+from services.common.kv_follow import KvFollower
 from services.planner.cluster import ClusterView, Routed, migrated_reason
 from services.planner.decision import Decision, DecisionInputs, decide, rebind
 from services.planner.disagg import DisaggSettings

@@ -13,7 +13,7 @@ from pydantic import Field
 
 from bus.client import Bus
 from bus.etcd_space import guard_space
-from bus.kv_follow import FoldSettings, KvFollower
+from bus.kv_source import BusKvSource, FoldSettings
 from bus.registry import LeasedKey, assign_roles, connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.sessions import SessionStore
@@ -21,6 +21,7 @@ from bus.topology import Subjects
 from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
 from schemas.events import new_id
+from services.common.kv_follow import KvFollower
 from services.common.kv_transfer import KvTransferModel
 from services.planner.capacity import CapacityPlanner, CapacitySettings
 from services.planner.capacity_loop import CapacityLoop
@@ -146,7 +147,8 @@ async def _fold(bus: Bus, etcd: aetcd.Client, settings: PlannerSettings) -> KvFo
     none (or cannot start one, say on a bus whose permissions predate it: it asks instead)."""
     if settings.overlaps != "local":
         return None
-    follower = KvFollower(bus, etcd, settings.predicted_ttl_s, settings.purge_interval_s)
+    source = BusKvSource(bus, etcd)
+    follower = KvFollower(source, settings.predicted_ttl_s, settings.purge_interval_s)
     try:
         await follower.start()
     except Exception:

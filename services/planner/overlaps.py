@@ -19,10 +19,10 @@ from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
 from bus.client import Bus
-from bus.kv_follow import KvFollower
 from bus.topology import Subjects
 from schemas.events import BlockHashes
 from schemas.messages import OVERLAP_BATCH_LIMIT, OverlapQueries, OverlapQuery, OverlapReplies
+from services.common.kv_follow import KvFollower
 
 log = logging.getLogger(__name__)
 

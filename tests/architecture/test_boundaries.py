@@ -135,6 +135,18 @@ def test_the_libraries_import_no_service_and_no_broker() -> None:
     assert offences == []
 
 
+def test_the_bus_imports_no_service() -> None:
+    """The bus is below the services: what they share with it (the KV fold's source, say) is
+    a protocol of theirs that the bus implements, not service code it imports."""
+    offences = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sorted((ROOT / "bus").rglob("*.py"))
+        for name in sorted(_imports(path))
+        if name.split(".")[0] == "services"
+    ]
+    assert offences == []
+
+
 def _core_modules() -> list[str]:
     paths = [ROOT / f for f in CORE_FILES]
     missing = [str(p.relative_to(ROOT)) for p in paths if not p.exists()]

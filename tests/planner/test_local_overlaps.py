@@ -1,4 +1,4 @@
-"""The planner's own fold of the KV stream (bus/kv_follow.py) answers its overlaps:
+"""The planner's own fold of the KV stream (services/common/kv_follow.py) answers its overlaps:
 the same answers as the kv-indexer's on the same stream, restored from the indexer's snapshot and
 replayed on, rebuilt by a restarted planner, one per replica, and the indexer asked instead while
 the fold is behind the stream."""
@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from bus.client import Bus
-from bus.kv_follow import KvFollower, restore
+from bus.kv_source import BusKvSource, BusSnapshots
 from bus.provision import ensure_streams
 from bus.registry import LeasedKey, connect_etcd
 from bus.topology import KV, Subjects
@@ -32,6 +32,7 @@ from schemas.messages import (
     OverlapReplies,
     OverlapReply,
 )
+from services.common.kv_follow import KvFollower, restore
 from services.planner.overlaps import Overlaps
 from tests.helpers import eventually, registration
 from tests.kv_indexer.helpers import index_state
@@ -55,7 +56,7 @@ async def _caught_up(follower: KvFollower) -> bool:
 @pytest.fixture
 async def follower(bus: Bus, etcd_server: EmbeddedServer) -> AsyncIterator[KvFollower]:
     etcd = connect_etcd(etcd_server.url)
-    found = KvFollower(bus, etcd, predicted_ttl_s=300.0, purge_interval_s=10.0)
+    found = KvFollower(BusKvSource(bus, etcd), predicted_ttl_s=300.0, purge_interval_s=10.0)
     yield found
     await found.close()
     await etcd.close()
@@ -120,7 +121,7 @@ async def test_a_fold_reads_as_behind_after_a_reconnect_until_a_check(
     try:
         bus = await Bus.connect(server.url, "test-reconnect")
         await ensure_streams(bus.js)
-        follower = KvFollower(bus, etcd, predicted_ttl_s=300.0, purge_interval_s=10.0)
+        follower = KvFollower(BusKvSource(bus, etcd), predicted_ttl_s=300.0, purge_interval_s=10.0)
         await follower.start()
         await eventually(lambda: _caught_up(follower), message="the fold never caught up")
         reconnects = bus.reconnects
@@ -151,7 +152,7 @@ async def test_the_planners_fold_answers_as_the_indexer_does_restored_or_not(
     )
     bus, seen = await observe(cluster.nats_url)
     etcd = connect_etcd(cluster.etcd_endpoints)
-    from_start = KvFollower(bus, etcd, predicted_ttl_s=300.0, purge_interval_s=10.0)
+    from_start = KvFollower(BusKvSource(bus, etcd), predicted_ttl_s=300.0, purge_interval_s=10.0)
     await from_start.start()
     trace = load_trace(small_trace, speedup=4)
     result = await replay_live(
@@ -167,7 +168,7 @@ async def test_the_planners_fold_answers_as_the_indexer_does_restored_or_not(
     indexed = await index_state(bus, "indexer-0")
     assert indexed.indexed_blocks > 0
     await eventually(lambda: _snapshot_at(bus, indexed.position), message="no snapshot")
-    restored = KvFollower(bus, etcd, predicted_ttl_s=300.0, purge_interval_s=10.0)
+    restored = KvFollower(BusKvSource(bus, etcd), predicted_ttl_s=300.0, purge_interval_s=10.0)
     await restored.start()
     assert restored.indexer.restored_from == indexed.position > 0
     # The prompts the planner asked about, each one's answer from both.
@@ -191,7 +192,7 @@ async def test_the_planners_fold_answers_as_the_indexer_does_restored_or_not(
 
 
 async def _snapshot_at(bus: Bus, position: int) -> bool:
-    return (await restore(bus)).position == position
+    return (await restore(BusSnapshots(bus))).position == position
 
 
 async def test_kv_events_reach_each_replicas_routing_with_no_indexer_and_after_a_restart(

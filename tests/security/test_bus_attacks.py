@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 
 from bus.client import Bus, at_server
 from bus.credentials import Credentials, inbox_prefix
-from bus.kv_follow import restore
+from bus.kv_source import BusSnapshots
 from bus.objects import save_object
 from bus.permissions import Identity
 from bus.provision import ensure_streams
@@ -49,6 +49,7 @@ from schemas.events import (
     TokensGenerated,
     Usage,
 )
+from services.common.kv_follow import restore
 from services.common.kv_index.index import PrefixIndex
 from services.ingress.follow import Recovery
 from services.ingress.nats_gateway import NatsGateway
@@ -314,7 +315,7 @@ async def test_the_planner_folds_the_kv_stream_but_writes_no_snapshot(secured: S
     await worker.jetstream().publish(Subjects.kv("w1").subject, _kv("w1"))
     refusals: list[str] = []
     planner = Bus(await secured.nats_as(PLANNER, refusals))
-    restored = await restore(planner)
+    restored = await restore(BusSnapshots(planner))
     assert restored.overlaps((7, 8)) == {"w1": 2}
     folded: list[int] = []
 
@@ -326,7 +327,7 @@ async def test_the_planner_folds_the_kv_stream_but_writes_no_snapshot(secured: S
     assert refusals == []
     with pytest.raises(nats.errors.TimeoutError):
         await save_object(planner.js, INDEX_SNAPSHOTS, INDEX_SNAPSHOT_NAME, b"forged")
-    assert (await restore(admin)).overlaps((7, 8)) == {"w1": 2}
+    assert (await restore(BusSnapshots(admin))).overlaps((7, 8)) == {"w1": 2}
 
 
 async def test_an_anonymous_etcd_write_is_refused(secured: Secured) -> None:

@@ -3,7 +3,9 @@ position, track the workers' leases and route the engines without KV events; and
 the fold has caught up with the stream.
 
 The kv-indexer process folds it to answer overlap queries; each planner replica may fold it too,
-to answer its own without the round trip to the indexer (services/planner/overlaps.py).
+to answer its own without the round trip to the indexer (services/planner/overlaps.py). The
+fold reads through a :class:`KvSource` (live, the bus and etcd: :mod:`bus.kv_source`), so that
+it knows no broker itself.
 """
 
 from __future__ import annotations
@@ -11,38 +13,60 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
-import aetcd
-
-from bus.client import Bus
-from bus.objects import load_object
-from bus.registry import watch_workers
-from bus.settings import ServiceSettings
-from bus.topology import INDEX_SNAPSHOT_NAME, INDEX_SNAPSHOTS, Subjects
 from schemas.events import KvEvent, RouteDecided
+from schemas.messages import WorkerRegistration
 from services.common.kv_index.index import PrefixIndex
 from services.common.kv_index.indexer import Indexer
 
 log = logging.getLogger(__name__)
 
 
-async def restore(bus: Bus) -> PrefixIndex:
-    data = await load_object(bus.js, INDEX_SNAPSHOTS, INDEX_SNAPSHOT_NAME)
+class Snapshots(Protocol):
+    async def snapshot(self) -> bytes | None:
+        """The latest index snapshot the kv-indexer stored, if any."""
+        ...
+
+
+class KvSource(Snapshots, Protocol):
+    """What a fold of the KV stream reads."""
+
+    @property
+    def reconnects(self) -> int:
+        """How many times the connection was remade: one remade may have missed events."""
+        ...
+
+    async def replay(self, after: int, on_kv: Callable[[KvEvent, int], Awaitable[None]]) -> None:
+        """Every KV event past stream position ``after``, in order, then live ones, each with
+        its position."""
+        ...
+
+    async def follow_routes(
+        self, worker_id: str, on_route: Callable[[RouteDecided], Awaitable[None]]
+    ) -> None:
+        """The live routing decisions for ``worker_id`` from now on."""
+        ...
+
+    async def watch_workers(
+        self, on_workers: Callable[[dict[str, WorkerRegistration]], Awaitable[None]]
+    ) -> None:
+        """The live workers now and after every change, forever."""
+        ...
+
+    async def head(self) -> int:
+        """The KV stream's last position; raises while it cannot be told."""
+        ...
+
+
+async def restore(snapshots: Snapshots) -> PrefixIndex:
+    data = await snapshots.snapshot()
     if data is None:
         return PrefixIndex()
     index = PrefixIndex.restore(data)
     log.info("restored the index at KV stream position %d (%d blocks)", index.position, index.size)
     return index
-
-
-class FoldSettings(ServiceSettings):
-    """The fold's settings, the same names for the kv-indexer and the planners: folds of one
-    stream with different settings would answer differently."""
-
-    # How often workers without a live lease are swept from the index, seconds.
-    purge_interval_s: float = 10.0
-    # Approximate mode: how long a routed prompt is assumed cached on an engine without KV events.
-    predicted_ttl_s: float = 300.0
 
 
 class KvFollower:
@@ -51,11 +75,8 @@ class KvFollower:
     checks how far behind the stream it is: :meth:`current` says whether the fold reached the
     head the last check saw before the next check came (so it is at most one check behind)."""
 
-    def __init__(
-        self, bus: Bus, etcd: aetcd.Client, predicted_ttl_s: float, purge_interval_s: float
-    ) -> None:
-        self._bus = bus
-        self._etcd = etcd
+    def __init__(self, source: KvSource, predicted_ttl_s: float, purge_interval_s: float) -> None:
+        self._source = source
         self._predicted_ttl_s = predicted_ttl_s
         self._purge_interval_s = purge_interval_s
         self._next_purge = 0.0
@@ -75,15 +96,13 @@ class KvFollower:
 
         async def follow_routes(worker_id: str) -> None:
             # Live routing decisions only: predictions are approximate and short-lived anyway.
-            await self._bus.subscribe(
-                Subjects.route(worker_id).only(RouteDecided), self.indexer.on_route
-            )
+            await self._source.follow_routes(worker_id, self.indexer.on_route)
 
-        index = await restore(self._bus)
+        index = await restore(self._source)
         self.indexer = Indexer(index, self._predicted_ttl_s, follow_routes)
         self._position = index.position
-        self._watcher = asyncio.create_task(watch_workers(self._etcd, self.indexer.on_workers))
-        await self._bus.replay(Subjects.all_kv, index.position, self._on_kv)
+        self._watcher = asyncio.create_task(self._source.watch_workers(self.indexer.on_workers))
+        await self._source.replay(index.position, self._on_kv)
         return self.indexer
 
     async def _on_kv(self, event: KvEvent, position: int) -> None:
@@ -96,7 +115,7 @@ class KvFollower:
     def current(self) -> bool:
         # A connection remade since the last check may have missed events the ordered
         # consumer is being restarted for: stale until a check sees the fold reach the head.
-        return self._current and self._bus.reconnects == self._reconnects
+        return self._current and self._source.reconnects == self._reconnects
 
     async def tick(self, now: float) -> None:
         await self._check()
@@ -108,16 +127,13 @@ class KvFollower:
             self._next_purge = now + self._purge_interval_s
 
     async def _check(self) -> None:
-        stream = Subjects.all_kv.stream
-        assert stream is not None
-        reconnects = self._bus.reconnects
+        reconnects = self._source.reconnects
         try:
-            info = await self._bus.nc.jetstream().stream_info(stream.name)
-        except Exception:  # NATS away for a moment: behind until a check succeeds
+            head = await self._source.head()
+        except Exception:  # the source away for a moment: behind until a check succeeds
             log.debug("stream head unknown", exc_info=True)
             self._current = False
             return
-        head = info.state.last_seq
         self.indexer.metrics.lag.set(max(0, head - self._position))
         if self._target is not None:  # the head of the check before is not reached yet
             self._current = False
