@@ -29,8 +29,7 @@ from bus.topology import (
 async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> None:
     """Create or update the streams, stored on ``replicas`` servers (an existing stream moves to
     that count), the object store's bucket and the planners' shared durable; delete retired
-    streams. Streams already as declared are only read; a latest-word stream whose storage
-    changed is made again."""
+    streams. Streams already as declared are only read."""
     missing = []
     for stream, subjects in STREAM_SUBJECTS.items():
         config = stream.config(subjects, replicas)
@@ -39,13 +38,7 @@ async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> None:
         except NotFoundError:
             missing.append(config)
             continue
-        if found.config.storage != config.storage and stream.keep_last_per_subject:
-            # The server cannot move a stream to other storage. One that keeps only its
-            # producers' latest word (load reports, sent again every few seconds) is made
-            # again; any other stream's history stays, and the update below is refused.
-            await js.delete_stream(stream.name)
-            missing.append(config)
-        elif not as_declared(found.config, config):
+        if not as_declared(found.config, config):
             await js.update_stream(config)
     # After the updates: a subject one of them took from its stream may be a new one's.
     for config in missing:

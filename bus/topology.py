@@ -53,8 +53,8 @@ DAY_S = 24 * 3600.0
 
 MIB = 1 << 20
 
-# Their byte limits together (1,248 MiB, all on file) fit the smallest store they are deployed
-# on: a 2 GiB volume, of which JetStream takes 75 %.
+# Their byte limits together (1,216 MiB on file, 32 MiB in memory) fit the smallest store they
+# are deployed on: a 2 GiB volume, of which JetStream takes 75 %, and 256 MB of memory.
 #
 # Who may fill each stream is who may publish to its subjects (bus.permissions), and a full
 # stream drops its oldest messages, whoever wrote them. So the history of requests and
@@ -66,13 +66,10 @@ ROUTES = Stream("LW_ROUTES", StorageType.FILE, DAY_S, max_bytes=384 * MIB)
 # A terminal is a few hundred bytes, a hand-off's report its prompt's block hashes.
 OUTCOMES = Stream("LW_OUTCOMES", StorageType.FILE, DAY_S, max_bytes=128 * MIB, max_msg_size=MIB)
 KV = Stream("LW_KV", StorageType.FILE, DAY_S, max_bytes=256 * MIB)
-# One report per worker is kept, a few hundred bytes: no worker takes more than its share. On
-# file, not in memory: a replica of a memory stream cut off from its cluster never caught up
-# after the heal here (nats-server 2.15: "expected first catchup entry to be a snapshot"), and
-# the stream stayed one server short of its replicas for minutes.
+# One report per worker is kept, a few hundred bytes: no worker takes more than its share.
 LOAD = Stream(
     "LW_LOAD",
-    StorageType.FILE,
+    StorageType.MEMORY,
     600.0,
     keep_last_per_subject=True,
     max_bytes=32 * MIB,

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from nats.aio.msg import Msg
 from nats.js.api import StorageType
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import NotFoundError
 from prometheus_client import CollectorRegistry
 
-from bus import channels, provision
+from bus import channels
 from bus.channels import Consumer, Stream
 from bus.client import Bus, at_server
 from bus.provision import ensure_streams
@@ -22,8 +22,6 @@ from bus.topology import (
     CHANNELS,
     KV,
     KV_EVENTS,
-    LOAD,
-    LOAD_REPORTS,
     RETIRED_STREAMS,
     TOKEN_DELTAS,
     Subjects,
@@ -316,31 +314,6 @@ async def test_a_retired_stream_is_deleted(bus: Bus) -> None:
     await ensure_streams(bus.js)
     with pytest.raises(NotFoundError):
         await js.stream_info(RETIRED_STREAMS[0])
-
-
-async def test_a_latest_word_stream_moved_to_other_storage_is_made_again(
-    bus: Bus, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """LW_LOAD was in memory before it went on file: the server cannot move a stream, so an old
-    one is made again (its reports are sent again within seconds); a stream with a history is
-    never dropped for it: its update is refused, its messages kept."""
-    js = bus.nc.jetstream()
-    await js.delete_stream(LOAD.name)
-    await js.add_stream(
-        dataclasses.replace(LOAD.config([LOAD_REPORTS.every.subject]), storage=StorageType.MEMORY)
-    )
-    await ensure_streams(bus.js)
-    assert (await js.stream_info(LOAD.name)).config.storage == StorageType.FILE
-
-    history = Stream("BUS_HISTORY", StorageType.FILE, 60.0)
-    was = dataclasses.replace(history, storage=StorageType.MEMORY)
-    await js.add_stream(was.config(["bushistory.>"]))
-    await js.publish("bushistory.a", b"kept")
-    monkeypatch.setattr(provision, "STREAM_SUBJECTS", {history: ["bushistory.>"]})
-    with pytest.raises(APIError, match="storage type"):
-        await ensure_streams(bus.js)
-    assert (await js.stream_info(history.name)).state.messages == 1
-    await js.delete_stream(history.name)
 
 
 async def test_request_reply(bus: Bus) -> None:
