@@ -251,35 +251,46 @@ async def test_the_last_batch_overtaken_by_the_terminal_still_reaches_the_client
     assert [type(e).__name__ for e in received][-1] == "RequestFinished"
 
 
-async def test_a_batch_that_never_comes_is_made_again_on_the_next_attempt(bus: Bus) -> None:
-    """Tokens 2-3 never come and nobody answers for them: the request goes on from "ab" on a
-    next attempt, whose answer the client gets; the first attempt's terminal is not passed on."""
+def at(event: TokensGenerated | RequestFinished, attempt: int) -> GatewayEvent:
+    return event.model_copy(update={"attempt": attempt})
+
+
+async def moved_on(
+    bus: Bus, request_id: str, scripts: list[list[GatewayEvent | RequestPlaced]]
+) -> tuple[list[GatewayEvent], list[RequestSpec]]:
+    """Submit ``request_id`` to an ingress and answer its attempt n, once accepted, with
+    ``scripts[n]``; what the client got, and the attempts' specs."""
     gateway = NatsGateway(bus, INGRESS, Recovery(completion_wait_s=0.3))
     await gateway.start()
     attempts: list[RequestSpec] = []
-
-    def of(event: TokensGenerated | RequestFinished, attempt: int) -> GatewayEvent:
-        return event.model_copy(update={"attempt": attempt})
+    # The last script's last sleep outlasts the stream: were the test to end first, the bus
+    # would drain while the script's flush waits, until that flush times out (10 s).
+    scripted = asyncio.Event()
 
     async def worker(event: RequestAccepted) -> None:
-        if event.request_id != "gap":
+        if event.request_id != request_id:
             return
         attempts.append(event.spec)
-        script: list[GatewayEvent | RequestPlaced]
-        if event.spec.attempt == 0:
-            script = [placed("gap"), batch(0, "ab", "gap"), batch(4, "ef", "gap")]
-            script.append(finished(6, "gap"))
-        else:
-            script = [placed("gap", attempt=1), of(batch(2, "cdef", "gap"), 1)]
-            script.append(of(finished(6, "gap"), 1))
-        for item in script:
+        for item in scripts[event.spec.attempt]:
             await send(bus, item)
             await asyncio.sleep(0.05)
+        if event.spec.attempt == len(scripts) - 1:
+            scripted.set()
 
     await bus.subscribe(Subjects.request_accepted, worker)
-    received = await asyncio.wait_for(
-        collect(gateway.submit("gap", None, request_spec(INGRESS))), 5
-    )
+    events = gateway.submit(request_id, None, request_spec(INGRESS))
+    received = await asyncio.wait_for(collect(events), 5)
+    await asyncio.wait_for(scripted.wait(), 5)
+    return received, attempts
+
+
+async def test_a_batch_that_never_comes_is_made_again_on_the_next_attempt(bus: Bus) -> None:
+    """Tokens 2-3 never come and nobody answers for them: the request goes on from "ab" on a
+    next attempt, whose answer the client gets; the first attempt's terminal is not passed on."""
+    first: list[GatewayEvent | RequestPlaced] = [placed("gap"), batch(0, "ab", "gap")]
+    first += [batch(4, "ef", "gap"), finished(6, "gap")]
+    second = [placed("gap", attempt=1), at(batch(2, "cdef", "gap"), 1), at(finished(6, "gap"), 1)]
+    received, attempts = await moved_on(bus, "gap", [first, second])
     assert text_of(received) == "abcdef"
     ended = received[-1]
     assert isinstance(ended, RequestFinished) and ended.attempt == 1
@@ -314,47 +325,18 @@ async def test_a_request_whose_worker_is_lost_continues_from_the_delivered_token
 ) -> None:
     """The next attempt starts from the tokens the client has; the old attempt's late events
     are dropped."""
-    gateway = NatsGateway(bus, INGRESS, Recovery(completion_wait_s=0.3))
-    await gateway.start()
-    attempts: list[RequestSpec] = []
-    # Its last sleep outlasts the stream: were the test to end first, the bus would drain
-    # while the script's flush waits, until that flush times out (10 s).
-    scripted = asyncio.Event()
-
-    def of(event: TokensGenerated | RequestFinished, attempt: int) -> GatewayEvent:
-        return event.model_copy(update={"attempt": attempt})
-
-    async def worker(event: RequestAccepted) -> None:
-        if event.request_id != "moved":
-            return
-        attempts.append(event.spec)
-        script: list[GatewayEvent | RequestPlaced]
-        if event.spec.attempt == 0:
-            lost = RequestFailed(
-                source=WORKER_SOURCE,
-                request_id="moved",
-                code="worker_lost",
-                message="lease expired",
-            )
-            script = [placed("moved"), batch(0, "ab", "moved"), lost]
-        else:
-            script = [
-                of(batch(2, "cd", "moved"), 1),  # before its placement: it waits for it
-                placed("moved", attempt=1),
-                of(batch(2, "zz", "moved"), 0),  # the old worker, back from a stall
-                of(batch(4, "ef", "moved"), 1),
-                of(finished(6, "moved"), 1),
-            ]
-        for item in script:
-            await send(bus, item)
-            await asyncio.sleep(0.05)
-        if event.spec.attempt:
-            scripted.set()
-
-    await bus.subscribe(Subjects.request_accepted, worker)
-    events = gateway.submit("moved", None, request_spec(INGRESS))
-    received = await asyncio.wait_for(collect(events), 5)
-    await asyncio.wait_for(scripted.wait(), 5)
+    lost = RequestFailed(
+        source=WORKER_SOURCE, request_id="moved", code="worker_lost", message="lease expired"
+    )
+    first: list[GatewayEvent | RequestPlaced] = [placed("moved"), batch(0, "ab", "moved"), lost]
+    second = [
+        at(batch(2, "cd", "moved"), 1),  # before its placement: it waits for it
+        placed("moved", attempt=1),
+        at(batch(2, "zz", "moved"), 0),  # the old worker, back from a stall
+        at(batch(4, "ef", "moved"), 1),
+        at(finished(6, "moved"), 1),
+    ]
+    received, attempts = await moved_on(bus, "moved", [first, second])
     assert text_of(received) == "abcdef"
     assert isinstance(received[-1], RequestFinished)
     moved = attempts[-1]
