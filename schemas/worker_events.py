@@ -121,6 +121,8 @@ class WorkerLoadReported(Envelope):
 
 
 class RoleMove(Frozen):
+    """One worker moved from one pool to the other."""
+
     worker_id: str
     from_role: Role
     to_role: Role

@@ -67,8 +67,9 @@ class PlannerSettings(FoldSettings):
     # Workers' host tiers load a hit over this PCIe link (GB/s); see KvSettings.
     kv_host_link_gb_s: float = Field(default=_KV.host_link_gb_s, gt=0)
     # Weigh pulling a prompt's KV from the worker caching most of it, over the link between the
-    # two as their registrations place them (same node, same rack, across racks; GB/s). Live
-    # workers do not pull KV yet: one told to recomputes it, so a move costs there what it saves.
+    # two as their registrations place them (same node, same rack, across racks; GB/s). The
+    # worker told to move pulls the blocks from the holder (services/worker/kv_move.py); what
+    # goes wrong on the way costs a recompute, never the request.
     kv_moves: bool = _KV.kv_moves
     kv_move_margin_ms: float = _KV.move_margin_ms
     kv_node_link_gb_s: float = Field(default=_KV.node_link_gb_s, gt=0)

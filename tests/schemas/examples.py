@@ -12,13 +12,16 @@ from schemas.events import (
     CancellationRequested,
     KvBlocksRemoved,
     KvBlocksStored,
+    KvChanged,
     KvCleared,
     KvTransferred,
+    PlannerConfigured,
     PrefillCompleted,
     RequestAccepted,
     RequestCancelled,
     RequestFailed,
     RequestFinished,
+    RequestPlaced,
     RequestSpec,
     RoleMove,
     RolesRebalanced,
@@ -31,6 +34,7 @@ from schemas.events import (
     Usage,
     WorkerLoadReported,
 )
+from schemas.worker_events import CacheWiped, RemovedRun, StoredRun
 
 SPEC = RequestSpec(
     model="m",
@@ -89,6 +93,27 @@ EXAMPLES: list[BaseModel] = [
         moves=(RoleMove(worker_id="w", from_role="decode", to_role="prefill"),),
         reason="ttft",
     ),
+    KvChanged(
+        source="worker/w",
+        worker_id="w",
+        seq=2,
+        changes=(
+            StoredRun(parent_hash=7, block_hashes=(8, 9), tier="host"),
+            RemovedRun(block_hashes=(3,)),
+            CacheWiped(),
+        ),
+    ),
+    PlannerConfigured(
+        source="planner/p1",
+        policy="kv",
+        seed=3,
+        kv={"decode_weight": 1.0},
+        disagg={"mode": "auto"},
+        version="0.1.0",
+        speedup=4.0,
+    ),
+    RequestPlaced(source="planner/p1", request_id="r1", worker_id="w", attempt=1),
+    # Kept last: tests take it as EXAMPLES[-1].
     TokenBatch(
         source="worker/w",
         worker_id="w",

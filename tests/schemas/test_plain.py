@@ -71,7 +71,8 @@ CANDIDATES = (
                    cost=-0.0, predicted_prefill_ms=float("nan")),
 )  # fmt: skip
 SAMPLES: list[BaseModel] = [
-    *EXAMPLES,
+    # But a planner's start, off the request path, whose settings pydantic writes.
+    *(e for e in EXAMPLES if not isinstance(e, PlannerConfigured)),
     RequestAccepted(source="ingress/i", request_id="r", spec=SPEC),
     routed("r", "w", SPEC).model_copy(update={"candidates": CANDIDATES}),
     FINISHED,

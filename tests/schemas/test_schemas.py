@@ -1,13 +1,17 @@
 from __future__ import annotations
 
+import typing
+
 import orjson
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from schemas import codec
 from schemas.block_hash import chain_block_hashes, hash_block
 from schemas.deltas import runs_delta
 from schemas.events import (
+    Envelope,
+    Event,
     KvBlocksRemoved,
     KvCleared,
     PrefillPlacement,
@@ -24,6 +28,13 @@ def test_every_event_round_trips(event: object) -> None:
     assert codec.decode_event(codec.encode(event)) == event  # type: ignore[arg-type]
 
 
+def test_every_kind_of_event_has_an_example() -> None:
+    """The round trip covers every member of the events' union, the day one is added."""
+    (union, _) = typing.get_args(Event)
+    kinds = {kind.__name__ for kind in typing.get_args(union)}
+    assert kinds == {type(event).__name__ for event in EXAMPLES}
+
+
 def test_events_are_frozen_and_strict() -> None:
     event = EXAMPLES[0]
     with pytest.raises(ValidationError):
@@ -34,9 +45,33 @@ def test_events_are_frozen_and_strict() -> None:
         KvBlocksRemoved(source="s", worker_id="w", seq=1, block_hashes=(2**64,))
 
 
+# Fields whose name says what they hold, to anyone who has read one event.
+SELF_EXPLANATORY = {
+    *("worker_id", "from_worker_id", "to_worker_id", "block_hashes", "token_ids", "seq"),
+    *("reason", "code", "message", "finish_reason", "role", "kv_blocks_used", "kv_blocks_total"),
+}
+
+
+def _models(annotation: object) -> list[type[BaseModel]]:
+    """The models a field's type is made of (through tuples, unions and annotations)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+
+
 def test_every_field_is_documented_or_self_explanatory() -> None:
-    for event in EXAMPLES:
-        assert type(event).__doc__, type(event).__name__
+    """Each event says what it is, and each of its fields what it holds: by a description, by
+    its name, or by its model's own docstring."""
+    undocumented = []
+    for kind in {type(event) for event in EXAMPLES}:
+        assert kind.__doc__, kind.__name__
+        for name, field in kind.model_fields.items():
+            if name in Envelope.model_fields or name == "type" or field.description:
+                continue
+            models = _models(field.annotation)
+            if name not in SELF_EXPLANATORY and not (models and all(m.__doc__ for m in models)):
+                undocumented.append(f"{kind.__name__}.{name}")
+    assert undocumented == []
 
 
 def test_old_versions_are_upcast(monkeypatch: pytest.MonkeyPatch) -> None:
