@@ -103,7 +103,13 @@ class Cluster:
         return f"http://{self.hosts.address(0)}:{HTTP_PORT}/v1"
 
     def admin_etcd(self) -> str:
-        return Credentials.read(Provisioned(self.folder).path("etcd", "admin")).within(self.etcd)
+        return self._as_admin("etcd", self.etcd)
+
+    def admin_nats(self) -> str:
+        return self._as_admin("nats", self.nats_url)
+
+    def _as_admin(self, server: str, address: str) -> str:
+        return Credentials.read(Provisioned(self.folder).path(server, "admin")).within(address)
 
 
 def _etcd_member(hosts: Hosts, i: int, data: Path) -> list[str]:
@@ -291,8 +297,7 @@ async def _streams_current(cluster: Cluster) -> bool:
     report, rewritten many times a second, whose replica cut off and healed stays "not current"
     for minutes on nats-server 2.15 (its catch-up asks for messages the leader has replaced)
     while the stream serves and commits on the other two."""
-    admin = Credentials.read(Provisioned(cluster.folder).path("nats", "admin"))
-    bus = await Bus.connect(admin.within(cluster.nats_url), "chaos-whole")
+    bus = await Bus.connect(cluster.admin_nats(), "chaos-whole")
     try:
         for stream in STREAM_SUBJECTS:
             if stream is LOAD:
@@ -324,8 +329,7 @@ def _stream_leader_host(cluster: Cluster) -> int:
     cutting it would cut the clients off) by asking the leader to step down."""
 
     async def leader() -> int:
-        admin = Credentials.read(Provisioned(cluster.folder).path("nats", "admin"))
-        bus = await Bus.connect(admin.within(cluster.nats_url), "chaos-leader")
+        bus = await Bus.connect(cluster.admin_nats(), "chaos-leader")
         try:
             for _ in range(10):
                 info = await bus.js.stream_info(REQUESTS.name)
