@@ -76,7 +76,9 @@ class Hosts:
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
         _ip("-n", self.switch, "link", "set", "lo", "up")
-        ends = [(name, i, self.address(i)) for i, name in enumerate(self.hosts)]
+        ends: list[tuple[str, int | None, str]] = [
+            (name, i, self.address(i)) for i, name in enumerate(self.hosts)
+        ]
         ends.append((self.client, None, f"{SUBNET}.100"))
         for namespace, i, address in ends:
             port = self._port(i)

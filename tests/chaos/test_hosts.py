@@ -16,6 +16,7 @@ every NATS server current, the streams' replicas caught up); each fault waits fo
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import sys
 import threading
@@ -33,7 +34,7 @@ from bus.client import Bus
 from bus.credentials import Credentials
 from bus.etcd_auth import enable_auth
 from bus.registry import PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
-from bus.topology import LOAD, REQUESTS, STREAM_SUBJECTS
+from bus.topology import LOAD, PLANNER_INTAKE, REQUESTS, ROUTES, STREAM_SUBJECTS
 from infra.bus_provision import Wanted, provision
 from infra.embedded import ROUTE_SETTINGS, find_binary
 from infra.provisioned import Provisioned, make_streams
@@ -324,25 +325,51 @@ def _until_whole(cluster: Cluster) -> float | None:
     return None
 
 
+def _leaders(cluster: Cluster) -> dict[str, int]:
+    """The host whose nats-server leads each stream, and the planners' durable (-1: none for
+    now); and, as ``workers' durables on N``, how many of the workers' durables host N leads."""
+
+    def host(leader: str | None) -> int:
+        return -1 if leader is None else int(leader.removeprefix("n"))
+
+    async def leaders() -> dict[str, int]:
+        bus = await Bus.connect(cluster.admin_nats(), "chaos-leaders")
+        try:
+            found = {}
+            for stream in STREAM_SUBJECTS:
+                info = (await bus.js.stream_info(stream.name)).cluster
+                found[stream.name] = host(info.leader if info is not None else None)
+            intake = (await bus.js.consumer_info(REQUESTS.name, PLANNER_INTAKE.durable)).cluster
+            found["planners' durable"] = host(intake.leader if intake is not None else None)
+            for durable in await bus.js.consumers_info(ROUTES.name):
+                leader = durable.cluster.leader if durable.cluster is not None else None
+                on = f"workers' durables on {host(leader)}"
+                found[on] = found.get(on, 0) + 1
+            return found
+        finally:
+            await bus.close()
+
+    return in_namespace(cluster.hosts.hosts[0], lambda: asyncio.run(leaders()))
+
+
 def _stream_leader_host(cluster: Cluster) -> int:
     """The host whose nats-server leads the requests' stream, moved off host 0 (the ingress's:
     cutting it would cut the clients off) by asking the leader to step down."""
 
-    async def leader() -> int:
+    async def step_down() -> None:
         bus = await Bus.connect(cluster.admin_nats(), "chaos-leader")
         try:
-            for _ in range(10):
-                info = await bus.js.stream_info(REQUESTS.name)
-                host = int((info.cluster.leader or "n0").removeprefix("n"))
-                if host != 0:
-                    return host
-                await bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{REQUESTS.name}", b"", 5)
-                await asyncio.sleep(2)
+            await bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{REQUESTS.name}", b"", 5)
         finally:
             await bus.close()
-        raise AssertionError("the requests' stream stays led from host 0")
 
-    return in_namespace(cluster.hosts.hosts[0], lambda: asyncio.run(leader()))
+    for _ in range(10):
+        host = _leaders(cluster)[REQUESTS.name]
+        if host > 0:
+            return host
+        in_namespace(cluster.hosts.hosts[0], lambda: asyncio.run(step_down()))
+        time.sleep(2)
+    raise AssertionError("the requests' stream stays led from host 0")
 
 
 def _under(
@@ -383,6 +410,8 @@ def _under(
         row: Future[Row] = pool.submit(in_namespace, cluster.hosts.client, load)
         started.wait(60)
         if apply is not None and host is not None:
+            # Which host leads what decides what a fault stalls first.
+            print(f"\n{name}: leaders' hosts {_leaders(cluster)}", flush=True)
             try:
                 apply(host)
                 time.sleep(FAULT_S)
@@ -419,6 +448,15 @@ def test_three_hosts_under_a_network_fault(cluster: Cluster, fault: str) -> None
     whole = "never" if whole_s is None else f"{whole_s:.1f}"
     print("\n" + HEADER + f"{'longest s':>10}{'whole s':>9}", flush=True)
     print(row.line() + f"{longest:>10.1f}{whole:>9}", flush=True)
+    # Where the slowest streams waited, in seconds from the fault: what to look for in the logs.
+    for o in sorted(row.outcomes, key=lambda o: o.sent - o.ended)[:5]:
+        times = [o.sent, *o.chunks, o.ended]
+        gap = max(itertools.pairwise(times), key=lambda ab: ab[1] - ab[0])
+        print(
+            f"  slow stream: {o.ended - o.sent:.1f} s, sent {o.sent - row.at:.1f} s after the "
+            f"fault, {len(o.chunks)} chunks, its longest wait {gap[0] - row.at:.1f}-"
+            f"{gap[1] - row.at:.1f} s"
+        )
     problems = []
     n = row.count()
     bad = {k: n[k] for k in ("failed", "cut", "hung", "lost", "dup") if n[k]}
