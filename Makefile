@@ -17,7 +17,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,vllm]'
+	$(BIN)/pip install -q -e '.[dev,vllm,bench]'
 	touch $(STAMP)
 
 # A real OTLP backend for the tracing tests (tests/observability/test_otlp.py): Arize Phoenix,

@@ -12,8 +12,8 @@ from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from infra import cluster_args
 from infra.arg_types import at_least, port, positive
-from infra.bench import arguments as bench
 from infra.engine_env import engine_env as _engine_env
 from infra.recording import RecordingError
 from services.planner.policies import POLICY_NAMES
@@ -36,7 +36,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = sub.add_parser("up", help="start the whole local cluster and serve the OpenAI API")
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     up.add_argument("--port", type=port, default=8000, help="HTTP port of the OpenAI API")
-    bench.add_server_arguments(up, "an embedded one")
+    cluster_args.add_server_arguments(up, "an embedded one")
     up.add_argument(
         "--ha",
         action="store_true",
@@ -58,7 +58,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=1,
         help="ingress processes sharing the API port (SO_REUSEPORT): one is one core's work",
     )
-    bench.add_disagg_argument(up)
+    cluster_args.add_disagg_argument(up)
     up.add_argument(
         "--autoscale", action="store_true", help="capacity loop: move workers between the pools"
     )
@@ -88,7 +88,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "engine holds: the model's max_position_embeddings and the KV pool; the sim's KV pool, "
         "num_gpu_blocks x block_size)",
     )
-    bench.add_perf_model_argument(up)
+    cluster_args.add_perf_model_argument(up)
     up.add_argument("--speedup", type=positive, default=1.0, help="sim engine speed-up factor")
     up.add_argument("--state-dir", type=Path, default=Path(".state"), help="data and logs")
     up.add_argument(
@@ -285,13 +285,26 @@ def _leaf_parsers(
     return leaves
 
 
+# What only the benchmarks and plots use (`laneway bench`, `replay --what-if`, `--plot`): the
+# `bench` extra, not the product's requirements.
+_BENCH_EXTRA = ("numpy", "matplotlib")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
+        args = build_parser(argv[0] if argv else None).parse_args(argv)
         return int(args.func(args))
     except RecordingError as err:
         print(f"laneway: {err}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        if err.name not in _BENCH_EXTRA:
+            raise
+        print(
+            f"laneway: this needs {err.name}, of the bench extra: pip install 'laneway[bench]'",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -14,13 +14,10 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from infra import cluster_args
 from infra.arg_types import at_least
-from infra.bench import arguments as bench
-from infra.bench.metrics import ReplayResult, summary
-from infra.bench.offline import OfflineReplay
-from infra.bench.traces import recording_trace
 from infra.debug.log import LogIndex, RequestLog
 from infra.progress import Progress
 from infra.recording import RecordingError
@@ -29,6 +26,11 @@ from schemas.latency import LatencyHistogram
 from services.engine.sim import SimConfig
 from services.planner.policies import POLICY_NAMES
 from services.planner.replay import settings_of
+
+# The simulator and its report (numpy: the `bench` extra) are imported where a what-if runs, so
+# that `laneway replay` without one needs neither.
+if TYPE_CHECKING:
+    from infra.bench.metrics import ReplayResult
 
 _SIM = SimConfig()
 # What the comparison reads of the log (as they appear in a recording's lines).
@@ -55,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what-if: remote prefill never, always or when it pays (default: as recorded)",
     )
     parser.add_argument("--seed", type=int, help="what-if: policy seed (default: as recorded)")
-    bench.add_perf_model_argument(parser)
+    cluster_args.add_perf_model_argument(parser)
     parser.add_argument(
         "--num-gpu-blocks",
         type=at_least(1),
@@ -85,6 +87,9 @@ class WhatIf:
 
 
 def what_if(log: LogIndex, args: argparse.Namespace) -> WhatIf:
+    from infra.bench.offline import OfflineReplay
+    from infra.bench.traces import recording_trace
+
     routed = log.routed()
     if not routed:
         raise RecordingError("no routing decision in this log: nothing to compare")
@@ -169,6 +174,8 @@ def recorded_report(
 ) -> tuple[dict[str, Any], list[float]]:
     """The live run's figures, shaped like one policy of `laneway bench --json`, and its TTFTs;
     every time multiplied by ``scale``."""
+    from infra.bench.metrics import summary
+
     ttft: list[float] = []
     e2e: list[float] = []
     tpot: list[float] = []

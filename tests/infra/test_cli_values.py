@@ -3,6 +3,8 @@ not a traceback, and not a cluster or a replay that goes ahead with it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +61,21 @@ def test_tools_given_a_path_they_cannot_use_say_so(
     assert f"cannot write {in_the_way}" in capsys.readouterr().err
     assert main(["bench-engine", "--model", str(tmp_path / "nowhere")]) == 2
     assert "no model folder at" in capsys.readouterr().err
+
+
+def _without_the_bench_extra(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """``laneway argv`` where numpy and matplotlib are not installed (a product install)."""
+    code = (
+        "import sys\nsys.modules['numpy'] = sys.modules['matplotlib'] = None\n"
+        f"from infra.cli import main\nsys.exit(main({argv!r}))"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+
+
+def test_without_the_bench_extra_a_benchmark_says_what_to_install(tmp_path: Path) -> None:
+    bench = _without_the_bench_extra(["bench", "--limit", "1"])
+    assert bench.returncode == 2
+    assert "pip install 'laneway[bench]'" in bench.stderr and "Traceback" not in bench.stderr
+    # Replaying a recording's decisions is no benchmark: it needs neither.
+    replay = _without_the_bench_extra(["replay", str(tmp_path / "none.jsonl")])
+    assert "laneway[bench]" not in replay.stderr and "Traceback" not in replay.stderr, replay.stderr
