@@ -58,7 +58,7 @@ lint: $(STAMP) ## ruff
 	$(BIN)/ruff check .
 
 typecheck: $(STAMP) ## mypy
-	$(BIN)/mypy schemas bus services infra observability
+	$(BIN)/mypy schemas bus services infra observability benchmarks
 
 check: lint typecheck test ## everything CI cares about
 
@@ -68,31 +68,33 @@ gpu-check: $(STAMP) ## on a machine with a GPU: torch engine on CUDA (and Tensor
 
 # The live path's load shapes (issue 14): seq 300, c32 and c128 for 20 s, 8 tokens each.
 bench-live: $(STAMP) ## start laneway up --workers 4 --speedup 1000, run seq/c32/c128 against it, print the table
-	$(BIN)/python -m infra.bench.bench_live
+	$(BIN)/python -m benchmarks.bench_live
 
-DYNLAB ?= /work/dynlab
-bench-dynamo: $(STAMP) ## the same loads on Dynamo 1.6.1 (DYNLAB) and Laneway in one run, with ratios
-	DYNLAB=$(DYNLAB) bash infra/bench/dynamo_side_by_side.sh
+# The Dynamo lab folder (venv/ with Dynamo 1.6.1, tinymodel/: ../shared/reference/dynamo): given
+# on the command line, `make bench-dynamo DYNLAB=DIR`; no machine's path is assumed.
+DYNLAB ?=
+bench-dynamo: $(STAMP) ## the same loads on Dynamo 1.6.1 (DYNLAB=DIR) and Laneway in one run, with ratios
+	DYNLAB=$(DYNLAB) bash benchmarks/dynamo_side_by_side.sh
 
 profile: $(STAMP) ## laneway up under c=32: CPU per request of each process, py-spy stacks of each service (PROFILE_OUT)
-	$(BIN)/python -m infra.bench.profile_live --out $(or $(PROFILE_OUT),/tmp/laneway-profile)
+	$(BIN)/python -m benchmarks.profile_live --out $(or $(PROFILE_OUT),/tmp/laneway-profile)
 
 hops: $(STAMP) ## 60 sequential requests against laneway up: each message on the bus, in order, at its median time after the send
-	$(BIN)/python -m infra.bench.hop_timeline
+	$(BIN)/python -m benchmarks.hop_timeline
 
 probe-streams: $(STAMP) ## 2,000 streams of 2,000 tokens for 60 s: slow consumers, a new request's TTFT, NATS RSS
-	$(BIN)/python -m infra.bench.probe_streams
+	$(BIN)/python -m benchmarks.probe_streams
 
 probe-itl: $(STAMP) ## live replay of 300 Mooncake requests at time scale 1: client ITL vs the workers' own
-	$(BIN)/python -m infra.bench.probe_itl
+	$(BIN)/python -m benchmarks.probe_itl
 
 native: $(STAMP) ## compile the offline replay's hot path with mypyc into .build/native (opt-in: see infra/native.py)
 	$(BIN)/python -m infra.native build
 
 # The native build's failure (no C compiler) leaves the sources' runs: the leading '-'.
-bench-sim: $(STAMP) ## offline replay of the Mooncake trace (kv, 8 workers, speed-ups 1 and 4), on the sources and the native build: wall, CPU, figures; beside Dynamo's (DYNLAB) if there
+bench-sim: $(STAMP) ## offline replay of the Mooncake trace (kv, 8 workers, speed-ups 1 and 4), on the sources and the native build: wall, CPU, figures; beside Dynamo's where DYNLAB=DIR is given
 	-$(BIN)/python -m infra.native build
-	$(BIN)/python -m infra.bench.sim_speed --native $(if $(wildcard $(DYNLAB)/venv/bin/python),--dynamo-python $(DYNLAB)/venv/bin/python)
+	$(BIN)/python -m benchmarks.sim_speed --native $(if $(DYNLAB),--dynamo-python $(DYNLAB)/venv/bin/python)
 
 clean: ## remove the virtualenv and local state
 	rm -rf $(VENV) .state .build

@@ -239,7 +239,7 @@ CHANNELS: tuple[Channel[Any], ...] = (
 STREAM_SUBJECTS = stream_subjects(CHANNELS)
 # Streams an earlier version declared, deleted where they still exist: token deltas were kept
 # for 60 s in LW_TOKENS, which nothing read back and which cost the nats-server 2.5 times the
-# CPU per delta (infra/bench/bus_bench.py).
+# CPU per delta (benchmarks/bus_bench.py).
 RETIRED_STREAMS = ("LW_TOKENS",)
 
 OVERLAP_QUERY = Endpoint(

@@ -147,6 +147,22 @@ def test_the_bus_imports_no_service() -> None:
     assert offences == []
 
 
+def test_the_product_imports_no_benchmark() -> None:
+    """Probes and profilers (``benchmarks/``) stay out of the wheel: nothing that ships imports
+    them, or an installed Laneway would fail on a module it does not have."""
+    shipped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = [name.rstrip("*") for name in shipped["packages"]["find"]["include"]]
+    assert "benchmarks" not in packages
+    offences = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for package in packages
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for name in sorted(_imports(path))
+        if name.split(".")[0] == "benchmarks"
+    ]
+    assert offences == []
+
+
 def _core_modules() -> list[str]:
     paths = [ROOT / f for f in CORE_FILES]
     missing = [str(p.relative_to(ROOT)) for p in paths if not p.exists()]
@@ -231,3 +247,18 @@ def test_tests_share_helpers_not_test_modules_or_conftest() -> None:
         }
     )
     assert offences == []
+
+
+def test_the_cli_starts_without_the_benchmarks() -> None:
+    """`laneway up` and the other product commands load no benchmark, simulator harness or
+    plotting: each command's module is imported only when that command runs."""
+    code = (
+        "import sys\nimport infra.cli\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'matplotlib')"
+        " or m.startswith('infra.bench')))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from infra.bench.bench_live import Target, loads, run_all
-from infra.bench.live_cluster import laneway_up
+from benchmarks.bench_live import Target, loads, run_all
+from benchmarks.live_cluster import laneway_up
 
 pytestmark = pytest.mark.live  # starts laneway up
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infra.bench.bus_census import TERMINALS, matches, per_request, subject_kind
+from benchmarks.bus_census import TERMINALS, matches, per_request, subject_kind
 
 
 def test_ids_masked_kinds_kept() -> None:

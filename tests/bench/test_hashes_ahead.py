@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.sim_digest import digest
 from infra.bench import hashes_ahead, offline
 from infra.bench.hashes_ahead import HashesAhead
 from infra.bench.offline import OfflineReplay
-from infra.bench.sim_digest import digest
 from infra.bench.traces import PromptFactory, TraceRequest, load_trace
 from services.engine.sim import SimConfig
 from services.planner.policies import make_policy

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.bench.hop_timeline import CLIENT_END, CLIENT_FIRST, render, timeline
+from benchmarks.hop_timeline import CLIENT_END, CLIENT_FIRST, render, timeline
 from infra.bench.live_load import Sample
 
 

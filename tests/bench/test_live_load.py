@@ -11,7 +11,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from infra.bench.bench_live import Target, format_table, loads, run_all
+from benchmarks.bench_live import Target, format_table, loads, run_all
 from infra.bench.live_load import LoadSpec, first_model, percentile, run_load
 
 KEY = "lw-test-key"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import sim_speed
 from infra import native
-from infra.bench import sim_speed
 
 _COMPILER = shutil.which(str(sysconfig.get_config_var("CC") or "cc").split()[0])
 _HEADERS = Path(sysconfig.get_paths()["include"]) / "Python.h"
@@ -24,7 +24,7 @@ def _build(target: Path) -> None:
 
 
 def _digest(small_trace: Path, *launch: str) -> tuple[str, str]:
-    command = [sys.executable, *launch, "infra.bench.sim_digest", "--trace", str(small_trace)]
+    command = [sys.executable, *launch, "benchmarks.sim_digest", "--trace", str(small_trace)]
     command += ["--workers", "2", "--output-length", "oracle"]
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(done.stdout)["digest"], done.stderr

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from infra.bench import probe_itl, probe_streams
-from infra.bench.cluster_gauges import kept, loop_late, rates
+from benchmarks import probe_itl, probe_streams
+from benchmarks.cluster_gauges import kept, loop_late, rates
 
 pytestmark = pytest.mark.live  # each starts a cluster
 

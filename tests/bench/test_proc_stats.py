@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from infra.bench.proc_stats import COUNTERS, counters, growth, snapshot
+from benchmarks.proc_stats import COUNTERS, counters, growth, snapshot
 
 # Spinning well past the window: on a loaded machine (make test's other worker) a window of
 # 0.5 s once saw the spinners get only 0.2 s of CPU between them.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infra.bench.profile_summary import NATIVE_LOOP, package, parse, report
+from benchmarks.profile_summary import NATIVE_LOOP, package, parse, report
 
 STACKS = [
     "main (services/ingress/main.py:3);Runner.run (asyncio/runners.py:118) 6\n",

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from infra.bench.record_bench import (
+from benchmarks.record_bench import (
     FULL,
     TRIMMED,
     V3_CANDIDATE_FIELDS,

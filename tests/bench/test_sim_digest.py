@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.sim_digest import digest, main
 from infra.bench.offline import OfflineReplay
-from infra.bench.sim_digest import digest, main
 from infra.bench.traces import load_trace
 from services.engine.sim import SimConfig
 from services.planner.policies import make_policy

@@ -14,6 +14,7 @@ from nats.js.api import StorageType
 from nats.js.errors import NotFoundError
 from prometheus_client import CollectorRegistry
 
+from benchmarks import bus_bench
 from bus import channels
 from bus.channels import Consumer, Stream
 from bus.client import Bus, at_server
@@ -28,7 +29,6 @@ from bus.topology import (
     channel_table,
     readme_table,
 )
-from infra.bench import bus_bench
 from infra.embedded import EmbeddedServer
 from observability.drops import count_drops_in
 from schemas.codec import encode

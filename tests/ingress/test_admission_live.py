@@ -1,6 +1,6 @@
 """Admission control through the real services: a burst past the cluster's room is answered
 429 with Retry-After, and every request admitted completes whole. Marked slow: the overload
-benchmark (infra/bench/admission_bench.py) and its acceptance figures."""
+benchmark (benchmarks/admission_bench.py) and its acceptance figures."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, cast
 import httpx
 import pytest
 
-from infra.bench.admission_bench import BenchConfig, run
+from benchmarks.admission_bench import BenchConfig, run
 from tests.e2e.exact import stream_body
 from tests.live import ClusterFactory
 

@@ -13,8 +13,8 @@ import httpx
 import orjson
 import pytest
 
-from infra.bench.head_flood import hold_heads, raise_fd_limit
-from infra.bench.proc_stats import rss_mb
+from benchmarks.head_flood import hold_heads, raise_fd_limit
+from benchmarks.proc_stats import rss_mb
 from infra.cluster import LocalCluster
 from tests.live import ClusterFactory
 

@@ -11,7 +11,7 @@ them) and its number within the request (``lw.tok.*.*#3``: the request's third t
 message a JetStream consumer is delivered shows twice, published then delivered), beside the
 client's first text and its end.
 
-    python -m infra.bench.hop_timeline --requests 60
+    python -m benchmarks.hop_timeline --requests 60
 
 The listener is a process of its own on the same clock (``time.perf_counter``, the system's
 monotonic clock): a message's time is when its callback ran there. Being sent every message
@@ -40,9 +40,9 @@ import aiohttp
 import nats
 import orjson
 
+from benchmarks.bus_census import subject_kind
+from benchmarks.live_cluster import laneway_up
 from bus.client import at_server
-from infra.bench.bus_census import subject_kind
-from infra.bench.live_cluster import laneway_up
 from infra.bench.live_load import (
     LoadSpec,
     Sample,
@@ -164,7 +164,7 @@ def render(rows: Sequence[Row], requests: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m infra.bench.hop_timeline",
+        prog="python -m benchmarks.hop_timeline",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

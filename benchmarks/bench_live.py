@@ -1,8 +1,8 @@
 """`make bench-live`: the live path's load shapes against one or more OpenAI-compatible servers,
 taking turns, and a table of req/s and latency with each system's ratio to the first.
 
-    python -m infra.bench.bench_live         # starts laneway up --workers 4 --speedup 1000
-    python -m infra.bench.bench_live --target dynamo=http://127.0.0.1:8080 --laneway --rounds 3
+    python -m benchmarks.bench_live         # starts laneway up --workers 4 --speedup 1000
+    python -m benchmarks.bench_live --target dynamo=http://127.0.0.1:8080 --laneway --rounds 3
 
 Loads (the issue's table): ``seq`` 300 sequential requests on a new connection each, ``c32`` and
 ``c128`` closed loops of 32 and 128 streams for 20 s; 8 tokens, 78-character unique prompts.
@@ -27,9 +27,9 @@ from typing import Any
 
 import orjson
 
-from infra.bench.live_cluster import laneway_up
+from benchmarks.live_cluster import laneway_up
+from benchmarks.proc_stats import growth, snapshot
 from infra.bench.live_load import LoadSpec, first_model, run_load
-from infra.bench.proc_stats import growth, snapshot
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def _target(text: str) -> Target:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m infra.bench.bench_live",
+        prog="python -m benchmarks.bench_live",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

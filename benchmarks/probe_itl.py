@@ -2,7 +2,7 @@
 acceptance: the first 300 Mooncake requests at ``--time-scale 1``, the client's ITL p95 within
 1.2x of the workers').
 
-    python -m infra.bench.probe_itl [--limit 300] [--time-scale 1] [--policy kv] [--workers 8]
+    python -m benchmarks.probe_itl [--limit 300] [--time-scale 1] [--policy kv] [--workers 8]
 
 Runs ``laneway bench --mode live`` (a cluster of its own) and prints both sets of percentiles,
 their p95 ratio and the tokens a streamed chunk carried on average (the client counts one gap
@@ -38,7 +38,7 @@ def compare(report: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m infra.bench.probe_itl",
+        prog="python -m benchmarks.probe_itl",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -5,7 +5,7 @@ as many clients as the cluster holds (its capacity, in completions a second); th
 Poisson arrivals at ``overload`` times that rate. Admitted requests should keep their TTFT p95
 within 2x the unloaded one and the rest get 429 within 100 ms, with no 5xx and no timeout.
 
-``python -m infra.bench.admission_bench`` prints the figures as JSON (``--out`` writes them).
+``python -m benchmarks.admission_bench`` prints the figures as JSON (``--out`` writes them).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and a keyed client's latency while clients without a key send huge heads, slow ones, and many
 heads each just under the per-connection limit.
 
-    python -m infra.bench.head_flood [--floods 3] [--flood-mib 100] [--slowloris 500]
+    python -m benchmarks.head_flood [--floods 3] [--flood-mib 100] [--slowloris 500]
                                      [--held 0] [--held-bytes 60000] [--held-pause-s 1]
 
 Measures the median latency of sequential short completions (with the run's key) before, during
@@ -33,8 +33,8 @@ from typing import Any
 
 import httpx
 
-from infra.bench.live_cluster import laneway_up
-from infra.bench.proc_stats import rss_mb
+from benchmarks.live_cluster import laneway_up
+from benchmarks.proc_stats import rss_mb
 
 _MIB = 1 << 20
 # Connections being made (connect, and the head sent) at once: a few thousand connect() calls at
@@ -318,7 +318,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m infra.bench.head_flood",
+        prog="python -m benchmarks.head_flood",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -18,7 +18,7 @@ at each concurrency, and over its CPU seconds (what bounds latency once the clus
 Within a round the route path's figure is the best of six alternating turns (the least disturbed
 by the other processes); each figure reported is the median of ``--rounds`` rounds.
 
-    .venv/bin/python -m infra.bench.record_bench [--workers 8] [--requests 200] [--rounds 5]
+    .venv/bin/python -m benchmarks.record_bench [--workers 8] [--requests 200] [--rounds 5]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ With a Python that has Dynamo (``--dynamo-python``; `make bench-sim` gives the r
 when it is there), Dynamo's replay of the same trace runs right after each of ours: on a shared
 machine only the ratio of two runs made minutes apart means anything.
 
-    .venv/bin/python -m infra.bench.sim_speed [--rounds N] [--speedup 1 4] [--native]
+    .venv/bin/python -m benchmarks.sim_speed [--rounds N] [--speedup 1 4] [--native]
         [--dynamo-python PATH]
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 from infra import native as native_build
 from infra.bench.arguments import DEFAULT_TRACE
 
-_ROOT = Path(__file__).resolve().parents[2]
+_ROOT = Path(__file__).resolve().parents[1]
 _DYNAMO_REPLAY = _ROOT.parent / "shared/reference/dynamo/replay.py"
 
 

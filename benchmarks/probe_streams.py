@@ -3,7 +3,7 @@ the bus drops the ingress as a slow consumer, how long a new request waits for i
 meanwhile, and how much memory nats-server takes (issue 14's acceptance: 2,000 streams of 2,000
 tokens, no slow-consumer disconnect, a new request's TTFT under 1 s, NATS under 500 MB).
 
-    python -m infra.bench.probe_streams --streams 2000 --max-tokens 2000 --duration 60
+    python -m benchmarks.probe_streams --streams 2000 --max-tokens 2000 --duration 60
 
 The workers are sized as a real deployment's: speed-up 1 runs Dynamo's mocker perf model (an
 H100-class GPU: a decode step of 500 sequences takes 6 to 34 ms as their KV grows, so each
@@ -42,8 +42,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from infra.bench.cluster_gauges import GaugeSampler, is_ingress, loop_late, rates, targets
-from infra.bench.live_cluster import RunningUp, laneway_up
+from benchmarks.cluster_gauges import GaugeSampler, is_ingress, loop_late, rates, targets
+from benchmarks.live_cluster import RunningUp, laneway_up
+from benchmarks.proc_stats import growth, rss_mb, snapshot
 from infra.bench.live_load import (
     LoadSpec,
     chat_url,
@@ -52,7 +53,6 @@ from infra.bench.live_load import (
     prompt,
     request_body,
 )
-from infra.bench.proc_stats import growth, rss_mb, snapshot
 
 _LOG_SIGNS = re.compile(r"slow consumer|reconnect", re.IGNORECASE)
 
@@ -301,7 +301,7 @@ async def run_probe(up: RunningUp, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m infra.bench.probe_streams",
+        prog="python -m benchmarks.probe_streams",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

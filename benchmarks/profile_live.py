@@ -10,12 +10,12 @@ load client in a process of its own), then, after a warm-up:
    socket I/O; the standard loop's recv/send, as the client's, show as none). Requests: those
    whose terminal event came in the window;
 2. NATS messages per request by kind of subject, counted by a subscriber to every subject
-   (infra/bench/bus_census.py);
+   (benchmarks/bus_census.py);
 3. a sampled window: py-spy records each Python service (``--nonblocking``: the service is never
    paused), written as collapsed stacks (``<service>.txt``: flamegraph.pl or speedscope.app draw
    them) and summed by package and function (``<service>.top.txt``).
 
-    python -m infra.bench.profile_live --out /tmp/laneway-profile
+    python -m benchmarks.profile_live --out /tmp/laneway-profile
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from typing import Any
 
 import orjson
 
-from infra.bench.bus_census import census, finished, per_request
-from infra.bench.live_cluster import laneway_up
-from infra.bench.proc_stats import COUNTERS, growth, snapshot
-from infra.bench.profile_summary import parse, report
+from benchmarks.bus_census import census, finished, per_request
+from benchmarks.live_cluster import laneway_up
+from benchmarks.proc_stats import COUNTERS, growth, snapshot
+from benchmarks.profile_summary import parse, report
 
 _SERVERS = ("nats", "etcd")
 
@@ -103,7 +103,7 @@ def print_table(table: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m infra.bench.profile_live",
+        prog="python -m benchmarks.profile_live",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

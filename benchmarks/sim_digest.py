@@ -5,7 +5,7 @@ JSON line: a SHA-256 over every request's record (all fields, every token gap's 
 report (its wall time left out), the replay's CPU seconds and its headline figures. Two trees
 give the same digest only if every request came out the same.
 
-    .venv/bin/python -m infra.bench.sim_digest --speedup 4 --output-length oracle [FLAGS]
+    .venv/bin/python -m benchmarks.sim_digest --speedup 4 --output-length oracle [FLAGS]
 """
 
 from __future__ import annotations

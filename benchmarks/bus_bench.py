@@ -11,7 +11,7 @@ Every variant receives the same pre-encoded messages; a variant's figure is the 
 first handled message to its last, over the messages in between (the median of ``--rounds``).
 The raw nats-py callback (no decoding) is the floor both clients build on.
 
-    .venv/bin/python -m infra.bench.bus_bench [--tokens 20000] [--requests 5000] [--rounds 3]
+    .venv/bin/python -m benchmarks.bus_bench [--tokens 20000] [--requests 5000] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ async def measure_tokens(url: str, variant: Variant, subject: str, count: int) -
     counter = Counter(count)
     stop = await variant(url, subject, counter)
     publisher = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "infra.bench.bus_bench", "--publish", url, subject, str(count)
+        sys.executable, "-m", "benchmarks.bus_bench", "--publish", url, subject, str(count)
     )
     try:
         await asyncio.wait_for(counter.done.wait(), 120)
