@@ -49,7 +49,7 @@ async def test_a_late_chunk_completes_a_waiting_take() -> None:
     assert await taking == DATA
 
 
-async def test_over_a_real_nats_server(bus: Bus) -> None:
+async def test_over_the_bus(bus: Bus) -> None:
     assembler = BlobAssembler()
     await bus.subscribe_bytes("test.blobs", assembler.on_msg)
     big = bytes(range(256)) * 8192  # 2 MiB: several chunks at the default size

@@ -43,6 +43,7 @@ from schemas.events import (
     TraceContext,
 )
 from schemas.messages import OverlapQuery, OverlapReply
+from tests.bus.conftest import Connect
 from tests.helpers import eventually, routed
 from tests.ingress.helpers import request_spec
 
@@ -308,6 +309,7 @@ async def test_token_deltas_reach_a_live_subscriber(bus: Bus) -> None:
         await bus.nc.jetstream().find_stream_name_by_subject(topic.subject)
 
 
+@pytest.mark.nats_only("streams made and deleted through the JetStream API by provisioning")
 async def test_a_retired_stream_is_deleted(bus: Bus) -> None:
     js = bus.nc.jetstream()
     await js.add_stream(Stream(RETIRED_STREAMS[0], StorageType.MEMORY, 60.0).config(["busold.>"]))
@@ -328,13 +330,13 @@ async def test_request_reply(bus: Bus) -> None:
 
 
 async def test_replicas_starting_together_share_a_queue_consumer(
-    bus: Bus, nats_server: EmbeddedServer
+    bus: Bus, connect_bus: Connect
 ) -> None:
     """Two replicas create the same durable queue consumer at once (as planners starting
     together do): both must get messages, not whichever created it last."""
     topic = Subjects.kv("busqueue")
     consumer = Consumer("t-queue", topic, queue="t-queue")
-    replicas = [await Bus.connect(nats_server.url, f"replica-{i}") for i in range(2)]
+    replicas = [await connect_bus(f"replica-{i}") for i in range(2)]
     got: dict[int, int] = {0: 0, 1: 0}
 
     def handler_of(i: int) -> Callable[[Envelope], Awaitable[None]]:

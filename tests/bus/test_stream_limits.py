@@ -3,6 +3,7 @@ nats-server: a burst fills the stream, not the server's disk or memory."""
 
 from __future__ import annotations
 
+import pytest
 from nats.js.api import DiscardPolicy, StorageType
 
 from bus.channels import Stream
@@ -18,6 +19,7 @@ async def test_every_stream_carries_its_byte_limit_and_discards_old(bus: Bus) ->
         assert (config.max_bytes, config.discard) == (stream.max_bytes, DiscardPolicy.OLD)
 
 
+@pytest.mark.nats_only("byte limits: the in-memory broker keeps none")
 async def test_a_full_stream_keeps_taking_messages_and_stays_within_its_limit(bus: Bus) -> None:
     js = bus.nc.jetstream()
     small = Stream("LW_TEST_LIMITS", StorageType.FILE, 60.0, max_bytes=MIB)
