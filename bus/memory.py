@@ -25,129 +25,24 @@ permissions and auth. Tests of those run on a real server.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from collections.abc import Callable
 from typing import Any
 
-import nats.errors
 import orjson
-from nats.aio.msg import Msg
 from nats.js.api import (
     ConsumerConfig,
-    ConsumerInfo,
-    PubAck,
-    RawStreamMsg,
-    StreamConfig,
-    StreamInfo,
-    StreamState,
 )
-from nats.js.errors import NoStreamResponseError, NotFoundError
 
-from bus.client import MSG_ID_HEADER, Bus
+from bus.client import Bus
+from bus.memory_client import MemoryClient
+from bus.memory_parts import Callback, Durable, Stream, Subscription, matches
 from bus.topology import STREAM_SUBJECTS
 
-Callback = Callable[[Msg], Awaitable[None]]
 _ACK_PREFIX = "$JS.ACK."
 # A publisher's condition that the message land in this stream: refused otherwise.
 _EXPECTED_STREAM = "Nats-Expected-Stream"
-_MAX_PAYLOAD = 8 * 1024 * 1024
-
-
-def matches(pattern: str, subject: str) -> bool:
-    """Whether ``subject`` is one of ``pattern``'s (NATS wildcards: ``*`` one token, ``>`` the
-    rest)."""
-    want, have = pattern.split("."), subject.split(".")
-    for i, token in enumerate(want):
-        if token == ">":
-            return len(have) > i
-        if i >= len(have) or (token != "*" and token != have[i]):
-            return False
-    return len(want) == len(have)
-
-
-class _Subscription:
-    """One subscription: its messages queued in order, its callback run on each in turn."""
-
-    def __init__(self, client: MemoryClient, subject: str, queue: str, cb: Callback) -> None:
-        self.client, self.subject, self.queue, self._cb = client, subject, queue, cb
-        self.broker = client.broker
-        self._inbox: asyncio.Queue[Msg] = asyncio.Queue()
-        self._task = asyncio.create_task(self._run())
-
-    def put(self, subject: str, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
-        self._inbox.put_nowait(Msg(self.client, subject, reply, data, headers))  # type: ignore[arg-type]
-
-    async def _run(self) -> None:
-        while True:
-            msg = await self._inbox.get()
-            try:
-                await self._cb(msg)
-            except Exception:  # nats-py logs a failing callback and goes on with the next
-                self.broker.callback_errors += 1
-            finally:
-                self._inbox.task_done()
-
-    async def settled(self) -> None:
-        await self._inbox.join()
-
-    async def unsubscribe(self) -> None:
-        self.broker.drop(self)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-
-
-@dataclass
-class _Stored:
-    seq: int
-    subject: str
-    data: bytes
-    headers: dict[str, str] | None
-
-
-@dataclass
-class _Stream:
-    config: StreamConfig
-    messages: dict[int, _Stored] = field(default_factory=dict)
-    last_seq: int = 0
-    ids: dict[str, tuple[int, float]] = field(default_factory=dict)
-
-    def takes(self, subject: str) -> bool:
-        return any(matches(p, subject) for p in self.config.subjects or ())
-
-    def store(self, subject: str, data: bytes, headers: dict[str, str] | None) -> tuple[int, bool]:
-        """The message's sequence, and whether it was a copy of one stored within the window."""
-        now = time.monotonic()
-        msg_id = (headers or {}).get(MSG_ID_HEADER)
-        window = self.config.duplicate_window or 120.0
-        if msg_id is not None:
-            seen = self.ids.get(msg_id)
-            if seen is not None and now - seen[1] < window:
-                return seen[0], True
-        self.last_seq += 1
-        if self.config.max_msgs_per_subject == 1:
-            for seq in [s for s, m in self.messages.items() if m.subject == subject]:
-                del self.messages[seq]
-        self.messages[self.last_seq] = _Stored(self.last_seq, subject, data, headers)
-        if msg_id is not None:
-            self.ids[msg_id] = (self.last_seq, now)
-        return self.last_seq, False
-
-
-@dataclass
-class _Durable:
-    stream: str
-    config: ConsumerConfig
-    delivered: int = 0  # the stream sequence handed out last
-    # Stream sequence → times delivered, for those not acked yet.
-    unacked: dict[int, int] = field(default_factory=dict)
-    due: list[int] = field(default_factory=list)  # to deliver again, in order
-    timers: dict[int, asyncio.TimerHandle] = field(default_factory=dict)
-    created: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
 class MemoryBroker:
@@ -155,15 +50,15 @@ class MemoryBroker:
 
     def __init__(self) -> None:
         self.streams = {
-            s.name: _Stream(s.config(list(subjects))) for s, subjects in STREAM_SUBJECTS.items()
+            s.name: Stream(s.config(list(subjects))) for s, subjects in STREAM_SUBJECTS.items()
         }
-        self.subs: list[_Subscription] = []
-        self.durables: dict[str, _Durable] = {}
+        self.subs: list[Subscription] = []
+        self.durables: dict[str, Durable] = {}
         self._turns = itertools.count()
         self._inboxes = itertools.count()
         self.callback_errors = 0
         # Each ordered replay, and what brings it up to its stream's newest message.
-        self._replays: list[tuple[_Subscription, Callable[[], None]]] = []
+        self._replays: list[tuple[Subscription, Callable[[], None]]] = []
 
     def connect(self, name: str = "memory") -> Bus:
         """A connection of its own, as ``Bus.connect`` makes one; the streams and durables are
@@ -173,15 +68,15 @@ class MemoryBroker:
     def new_inbox(self) -> str:
         return f"_INBOX.memory.{next(self._inboxes)}"
 
-    def drop(self, sub: _Subscription) -> None:
+    def drop(self, sub: Subscription) -> None:
         if sub in self.subs:
             self.subs.remove(sub)
         self._replays = [(r, follow) for r, follow in self._replays if r is not sub]
 
     def subscribe(
         self, client: MemoryClient, subject: str, queue: str, cb: Callback
-    ) -> _Subscription:
-        sub = _Subscription(client, subject, queue, cb)
+    ) -> Subscription:
+        sub = Subscription(client, subject, queue, cb)
         self.subs.append(sub)
         for durable in self.durables.values():
             if durable.config.deliver_subject == subject:
@@ -223,7 +118,7 @@ class MemoryBroker:
     def _to_subscribers(
         self, client: MemoryClient, subject: str, data: bytes, reply: str, headers: Any
     ) -> bool:
-        groups: dict[str, list[_Subscription]] = {}
+        groups: dict[str, list[Subscription]] = {}
         for sub in self.subs:
             if matches(sub.subject, subject):
                 groups.setdefault(sub.queue, []).append(sub)
@@ -239,11 +134,11 @@ class MemoryBroker:
         assert config.durable_name is not None
         found = self.durables.get(config.durable_name)
         if found is None:
-            self.durables[config.durable_name] = _Durable(stream, config)
+            self.durables[config.durable_name] = Durable(stream, config)
         else:
             found.config = config
 
-    def _pump(self, durable: _Durable) -> None:
+    def _pump(self, durable: Durable) -> None:
         """Hand each message the durable has not delivered (and each due again) to one
         subscriber of its deliver subject; with none, they wait."""
         config = durable.config
@@ -268,7 +163,7 @@ class MemoryBroker:
             self._redeliver_after(durable, seq, config.ack_wait or 30.0)
         durable.due.clear()
 
-    def _redeliver_after(self, durable: _Durable, seq: int, delay_s: float) -> None:
+    def _redeliver_after(self, durable: Durable, seq: int, delay_s: float) -> None:
         timer = durable.timers.pop(seq, None)
         if timer is not None:
             timer.cancel()
@@ -303,11 +198,11 @@ class MemoryBroker:
 
     def replay(
         self, client: MemoryClient, stream: str, subject: str, start: int, cb: Callback
-    ) -> _Subscription:
+    ) -> Subscription:
         """``cb`` on each message of ``stream`` on ``subject`` from sequence ``start`` on, then
         on each stored later, in order."""
         store = self.streams[stream]
-        sub = _Subscription(client, f"_replay.{stream}", "", cb)
+        sub = Subscription(client, f"_replay.{stream}", "", cb)
         position = start - 1
 
         def follow() -> None:
@@ -321,186 +216,4 @@ class MemoryBroker:
 
         follow()
         self._replays.append((sub, follow))
-        return sub
-
-
-class MemoryClient:
-    """What :class:`bus.client.Bus` and :class:`bus.confirms.Confirmations` use of nats-py's
-    client, on a :class:`MemoryBroker`."""
-
-    def __init__(self, broker: MemoryBroker, name: str) -> None:
-        self.broker, self.name = broker, name
-        self.is_connected, self.is_closed = True, False
-        self.max_payload = _MAX_PAYLOAD
-        self.stats = {"reconnects": 0}
-        self._subs: list[_Subscription] = []
-
-    def jetstream(self) -> MemoryJetStream:
-        return MemoryJetStream(self)
-
-    def new_inbox(self) -> str:
-        return self.broker.new_inbox()
-
-    async def publish(
-        self, subject: str, payload: bytes = b"", reply: str = "", headers: Any = None
-    ) -> None:
-        if self.is_closed:
-            raise nats.errors.ConnectionClosedError
-        if len(payload) > self.max_payload:
-            raise nats.errors.MaxPayloadError
-        self.broker.publish(self, subject, payload, reply, headers)
-
-    async def subscribe(
-        self, subject: str, queue: str = "", cb: Callback | None = None
-    ) -> _Subscription:
-        assert cb is not None, "the bus always subscribes with a callback"
-        sub = self.broker.subscribe(self, subject, queue, cb)
-        self._subs.append(sub)
-        return sub
-
-    async def request(
-        self, subject: str, payload: bytes = b"", timeout: float = 0.5, headers: Any = None
-    ) -> Msg:
-        inbox = self.new_inbox()
-        answer: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
-
-        async def on_answer(msg: Msg) -> None:
-            if not answer.done():
-                answer.set_result(msg)
-
-        sub = await self.subscribe(inbox, cb=on_answer)
-        try:
-            await self.publish(subject, payload, reply=inbox, headers=headers)
-            try:
-                msg = await asyncio.wait_for(answer, timeout)
-            except TimeoutError:
-                raise nats.errors.TimeoutError from None
-        finally:
-            await sub.unsubscribe()
-        if msg.headers and msg.headers.get("Status") == "503":
-            raise nats.errors.NoRespondersError
-        return msg
-
-    async def flush(self, timeout: float = 2.0) -> None:
-        """Whatever was published has been handed to its subscriptions already."""
-
-    async def _send_ping(self, pong: asyncio.Future[bool]) -> None:
-        """Answered once this connection's subscriptions have taken what came before it."""
-        for sub in list(self._subs):
-            await sub.settled()
-        if not pong.done():
-            pong.set_result(True)
-
-    async def drain(self) -> None:
-        for sub in list(self._subs):
-            await sub.settled()
-        await self.close()
-
-    async def close(self) -> None:
-        for sub in self._subs:
-            await sub.unsubscribe()
-        self._subs.clear()
-        self.is_connected, self.is_closed = False, True
-
-
-class MemoryJetStream:
-    """What the bus asks of nats-py's JetStream context: the streams' settings (only read:
-    the broker has the topology's), durables made, and ordered replay."""
-
-    def __init__(self, client: MemoryClient) -> None:
-        self._client = client
-        self._broker = client.broker
-
-    async def stream_info(self, name: str, subjects_filter: str | None = None) -> StreamInfo:
-        stream = self._broker.streams.get(name)
-        if stream is None:
-            raise NotFoundError
-        counts: dict[str, int] = {}
-        for stored in stream.messages.values():
-            if subjects_filter is not None and matches(subjects_filter, stored.subject):
-                counts[stored.subject] = counts.get(stored.subject, 0) + 1
-        state = StreamState(
-            messages=len(stream.messages),
-            bytes=sum(len(m.data) for m in stream.messages.values()),
-            first_seq=min(stream.messages, default=stream.last_seq + 1),
-            last_seq=stream.last_seq,
-            consumer_count=sum(d.stream == name for d in self._broker.durables.values()),
-            subjects=counts if subjects_filter is not None else None,
-        )
-        return StreamInfo(config=stream.config, state=state)
-
-    async def add_stream(self, config: StreamConfig) -> None:
-        assert config.name is not None
-        self._broker.streams.setdefault(config.name, _Stream(config))
-
-    async def delete_stream(self, name: str) -> None:
-        if self._broker.streams.pop(name, None) is None:
-            raise NotFoundError
-
-    async def find_stream_name_by_subject(self, subject: str) -> str:
-        for name, stream in self._broker.streams.items():
-            if stream.takes(subject):
-                return name
-        raise NotFoundError
-
-    async def publish(
-        self, subject: str, payload: bytes = b"", headers: dict[str, str] | None = None
-    ) -> PubAck:
-        """JetStream's publish: the stream's answer, or none when no stream takes ``subject``."""
-        try:
-            answer = await self._client.request(subject, payload, headers=headers)
-        except nats.errors.NoRespondersError:
-            raise NoStreamResponseError from None
-        ack = orjson.loads(answer.data)
-        return PubAck(stream=ack["stream"], seq=ack["seq"], duplicate=ack.get("duplicate"))
-
-    async def get_last_msg(self, stream: str, subject: str) -> RawStreamMsg:
-        messages = self._broker.streams[stream].messages
-        last = max((s for s, m in messages.items() if m.subject == subject), default=None)
-        if last is None:
-            raise NotFoundError
-        found = messages[last]
-        return RawStreamMsg(
-            subject=found.subject, seq=found.seq, data=found.data, headers=found.headers
-        )
-
-    async def update_stream(self, config: StreamConfig) -> None:
-        assert config.name is not None
-        self._broker.streams[config.name].config = config
-
-    async def add_consumer(self, stream: str, config: ConsumerConfig) -> None:
-        self._broker.add_durable(stream, config)
-
-    async def consumer_info(self, stream: str, durable: str) -> ConsumerInfo:
-        found = self._broker.durables.get(durable)
-        if found is None or found.stream != stream:
-            raise NotFoundError
-        filtered = found.config.filter_subject or ">"
-        pending = sum(
-            1
-            for seq, stored in self._broker.streams[stream].messages.items()
-            if seq > found.delivered and matches(filtered, stored.subject)
-        )
-        return ConsumerInfo(
-            name=durable,
-            stream_name=stream,
-            config=found.config,
-            created=found.created,
-            num_ack_pending=len(found.unacked),
-            num_pending=pending,
-        )
-
-    async def subscribe(
-        self,
-        subject: str,
-        *,
-        stream: str,
-        cb: Callback,
-        ordered_consumer: bool,
-        deliver_policy: Any,
-        config: ConsumerConfig,
-    ) -> _Subscription:
-        assert ordered_consumer, "the bus replays with ordered consumers only"
-        sub = self._broker.replay(self._client, stream, subject, config.opt_start_seq or 1, cb)
-        self._client._subs.append(sub)
         return sub

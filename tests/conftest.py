@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from bus.client import Bus
+from bus.memory import MemoryBroker
 from bus.provision import ensure_streams
 from infra.cluster import LocalCluster
 from infra.cluster_auth import ClusterAuth, secure
@@ -127,7 +128,17 @@ def etcd_server(
 
 
 @pytest.fixture
-async def bus(nats_server: EmbeddedServer) -> AsyncIterator[Bus]:
+async def bus() -> AsyncIterator[Bus]:
+    """A bus on an in-memory broker of its own (bus.memory): for service logic that needs the
+    bus's behaviour, not a server's (``nats_bus``)."""
+    client = MemoryBroker().connect("test")
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def nats_bus(nats_server: EmbeddedServer) -> AsyncIterator[Bus]:
+    """A bus on the session's nats-server, its streams made."""
     client = await Bus.connect(nats_server.url, "test")
     await ensure_streams(client.js)
     yield client

@@ -4,15 +4,14 @@ clustering, the JetStream API itself) is marked ``nats_only``."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
 from bus.client import Bus
 from bus.memory import MemoryBroker
 from bus.provision import ensure_streams
-
-Connect = Callable[[str], Awaitable[Bus]]
+from tests.bus.servers import Connect
 
 
 @pytest.fixture(params=["nats", "memory"])

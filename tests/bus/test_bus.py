@@ -43,7 +43,7 @@ from schemas.events import (
     TraceContext,
 )
 from schemas.messages import OverlapQuery, OverlapReply
-from tests.bus.conftest import Connect
+from tests.bus.servers import Connect
 from tests.helpers import eventually, routed
 from tests.ingress.helpers import request_spec
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from bus.client import Bus
-from bus.provision import ensure_streams
 from bus.registry import LeasedKey, connect_etcd, watch_workers
 from bus.topology import Subjects
 from infra.bench.offline import OfflineReplay
@@ -40,7 +39,7 @@ from services.planner.kv_policy import KvAware, KvSettings
 from services.planner.policy import WorkerView
 from services.planner.replay import differences, redecide
 from tests.helpers import eventually
-from tests.live import admin_etcd, admin_nats
+from tests.live import admin_etcd
 
 CONFIG = SimConfig(block_size=64, num_gpu_blocks=512, max_num_seqs=8)
 DISAGG = DisaggSettings(mode="auto", min_remote_tokens=256)
@@ -92,26 +91,18 @@ def _registration(worker_id: str, role: str) -> WorkerRegistration:
 
 
 @pytest.fixture
-def servers(tmp_path: Path) -> Iterator[tuple[EmbeddedServer, EmbeddedServer]]:
-    """A NATS and an etcd of this test's own: the session's hold other tests' durable consumers,
-    requests and leases, which a planner there would see too."""
-    auth = ClusterAuth(tmp_path / "auth", [])
-    nats = admin_nats(auth, tmp_path)
-    try:
-        etcd = admin_etcd(auth, tmp_path)
-    except BaseException:
-        nats.stop()
-        raise
-    yield nats, etcd
-    nats.stop()
+def own_etcd(tmp_path: Path) -> Iterator[EmbeddedServer]:
+    """An etcd of this test's own: the session's holds other tests' leases, which a planner
+    there would see too (the bus is an in-memory broker of the test's own already)."""
+    etcd = admin_etcd(ClusterAuth(tmp_path / "auth", []), tmp_path)
+    yield etcd
     etcd.stop()
 
 
 @pytest.mark.live
 async def test_live_and_offline_decide_alike_field_for_field(
-    servers: tuple[EmbeddedServer, EmbeddedServer],
+    bus: Bus, own_etcd: EmbeddedServer
 ) -> None:
-    nats_server, etcd_server = servers
     recorded = _offline()
     assert any(d.prefill_worker_id for _, d in recorded), "no remote prefill to compare"
     assert any(d.prefill_worker_id is None for _, d in recorded)
@@ -119,9 +110,7 @@ async def test_live_and_offline_decide_alike_field_for_field(
     roles = {w.worker_id: "decode" for w in first.decoders}
     roles |= {w.worker_id: "prefill" for w in first.prefillers}
 
-    bus = await Bus.connect(nats_server.url, "parity")
-    await ensure_streams(bus.js)
-    etcd = connect_etcd(etcd_server.url)
+    etcd = connect_etcd(own_etcd.url)
     planner = Planner(bus, _policy(), "parity", overlap_timeout_s=2.0, disagg=DISAGG)
     leases = [LeasedKey.worker(etcd, _registration(w, r), ttl_s=10) for w, r in roles.items()]
     for lease in leases:
@@ -169,7 +158,6 @@ async def test_live_and_offline_decide_alike_field_for_field(
         watch.cancel()
         for lease in leases:
             await lease.stop()
-        await bus.close()
         await etcd.close()
 
 

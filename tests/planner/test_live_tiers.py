@@ -7,9 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from bus.client import Bus
-from bus.provision import ensure_streams
 from bus.topology import Subjects
-from infra.embedded import EmbeddedServer
 from schemas.events import (
     Event,
     RequestAccepted,
@@ -62,12 +60,8 @@ def _accepted() -> RequestAccepted:
     return RequestAccepted(source="test", request_id="r-tiers", session_id="s", spec=spec)
 
 
-async def test_host_runs_places_and_learned_lengths_reach_the_decision(
-    nats_server: EmbeddedServer,
-) -> None:
+async def test_host_runs_places_and_learned_lengths_reach_the_decision(bus: Bus) -> None:
     settings = KvSettings(kv_moves=True)
-    bus = await Bus.connect(nats_server.url, "test-live-tiers")
-    await ensure_streams(bus.js)
     planner = Planner(
         bus, KvAware(settings), "tiers", overlap_timeout_s=2.0, lengths=OutputLengthPredictor()
     )
@@ -95,34 +89,31 @@ async def test_host_runs_places_and_learned_lengths_reach_the_decision(
 
     await bus.serve(Subjects.overlap_queries, OverlapQueries, on_overlap, queue="tiers")
     await bus.subscribe(Subjects.all_routes, on_route)
-    try:
-        for n, tokens in enumerate((30, 40, 41)):
-            await planner.on_terminal(_finished(f"done-{n}", tokens))
-        await planner.on_request(_accepted())
-        [route] = await eventually(lambda: routes)
-        assert route.worker_id == "b"
-        # The session's answers averaged (30 + 40 + 41) / 3, under the request's max_tokens.
-        assert route.expected_output_tokens == 37
-        owner = next(c for c in route.candidates if c.worker_id == "a")
-        assert (owner.cached_blocks, owner.host_blocks, owner.node, owner.rack) == (
-            100, 412, "n0", "r0",
-        )  # fmt: skip
-        move = route.kv_move
-        assert move is not None and move.source_worker_id == "a"
-        assert move.blocks == BLOCKS - 1  # the last token is always computed
-        assert {a.action for a in move.alternatives} == {"owner", "move", "recompute"}
-        # A replay re-decides it from the event (its priority too) and the planner's recorded
-        # settings alone.
-        policy, disagg = settings_of(configured("planner/tiers", "kv", 0, settings, NEVER, "0"))
-        assert differences(route, redecide(route, policy, disagg)) == []
-        # Its answer ends up 13 tokens longer than predicted: the predictor's error, measured.
-        await planner.on_terminal(_finished("r-tiers", 50, worker_id="b"))
-        registry = planner.metrics.registry
-        errors = "laneway_planner_output_length_error_tokens"
-        assert registry.get_sample_value(f"{errors}_count") == 1
-        assert registry.get_sample_value(f"{errors}_sum") == 13
-    finally:
-        await bus.close()
+    for n, tokens in enumerate((30, 40, 41)):
+        await planner.on_terminal(_finished(f"done-{n}", tokens))
+    await planner.on_request(_accepted())
+    [route] = await eventually(lambda: routes)
+    assert route.worker_id == "b"
+    # The session's answers averaged (30 + 40 + 41) / 3, under the request's max_tokens.
+    assert route.expected_output_tokens == 37
+    owner = next(c for c in route.candidates if c.worker_id == "a")
+    assert (owner.cached_blocks, owner.host_blocks, owner.node, owner.rack) == (
+        100, 412, "n0", "r0",
+    )  # fmt: skip
+    move = route.kv_move
+    assert move is not None and move.source_worker_id == "a"
+    assert move.blocks == BLOCKS - 1  # the last token is always computed
+    assert {a.action for a in move.alternatives} == {"owner", "move", "recompute"}
+    # A replay re-decides it from the event (its priority too) and the planner's recorded
+    # settings alone.
+    policy, disagg = settings_of(configured("planner/tiers", "kv", 0, settings, NEVER, "0"))
+    assert differences(route, redecide(route, policy, disagg)) == []
+    # Its answer ends up 13 tokens longer than predicted: the predictor's error, measured.
+    await planner.on_terminal(_finished("r-tiers", 50, worker_id="b"))
+    registry = planner.metrics.registry
+    errors = "laneway_planner_output_length_error_tokens"
+    assert registry.get_sample_value(f"{errors}_count") == 1
+    assert registry.get_sample_value(f"{errors}_sum") == 13
 
 
 def test_the_planners_settings_carry_moves_links_and_the_host_tier() -> None:

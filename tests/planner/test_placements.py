@@ -8,9 +8,7 @@ from typing import Any
 
 from bus.channels import Topic
 from bus.client import Bus
-from bus.provision import ensure_streams
 from bus.topology import Subjects
-from infra.embedded import EmbeddedServer
 from schemas.events import Event, RequestAccepted, RequestPlaced, RouteDecided
 from services.planner.handlers import Planner
 from services.planner.policies import make_policy
@@ -36,9 +34,7 @@ class ReconnectingBus(Bus):
             self._reconnected += 1
 
 
-async def placements_heard(nats_server: EmbeddedServer, reconnect_on_route: bool) -> int:
-    bus = await Bus.connect(nats_server.url, "test-placements")
-    await ensure_streams(bus.js)
+async def placements_heard(bus: Bus, reconnect_on_route: bool) -> int:
     reply_to = f"placements{int(reconnect_on_route)}"
     heard: list[RequestPlaced] = []
 
@@ -49,20 +45,17 @@ async def placements_heard(nats_server: EmbeddedServer, reconnect_on_route: bool
     await bus.subscribe(Subjects.placements(reply_to), on_placement)
     planner = Planner(ReconnectingBus(bus, reconnect_on_route), make_policy("round_robin"), "p")
     await planner.on_workers({"w": registration("w")})
-    try:
-        spec = request_spec(reply_to)
-        await planner.on_request(RequestAccepted(source="test", request_id=reply_to, spec=spec))
-        await eventually(lambda: heard)
-        await asyncio.sleep(0.2)  # a second copy, if one was sent, has come by now
-        assert {p.worker_id for p in heard} == {"w"}
-        return len(heard)
-    finally:
-        await bus.close()
+    spec = request_spec(reply_to)
+    await planner.on_request(RequestAccepted(source="test", request_id=reply_to, spec=spec))
+    await eventually(lambda: heard)
+    await asyncio.sleep(0.2)  # a second copy, if one was sent, has come by now
+    assert {p.worker_id for p in heard} == {"w"}
+    return len(heard)
 
 
-async def test_a_placement_goes_once_on_a_steady_connection(nats_server: EmbeddedServer) -> None:
-    assert await placements_heard(nats_server, reconnect_on_route=False) == 1
+async def test_a_placement_goes_once_on_a_steady_connection(bus: Bus) -> None:
+    assert await placements_heard(bus, reconnect_on_route=False) == 1
 
 
-async def test_a_placement_is_said_again_after_a_reconnect(nats_server: EmbeddedServer) -> None:
-    assert await placements_heard(nats_server, reconnect_on_route=True) == 2
+async def test_a_placement_is_said_again_after_a_reconnect(bus: Bus) -> None:
+    assert await placements_heard(bus, reconnect_on_route=True) == 2

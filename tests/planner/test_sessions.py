@@ -10,7 +10,6 @@ import httpx
 import openai
 
 from bus.client import Bus
-from bus.provision import ensure_streams
 from bus.registry import connect_etcd
 from bus.sessions import SessionStore
 from bus.topology import Subjects
@@ -67,11 +66,9 @@ async def test_ten_turns_stay_on_one_worker_across_two_planners(
 
 
 async def test_a_session_etcd_refuses_fails_its_request_at_once(
-    nats_server: EmbeddedServer, etcd_server: EmbeddedServer
+    bus: Bus, etcd_server: EmbeddedServer
 ) -> None:
     """A session id too large for etcd used to be retried each second until its deadline."""
-    bus = await Bus.connect(nats_server.url, "test-refused-session")
-    await ensure_streams(bus.js)
     etcd = connect_etcd(etcd_server.url)
     planner = Planner(bus, make_policy("kv"), "refusing", sessions=SessionStore(etcd, ttl_s=30))
     await planner.on_workers({"w": registration("w")})
@@ -102,7 +99,6 @@ async def test_a_session_etcd_refuses_fails_its_request_at_once(
         assert "etcd refused" in failed.message and len(failed.message) < 1000
         assert not planner.cluster.is_routed("r-huge")
     finally:
-        await bus.close()
         await etcd.close()
 
 

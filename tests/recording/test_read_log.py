@@ -23,7 +23,7 @@ def _big(worker: str, seq: int) -> KvBlocksStored:
 
 
 async def test_large_messages_read_back_whole_and_in_order(
-    bus: Bus, nats_server: EmbeddedServer
+    nats_bus: Bus, nats_server: EmbeddedServer
 ) -> None:
     worker = new_id()
     topic = Subjects.kv(worker)
@@ -33,7 +33,7 @@ async def test_large_messages_read_back_whole_and_in_order(
     assert 3 << 20 < len(encode(events[0])) < NATS_MAX_PAYLOAD
     before = datetime.now(UTC)
     for event in events:
-        await bus.publish(topic, event)
+        await nats_bus.publish(topic, event)
 
     async def all_stored() -> list[Recorded] | None:
         read = [r for r in await read_log(nats_server.url) if r.subject == topic.subject]
