@@ -23,6 +23,31 @@ _CAPACITY = CapacitySettings()
 _DISAGG = DisaggSettings()
 
 
+def add_sim_engine_arguments(
+    parser: argparse.ArgumentParser, whose: str, num_gpu_blocks: int | None, blocks_by: str = ""
+) -> None:
+    """The sim engine's batch and KV sizes, for ``whose`` runs (the help's prefix); without
+    a ``num_gpu_blocks`` default, ``blocks_by`` says what decides it."""
+    parser.add_argument(
+        "--num-gpu-blocks",
+        type=at_least(1),
+        default=num_gpu_blocks,
+        help=f"{whose}: KV blocks per worker{f' (default: {blocks_by})' if blocks_by else ''}",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=at_least(1),
+        default=_ENGINE_DEFAULTS.max_num_seqs,
+        help=f"{whose}: requests in a batch",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=at_least(1),
+        default=_ENGINE_DEFAULTS.max_num_batched_tokens,
+        help=f"{whose}: tokens in a step",
+    )
+
+
 def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file")
     bench.add_argument(
@@ -130,24 +155,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         type=at_least(1),
         help=f"tokens per KV block (default: sim {_ENGINE_DEFAULTS.block_size}, vllm 32)",
     )
-    bench.add_argument(
-        "--num-gpu-blocks",
-        type=at_least(1),
-        default=_ENGINE_DEFAULTS.num_gpu_blocks,
-        help="sim engine: KV blocks per worker",
-    )
-    bench.add_argument(
-        "--max-num-seqs",
-        type=at_least(1),
-        default=_ENGINE_DEFAULTS.max_num_seqs,
-        help="sim engine: requests in a batch",
-    )
-    bench.add_argument(
-        "--max-num-batched-tokens",
-        type=at_least(1),
-        default=_ENGINE_DEFAULTS.max_num_batched_tokens,
-        help="sim engine: tokens in a step",
-    )
+    add_sim_engine_arguments(bench, "sim engine", _ENGINE_DEFAULTS.num_gpu_blocks)
     bench.add_argument("--limit", type=at_least(1), help="replay only the first N requests")
     bench.add_argument(
         "--sample-conversations",

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from infra import cluster_args
 from infra.arg_types import at_least
+from infra.bench.arguments import add_sim_engine_arguments
 from infra.debug.log import LogIndex, RequestLog
 from infra.progress import Progress
 from infra.recording import RecordingError
@@ -32,7 +33,6 @@ from services.planner.replay import settings_of
 if TYPE_CHECKING:
     from infra.bench.metrics import ReplayResult
 
-_SIM = SimConfig()
 # What the comparison reads of the log (as they appear in a recording's lines).
 EVENTS = ('"RequestAccepted"', '"RouteDecided"', '"RequestFinished"', '"RequestFailed"')
 
@@ -58,23 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, help="what-if: policy seed (default: as recorded)")
     cluster_args.add_perf_model_argument(parser)
-    parser.add_argument(
-        "--num-gpu-blocks",
-        type=at_least(1),
-        help="what-if: KV blocks per worker (default: the recorded workers' KV capacity)",
-    )
-    parser.add_argument(
-        "--max-num-seqs",
-        type=at_least(1),
-        default=_SIM.max_num_seqs,
-        help="what-if: requests in a batch",
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=at_least(1),
-        default=_SIM.max_num_batched_tokens,
-        help="what-if: tokens in a step",
-    )
+    add_sim_engine_arguments(parser, "what-if", None, "the recorded workers' KV capacity")
     parser.add_argument("--plot", type=Path, help="what-if: write a PNG comparing both here")
 
 

@@ -17,10 +17,8 @@ from observability.drops import Drops
 from observability.tracing import context_of
 from schemas.events import PrefillCompleted, RouteDecided
 from services.engine.continuation import continuation
-from services.worker.driver import EngineDriver
-from services.worker.handoff import KvReceiver
-from services.worker.outputs import Background, Outputs
-from services.worker.requests import Active, Awaiting, Requests
+from services.worker.parts import WorkerParts
+from services.worker.requests import Active, Awaiting
 
 log = logging.getLogger(__name__)
 drops = Drops(log)
@@ -32,22 +30,14 @@ EARLY_PREFILLED_KEPT = 1024
 
 
 class DecodeSide:
-    def __init__(
-        self,
-        requests: Requests,
-        receiver: KvReceiver,
-        driver: EngineDriver,
-        outputs: Outputs,
-        background: Background,
-        handoffs: Counter,
-    ) -> None:
+    def __init__(self, parts: WorkerParts, handoffs: Counter) -> None:
         """``handoffs``: counts the hand-offs received, by side and outcome."""
         self._handoffs = handoffs
-        self._requests = requests
-        self._receiver = receiver
-        self._driver = driver
-        self._outputs = outputs
-        self._background = background
+        self._requests = parts.requests
+        self._receiver = parts.receiver
+        self._driver = parts.driver
+        self._outputs = parts.outputs
+        self._background = parts.background
         self._tracer = trace.get_tracer("laneway.worker")
         self._early: OrderedDict[str, tuple[float, PrefillCompleted]] = OrderedDict()
 

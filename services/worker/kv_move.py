@@ -29,10 +29,8 @@ from schemas.codec import decode_as, encode
 from schemas.events import KvMove, KvTransferred, RouteDecided
 from schemas.messages import KvPullQuery, KvPullReply
 from services.engine.protocol import EngineRequest, modelled_kv_move
-from services.worker.driver import EngineDriver
-from services.worker.handoff import KvReceiver
-from services.worker.outputs import Background, Outputs
-from services.worker.requests import Active, Awaiting, Requests
+from services.worker.parts import WorkerParts
+from services.worker.requests import Active, Awaiting
 
 log = logging.getLogger(__name__)
 _drops = Drops(log)
@@ -47,22 +45,13 @@ def blob_id(request_id: str, attempt: int) -> str:
 
 
 class KvMoves:
-    def __init__(
-        self,
-        bus: Bus,
-        requests: Requests,
-        receiver: KvReceiver,
-        driver: EngineDriver,
-        outputs: Outputs,
-        background: Background,
-        registry: CollectorRegistry,
-    ) -> None:
+    def __init__(self, bus: Bus, parts: WorkerParts, registry: CollectorRegistry) -> None:
         self._bus = bus
-        self._requests = requests
-        self._receiver = receiver
-        self._driver = driver
-        self._outputs = outputs
-        self._background = background
+        self._requests = parts.requests
+        self._receiver = parts.receiver
+        self._driver = parts.driver
+        self._outputs = parts.outputs
+        self._background = parts.background
         self._tracer = trace.get_tracer("laneway.worker")
         self._moves = Counter(
             "laneway_worker_kv_moves",

@@ -29,6 +29,7 @@ from services.worker.handoff import KvReceiver, KvSender, PrefillSide
 from services.worker.kv_move import KvMoves
 from services.worker.metrics import WorkerMetrics
 from services.worker.outputs import Background, Outputs
+from services.worker.parts import WorkerParts
 from services.worker.requests import Requests
 from services.worker.settings import WorkerOptions, WorkerSettings, build_engine, worker_options
 from services.worker.step_cost import StepCostFit
@@ -76,23 +77,11 @@ class Worker:
         )
         prefill = PrefillSide(sender, self._driver, self._background)
         self._requests = Requests(self._driver, self._outputs, prefill, self._receiver.blobs)
-        decode = DecodeSide(
-            self._requests,
-            self._receiver,
-            self._driver,
-            self._outputs,
-            self._background,
-            self.metrics.handoffs,
+        parts = WorkerParts(
+            self._requests, self._receiver, self._driver, self._outputs, self._background
         )
-        self._moves = KvMoves(
-            bus,
-            self._requests,
-            self._receiver,
-            self._driver,
-            self._outputs,
-            self._background,
-            self.metrics.registry,
-        )
+        decode = DecodeSide(parts, self.metrics.handoffs)
+        self._moves = KvMoves(bus, parts, self.metrics.registry)
         self._handlers = Handlers(
             options.worker_id,
             self._requests,

@@ -46,6 +46,7 @@ from services.engine.torch_engine import TorchEngine, TorchEngineConfig
 from services.worker.driver import EngineDriver
 from services.worker.kv_move import KvMoves, blob_id
 from services.worker.outputs import Background
+from services.worker.parts import WorkerParts
 from services.worker.runtime import Worker
 from services.worker.settings import WorkerOptions
 from tests.engine.torch_engine.tiny_checkpoint import write_tiny_checkpoint
@@ -319,15 +320,9 @@ async def test_the_holder_sends_only_blocks_it_holds_to_the_worker_that_asks(
 
 
 async def test_with_bus_auth_kv_goes_only_to_the_worker_named() -> None:
-    moves = KvMoves(
-        cast(Bus, None),
-        cast(Any, None),
-        cast(Any, None),
-        EngineDriver(sim_engine(), 1.0),
-        cast(Any, None),
-        Background(),
-        CollectorRegistry(),
-    )
+    unused = cast(Any, None)  # what answering a pull does not reach for
+    parts = WorkerParts(unused, unused, EngineDriver(sim_engine(), 1.0), unused, Background())
+    moves = KvMoves(cast(Bus, None), parts, CollectorRegistry())
     replies: list[KvPullReply] = []
 
     class Asked:
