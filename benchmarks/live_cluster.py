@@ -1,30 +1,30 @@
-"""`laneway up` as a benchmark's child: started on free ports in a state dir of its own, its
-URL and service pids read from what it prints, its API key and the admin's NATS credentials from
-the files it names (it prints no secret), stopped as Ctrl-C would."""
+"""`laneway up` as a benchmark's child: started on free ports in a state dir of its own, known
+ready, with its services' pids, the admin's NATS URL and the run's API key, the way `laneway
+status` knows them from the state dir (infra/status_local.py), stopped as Ctrl-C would."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bus.credentials import Credentials
-from infra.cluster_auth import admin_files
+from infra import status_local
 from infra.keys import read_startup_key
 from infra.ports import free_port
 
-_SERVING = re.compile(r"serving the OpenAI API at (\S+)")
-_PID = re.compile(r"^  (\S+)(?: \(embedded\))?\s+pid (\d+)$")
-_NATS = re.compile(r"^  NATS (\S+)")
+# How long `laneway up` may take to have every service ready (it bounds its own start-up too).
+_READY_WITHIN_S = 180.0
+_EMBEDDED = " (embedded)"
 
 
 @dataclass
@@ -41,35 +41,24 @@ class RunningUp:
         return self.state_dir / "logs"
 
 
-def _read_banner(proc: subprocess.Popen[str]) -> tuple[RunningUp | None, str]:
-    """Up to the banner's last line ('logs: …'), or what it printed before it gave up (it
-    bounds its own start-up)."""
-    assert proc.stdout is not None
-    seen: list[str] = []
-    url = nats = None
-    pids: dict[str, int] = {}
-    # `laneway up` prints its banner in one go once every service is ready.
-    for line in proc.stdout:
-        seen.append(line.rstrip("\n"))
-        if m := _SERVING.search(line):
-            url = m.group(1)
-        elif m := _NATS.match(line):
-            nats = m.group(1)
-        elif m := _PID.match(line.rstrip("\n")):
-            pids[m.group(1)] = int(m.group(2))
-        elif line.startswith("logs:") and url and nats:
-            return RunningUp(url, None, nats, Path(), pids), ""
-    return None, "\n".join(seen[-20:])
-
-
-def _with_secrets(running: RunningUp, state_dir: Path) -> RunningUp:
-    """``running`` with the run's key and the admin's NATS credentials, from the state dir."""
-    running.state_dir = state_dir
-    running.api_key = read_startup_key(state_dir)
-    admin = admin_files(state_dir).get("nats")
-    if admin is not None:
-        running.nats_url = Credentials.read(admin).within(running.nats_url)
-    return running
+def _when_ready(
+    proc: subprocess.Popen[str], port: int, state_dir: Path, said: deque[str]
+) -> RunningUp:
+    """Once every process the `laneway up` on ``state_dir`` started runs and each service
+    answers ready on its ``/readyz``, as `laneway status` reads them (its processes and their
+    settings, the admin's credentials, the run's key): nothing parsed from what it prints."""
+    deadline = time.monotonic() + _READY_WITHIN_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        local = status_local.processes(state_dir)
+        found = status_local.urls(local)
+        probed = asyncio.run(status_local.probe(local)) if local else []
+        ready = probed and all(p["alive"] and p.get("ready", True) for p in probed)
+        if ready and found is not None:
+            pids = {p["name"].removesuffix(_EMBEDDED): p["pid"] for p in local}
+            base_url = f"http://127.0.0.1:{port}/v1"
+            return RunningUp(base_url, read_startup_key(state_dir), found[0], state_dir, pids)
+        time.sleep(0.5)
+    raise RuntimeError("laneway up did not start:\n" + "\n".join(said))
 
 
 @contextlib.contextmanager
@@ -84,9 +73,10 @@ def laneway_up(
     with contextlib.ExitStack() as stack:
         if state_dir is None:
             state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lw-bench-")))
+        port = free_port()
         command = [
             sys.executable, "-m", "infra.cli", "up",
-            "--port", str(free_port()),
+            "--port", str(port),
             "--workers", str(workers),
             "--speedup", f"{speedup:g}",
             "--state-dir", str(state_dir),
@@ -102,20 +92,16 @@ def laneway_up(
             env={**os.environ, **(env or {})},
             start_new_session=True,
         )
-        drain: threading.Thread | None = None
+        # What it prints read all along (a full pipe would block it), its last lines kept to
+        # say why, should it not start.
+        said: deque[str] = deque(maxlen=20)
+        drain = threading.Thread(target=said.extend, args=(proc.stdout,), daemon=True)
+        drain.start()
         try:
-            running, said = _read_banner(proc)
-            if running is None:
-                raise RuntimeError(f"laneway up did not start:\n{said}")
-            running = _with_secrets(running, state_dir)
-            # Its later lines (restarts, the stop) read and dropped: a full pipe would block it.
-            drain = threading.Thread(target=deque, args=(proc.stdout, 0), daemon=True)
-            drain.start()
-            yield running
+            yield _when_ready(proc, port, state_dir, said)
         finally:
             _stop(proc)
-            if drain is not None:
-                drain.join(timeout=5)
+            drain.join(timeout=5)
             if proc.stdout is not None:
                 proc.stdout.close()
 

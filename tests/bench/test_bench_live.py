@@ -1,5 +1,5 @@
-"""`laneway up` as a benchmark's child: its banner read (URL, key, pids), a short load through it
-with its CPU per request, and nothing of it left running afterwards."""
+"""`laneway up` as a benchmark's child: known ready from its state dir (URL, key, pids), a short
+load with its CPU per request, and nothing of it left running afterwards."""
 
 from __future__ import annotations
 
