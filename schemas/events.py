@@ -2,8 +2,9 @@
 
 Events are immutable facts. A field's meaning never changes once published: a new meaning gets a
 new ``schema_version`` and an upcaster in :mod:`schemas.codec`. The request path's events are
-defined here; the envelope is :mod:`schemas.envelope`, the workers' and the control plane's
-events :mod:`schemas.worker_events`; this module names them all.
+defined here; the envelope is :mod:`schemas.envelope`; a worker's KV cache changes are
+:mod:`schemas.kv_events`, the control plane's :mod:`schemas.control_events`, what an ingress hears
+on core NATS :mod:`schemas.live_events`. This module names them all.
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from schemas.control_events import (
+    PlannerConfigured,
+    RoleMove,
+    RolesRebalanced,
+    StepCost,
+    WorkerLoadReported,
+)
 from schemas.envelope import (
     BlockHashes,
     Envelope,
@@ -26,27 +34,20 @@ from schemas.envelope import (
     new_id,
     utc_now,
 )
-from schemas.latency import LatencyHistogram
-from schemas.logprobs import TokenLogprob
-from schemas.sampling import SamplingParams, StructuredOutput
-from schemas.worker_events import (
+from schemas.kv_events import (
     CacheWiped,
     KvBlocksRemoved,
     KvBlocksStored,
     KvChanged,
     KvCleared,
     KvOp,
-    PlannerConfigured,
     RemovedRun,
-    RequestPlaced,
-    RoleMove,
-    RolesRebalanced,
-    StepCost,
     StoredRun,
-    TokenBatch,
-    TokenRun,
-    WorkerLoadReported,
 )
+from schemas.latency import LatencyHistogram
+from schemas.live_events import RequestPlaced, TokenBatch, TokenRun
+from schemas.logprobs import TokenLogprob
+from schemas.sampling import SamplingParams, StructuredOutput
 
 
 class RequestSpec(Frozen):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
 
-from schemas.worker_events import StepCost
+from schemas.control_events import StepCost
 
 
 class PerfModel(Protocol):
@@ -44,7 +44,7 @@ class FixedPerf:
     """Linear: a step that prefills costs a fixed part and a part per token, one that decodes a
     fixed part and a part per sequence. Its defaults (the ``fixed`` preset) are cheap, so live
     tests run many steps quickly; a worker's own measured step costs are one too
-    (:class:`schemas.worker_events.StepCost`)."""
+    (:class:`schemas.control_events.StepCost`)."""
 
     prefill_ms_per_token: float = 0.02
     decode_ms_per_step: float = 5.0

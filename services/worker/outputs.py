@@ -15,6 +15,7 @@ from bus.credentials import is_inbox
 from bus.topology import Subjects
 from observability.drops import Drops, RateLimitedLog
 from schemas.codec import decode_as, encode
+from schemas.control_events import StepCost
 from schemas.events import (
     KvTransferred,
     RequestSpec,
@@ -24,9 +25,9 @@ from schemas.events import (
     TokenRun,
     WorkerLoadReported,
 )
+from schemas.kv_events import MAX_KV_CHANGES
 from schemas.messages import ResendQuery
 from schemas.trusted import trusted
-from schemas.worker_events import MAX_KV_CHANGES, StepCost
 from services.engine.kv_events import coalesced, continued, kv_changed
 from services.engine.protocol import EngineLoad, KvChange
 from services.worker.stream import Chunk

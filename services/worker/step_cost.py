@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from schemas.worker_events import StepCost
+from schemas.control_events import StepCost
 
 # The steps fitted: the latest this many.
 WINDOW_STEPS = 256

@@ -36,7 +36,7 @@ from schemas.events import (
     TokensGenerated,
     WorkerLoadReported,
 )
-from schemas.worker_events import KvChanged, StoredRun
+from schemas.kv_events import KvChanged, StoredRun
 from services.common.hf_tokenizer import HfTokenizer
 from tests.e2e.exact import Streamed, mismatch, stream
 from tests.e2e.moves import observe_moves

@@ -34,7 +34,7 @@ from schemas.events import (
     Usage,
     WorkerLoadReported,
 )
-from schemas.worker_events import CacheWiped, RemovedRun, StoredRun
+from schemas.kv_events import CacheWiped, RemovedRun, StoredRun
 
 SPEC = RequestSpec(
     model="m",

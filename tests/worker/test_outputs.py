@@ -22,7 +22,7 @@ from schemas.events import (
     TokenBatch,
     TokenRun,
 )
-from schemas.worker_events import MAX_KV_CHANGES
+from schemas.kv_events import MAX_KV_CHANGES
 from services.engine.protocol import BlocksRemoved, BlocksStored, KvChange
 from services.worker.outputs import Background, Outputs
 from services.worker.stream import Chunk
