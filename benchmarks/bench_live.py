@@ -29,7 +29,7 @@ import orjson
 
 from benchmarks.live_cluster import laneway_up
 from benchmarks.proc_stats import growth, snapshot
-from infra.bench.live_load import LoadSpec, first_model, run_load
+from infra.bench.load_client import LoadSpec, first_model, run_load
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ client's first text and its end.
 
 The listener is a process of its own on the same clock (``time.perf_counter``, the system's
 monotonic clock): a message's time is when its callback ran there. Being sent every message
-costs the server and the machine, so requests take longer here than under `live_load` alone;
+costs the server and the machine, so requests take longer here than under `load_client` alone;
 the order and the gaps are what to read. A message some requests cause and others not (a load
 report) is shown with how many did.
 """
@@ -43,7 +43,7 @@ import orjson
 from benchmarks.bus_census import subject_kind
 from benchmarks.live_cluster import laneway_up
 from bus.client import at_server
-from infra.bench.live_load import (
+from infra.bench.load_client import (
     LoadSpec,
     Sample,
     chat_url,

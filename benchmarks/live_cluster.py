@@ -1,6 +1,6 @@
 """`laneway up` as a benchmark's child: started on free ports in a state dir of its own, known
 ready, with its services' pids, the admin's NATS URL and the run's API key, the way `laneway
-status` knows them from the state dir (infra/status_local.py), stopped as Ctrl-C would."""
+status` knows them from the state dir (infra/up_processes.py), stopped as Ctrl-C would."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra import status_local
+from infra import up_processes
 from infra.keys import read_startup_key
 from infra.ports import free_port
 
@@ -49,9 +49,9 @@ def _when_ready(
     settings, the admin's credentials, the run's key): nothing parsed from what it prints."""
     deadline = time.monotonic() + _READY_WITHIN_S
     while time.monotonic() < deadline and proc.poll() is None:
-        local = status_local.processes(state_dir)
-        found = status_local.urls(local)
-        probed = asyncio.run(status_local.probe(local)) if local else []
+        local = up_processes.processes(state_dir)
+        found = up_processes.urls(local)
+        probed = asyncio.run(up_processes.probe(local)) if local else []
         ready = probed and all(p["alive"] and p.get("ready", True) for p in probed)
         if ready and found is not None:
             pids = {p["name"].removesuffix(_EMBEDDED): p["pid"] for p in local}

@@ -45,7 +45,7 @@ import orjson
 from benchmarks.cluster_gauges import GaugeSampler, is_ingress, loop_late, rates, targets
 from benchmarks.live_cluster import RunningUp, laneway_up
 from benchmarks.proc_stats import growth, rss_mb, snapshot
-from infra.bench.live_load import (
+from infra.bench.load_client import (
     LoadSpec,
     chat_url,
     headers,
@@ -139,7 +139,7 @@ async def probe_ttft(
         sent_at = round(time.monotonic() - t0, 1)
         # Seeds far from the streams' (0): no probe's prompt is a stream's, cached.
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "infra.bench.live_load", "--base-url", base.base_url,
+            sys.executable, "-m", "infra.bench.load_client", "--base-url", base.base_url,
             "--model", base.model, "--requests", "1", "--warmup", "0", "--seed", str(10**6 + n),
             "--max-tokens", str(base.max_tokens), "--timeout", "300",
             stdout=asyncio.subprocess.PIPE,

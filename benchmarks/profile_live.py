@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     with laneway_up(args.workers, args.speedup, tuple(args.up_arg)) as up:
         load = subprocess.Popen(
             [
-                sys.executable, "-m", "infra.bench.live_load", "--base-url", up.base_url,
+                sys.executable, "-m", "infra.bench.load_client", "--base-url", up.base_url,
                 "--concurrency", str(args.concurrency), "--duration", f"{load_s:g}",
                 "--max-tokens", str(args.max_tokens), "--warmup", "0", "--label", "profile",
             ],

@@ -16,7 +16,7 @@ from infra import cluster_args
 from infra.arg_types import at_least, port, positive
 from infra.engine_env import engine_env as _engine_env
 from infra.recording import RecordingError
-from services.planner.policies import POLICY_NAMES
+from services.planner.policy_registry import POLICY_NAMES
 
 if TYPE_CHECKING:  # imported by `laneway up` alone: see _COMMANDS
     from infra.cluster import LocalCluster

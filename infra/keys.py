@@ -36,7 +36,7 @@ from bus.api_keys import (
 )
 from bus.credentials import split_credentials
 from bus.registry import connect_etcd
-from infra import status_local
+from infra import up_processes
 from schemas.events import utc_now
 
 T = TypeVar("T")
@@ -255,7 +255,7 @@ def _endpoints(args: argparse.Namespace) -> str:
     given = args.etcd_endpoints or os.environ.get("LANEWAY_ETCD_ENDPOINTS")
     if given:
         return str(given)
-    found = status_local.urls(status_local.processes(args.state_dir))
+    found = up_processes.urls(up_processes.processes(args.state_dir))
     if found is None:
         raise SystemExit(
             _fail(f"no laneway up runs on {args.state_dir}: pass --state-dir or --etcd-endpoints")

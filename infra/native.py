@@ -47,7 +47,7 @@ MODULES = (
     "services.engine.scheduling.scheduled",
     "services.engine.sim.engine",
     "services.planner.policy",
-    "services.planner.room",
+    "services.planner.routable",
     "services.planner.kv_policy",
     "services.planner.decision",
     "infra.bench.traces",

@@ -28,8 +28,8 @@ from nats.js.errors import NotFoundError
 from bus.credentials import inbox_prefix, nats_options, split_credentials
 from bus.registry import LEADER_KEY, PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
 from bus.topology import KV, LOAD, Subjects, worker_routes
-from infra import status_local
-from infra.status_view import render
+from infra import up_processes
+from infra.status_tables import render
 from schemas.codec import decode_event
 from schemas.events import WorkerLoadReported
 from schemas.messages import WorkerRegistration
@@ -88,8 +88,8 @@ def _resolve(
     """The NATS URLs and etcd endpoints to ask, where they came from, and the local processes."""
     if nats_url and etcd_endpoints:
         return nats_url, etcd_endpoints, "given", []
-    local = status_local.processes(state_dir)
-    found = status_local.urls(local)
+    local = up_processes.processes(state_dir)
+    found = up_processes.urls(local)
     if found is None:
         if nats_url or etcd_endpoints:  # the other half was to come from that state dir
             missing = "--etcd-endpoints" if nats_url else "--nats-url"
@@ -116,7 +116,7 @@ async def gather(
         "workers": [],
         "streams": [],
         "consumers": [],
-        "processes": await status_local.probe(local),
+        "processes": await up_processes.probe(local),
     }
     try:
         if etcd is not None:

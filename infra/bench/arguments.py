@@ -12,7 +12,7 @@ from services.common.kv_transfer import KvTransferModel
 from services.engine.sim import SimConfig
 from services.planner.capacity import CapacitySettings
 from services.planner.disagg import DisaggSettings
-from services.planner.policies import POLICY_NAMES
+from services.planner.policy_registry import POLICY_NAMES
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[3] / "shared/traces/mooncake_conversation_trace.jsonl"

@@ -45,7 +45,7 @@ from services.planner.decision import Decision, DecisionInputs, decide
 from services.planner.disagg import DisaggSettings, handoff_link
 from services.planner.kv_policy import KvAware
 from services.planner.policy import Policy, RouteRequest
-from services.planner.room import with_room
+from services.planner.routable import with_room
 
 _ARRIVAL, _KV_ARRIVED, _PLAN = 0, 2, 3
 # Arrivals between two calls of the progress callback: off the per-event path.

@@ -31,7 +31,7 @@ from services.engine.sim import SimConfig
 from services.planner.capacity import CapacitySettings
 from services.planner.disagg import DisaggSettings
 from services.planner.kv_policy import KvSettings
-from services.planner.policies import POLICY_NAMES, make_policy
+from services.planner.policy_registry import POLICY_NAMES, make_policy
 
 MODEL = "laneway-sim"
 
@@ -129,7 +129,7 @@ def _live(
     # a tenth of an offline replay: imported only for a live one.
     import asyncio
 
-    from infra.bench.live import replay_live
+    from infra.bench.live_replay import replay_live
     from infra.cluster import LocalCluster
     from infra.cluster_plan import ClusterConfig
     from infra.ports import free_port

@@ -25,7 +25,7 @@ from infra.recording import RecordingError
 from schemas.events import RequestFinished
 from schemas.latency import LatencyHistogram
 from services.engine.sim import SimConfig
-from services.planner.policies import POLICY_NAMES
+from services.planner.policy_registry import POLICY_NAMES
 from services.planner.replay import settings_of
 
 # The simulator and its report (numpy: the `bench` extra) are imported where a what-if runs, so

@@ -16,7 +16,7 @@ from schemas.messages import WorkerRegistration
 from services.common.liveness import QUIET_S, Liveness
 from services.planner.decision import DecisionInputs
 from services.planner.policy import RouteRequest, WorkerView
-from services.planner.room import with_room
+from services.planner.routable import with_room
 
 # How a recorded decision of a request that moved to another worker begins its reason.
 MIGRATED = "migrated (attempt {attempt}): "

@@ -29,7 +29,7 @@ from services.planner.disagg import DisaggMode, DisaggSettings
 from services.planner.handlers import Planner
 from services.planner.kv_policy import KvSettings
 from services.planner.output_length import OutputLengthPredictor
-from services.planner.policies import make_policy
+from services.planner.policy_registry import make_policy
 from services.planner.replay import configured
 
 log = logging.getLogger(__name__)

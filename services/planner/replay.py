@@ -13,8 +13,8 @@ from services.planner.cluster import decided_reason
 from services.planner.decision import REBOUND, Decision, decide, inputs_of, rebind
 from services.planner.disagg import DisaggSettings
 from services.planner.kv_policy import KvSettings
-from services.planner.policies import make_policy
 from services.planner.policy import Policy
+from services.planner.policy_registry import make_policy
 
 _D = TypeVar("_D")
 

@@ -16,7 +16,7 @@ from infra.bench.hashes_ahead import HashesAhead
 from infra.bench.offline import OfflineReplay
 from infra.bench.traces import PromptFactory, TraceRequest, load_trace
 from services.engine.sim import SimConfig
-from services.planner.policies import make_policy
+from services.planner.policy_registry import make_policy
 
 
 def _settled(ahead: HashesAhead) -> None:

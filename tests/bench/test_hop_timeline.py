@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.hop_timeline import CLIENT_END, CLIENT_FIRST, render, timeline
-from infra.bench.live_load import Sample
+from infra.bench.load_client import Sample
 
 
 def _sample(sent: float, first: float, end: float) -> Sample:

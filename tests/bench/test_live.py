@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.bench.live import replay_live
+from infra.bench.live_replay import replay_live
 from infra.bench.traces import load_trace
 from tests.live import ClusterFactory
 

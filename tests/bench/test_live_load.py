@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from benchmarks.bench_live import Target, format_table, loads, run_all
-from infra.bench.live_load import LoadSpec, first_model, percentile, run_load
+from infra.bench.load_client import LoadSpec, first_model, percentile, run_load
 
 KEY = "lw-test-key"
 

@@ -12,7 +12,7 @@ from infra.bench.tiers import OutputLengthMode, TierSettings
 from infra.bench.traces import load_trace
 from services.engine.sim import SimConfig
 from services.planner.kv_policy import KvSettings
-from services.planner.policies import make_policy
+from services.planner.policy_registry import make_policy
 
 SMALL_ENGINE = SimConfig(block_size=64, num_gpu_blocks=2048)
 

@@ -13,7 +13,7 @@ from infra.bench.tiers import TierSettings
 from infra.bench.traces import load_trace
 from infra.cli import main
 from services.engine.sim import SimConfig
-from services.planner.policies import make_policy
+from services.planner.policy_registry import make_policy
 
 
 def test_offline_bench_shows_progress_lines_off_a_terminal(

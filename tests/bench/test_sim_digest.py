@@ -11,7 +11,7 @@ from benchmarks.sim_digest import digest, main
 from infra.bench.offline import OfflineReplay
 from infra.bench.traces import load_trace
 from services.engine.sim import SimConfig
-from services.planner.policies import make_policy
+from services.planner.policy_registry import make_policy
 
 
 def test_digest_sees_every_gap_and_not_the_wall(small_trace: Path) -> None:

@@ -17,7 +17,7 @@ from infra.bench.offline import OfflineReplay
 from infra.bench.traces import PromptFactory, load_trace, tenant_secret, with_tenants
 from infra.cli import main
 from services.engine.sim import SimConfig
-from services.planner.policies import make_policy
+from services.planner.policy_registry import make_policy
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 
 from infra.cli import build_parser, main
 from services.common.perf_model import PERF_MODEL_NAMES
-from services.planner.policies import POLICY_NAMES
+from services.planner.policy_registry import POLICY_NAMES
 
 
 def _commands(

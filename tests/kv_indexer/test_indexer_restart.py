@@ -10,7 +10,7 @@ from pathlib import Path
 from nats.errors import NoRespondersError
 
 from bus.client import Bus
-from infra.bench.live import replay_live
+from infra.bench.live_replay import replay_live
 from infra.bench.traces import load_trace
 from schemas.messages import IndexState
 from tests.helpers import eventually

@@ -94,7 +94,7 @@ def test_a_burst_on_one_prefix_spreads_once_its_owner_saturates(tmp_path: Path) 
     ]
     path = tmp_path / "burst.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    from services.planner.policies import make_policy
+    from services.planner.policy_registry import make_policy
 
     replay = OfflineReplay(load_trace(path), make_policy("kv"), 4, SimConfig(num_gpu_blocks=4096))
     result = replay.run()

@@ -21,7 +21,7 @@ from bus.kv_source import BusKvSource, BusSnapshots
 from bus.provision import ensure_streams
 from bus.registry import LeasedKey, connect_etcd
 from bus.topology import KV, Subjects
-from infra.bench.live import replay_live
+from infra.bench.live_replay import replay_live
 from infra.bench.traces import load_trace
 from infra.cluster_auth import ClusterAuth
 from infra.embedded import EmbeddedServer

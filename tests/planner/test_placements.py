@@ -11,7 +11,7 @@ from bus.client import Bus
 from bus.topology import Subjects
 from schemas.events import Event, RequestAccepted, RequestPlaced, RouteDecided
 from services.planner.handlers import Planner
-from services.planner.policies import make_policy
+from services.planner.policy_registry import make_policy
 from tests.helpers import eventually, registration
 from tests.ingress.helpers import request_spec
 

@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from services.planner.policies import make_policy
 from services.planner.policy import RouteRequest, WorkerView
+from services.planner.policy_registry import make_policy
 
 REQ = RouteRequest("r", 100, ())
 

@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 from bus.client import Bus
 from bus.registry import WORKERS_PREFIX, connect_etcd
 from bus.topology import Subjects
-from infra.bench.live import replay_live
+from infra.bench.live_replay import replay_live
 from infra.bench.traces import TraceRequest
 from schemas.events import Event, RolesRebalanced, TokenBatch
 from schemas.messages import WorkerRegistration

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.planner.policy import WorkerView
-from services.planner.room import with_room
+from services.planner.routable import with_room
 
 
 def view(worker_id: str, in_flight: int, running: int = 0) -> WorkerView:

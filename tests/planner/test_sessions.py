@@ -24,7 +24,7 @@ from schemas.events import (
     utc_now,
 )
 from services.planner.handlers import Planner
-from services.planner.policies import make_policy
+from services.planner.policy_registry import make_policy
 from tests.helpers import eventually, registration
 from tests.live import ClusterFactory, observe
 

@@ -23,7 +23,7 @@ import aiohttp
 
 from bus.client import Bus
 from bus.topology import Subjects
-from infra.bench.live_load import stream_one
+from infra.bench.load_client import stream_one
 from infra.bench.metrics import (
     PoolUsage,
     ReplayResult,

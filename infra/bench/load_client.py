@@ -1,7 +1,7 @@
 """A streaming load client for any OpenAI-compatible server: the same one drives Laneway and
 Dynamo's frontend, so their figures compare.
 
-    python -m infra.bench.live_load --base-url http://127.0.0.1:8000/v1 --api-key KEY \\
+    python -m infra.bench.load_client --base-url http://127.0.0.1:8000/v1 --api-key KEY \\
         --concurrency 32 --duration 20
 
 Closed loop: ``--concurrency`` streams, each sending its next request when the last ended, for
@@ -271,7 +271,7 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m infra.bench.live_load",
+        prog="python -m infra.bench.load_client",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
