@@ -21,11 +21,14 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
+from pydantic import BaseModel
 
 from schemas.events import Envelope
 
 E = TypeVar("E", bound=Envelope)
 T = TypeVar("T", bound=Envelope)
+Q = TypeVar("Q", bound=BaseModel)
+R = TypeVar("R", bound=BaseModel)
 
 # How a publisher hands an event over:
 #   core:      core NATS only, no stream stores it (gone if nobody listens right then);
@@ -254,12 +257,13 @@ class Endpoint:
     """A subject that carries no events: request/reply queries and bulk bytes, core NATS only."""
 
     pattern: str
-    carries: str
     producers: tuple[str, ...]
     consumers: tuple[str, ...]
     about: str = ""
     # As for a channel: roles that send to any key's subject, not only their own.
     publish_any: tuple[str, ...] = ()
+    # What it carries, for the docs (a query endpoint's is said by its types).
+    carries: str = field(default="", kw_only=True)
 
     def at(self, *keys: str) -> str:
         return fill(self.pattern, keys)
@@ -267,6 +271,32 @@ class Endpoint:
     @property
     def key_names(self) -> tuple[str, ...]:
         return key_names(self.pattern)
+
+
+@dataclass(frozen=True)
+class Asked(Generic[Q, R]):
+    """One request/reply subject, with what it is asked and what it answers: the bus's
+    ``request`` returns a ``reply``, its ``serve`` hands a handler a ``query``."""
+
+    subject: str
+    query: type[Q]
+    reply: type[R]
+
+
+@dataclass(frozen=True)
+class QueryEndpoint(Endpoint, Generic[Q, R]):
+    """An endpoint of typed request/reply, as a channel is typed by its events; what it
+    ``carries`` for the docs is said by its types."""
+
+    query: type[Q] = field(kw_only=True)
+    reply: type[R] = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        carries = f"`{self.query.__name__}` → `{self.reply.__name__}`"
+        object.__setattr__(self, "carries", carries)
+
+    def ask(self, *keys: str) -> Asked[Q, R]:
+        return Asked(self.at(*keys), self.query, self.reply)
 
 
 @dataclass(frozen=True)

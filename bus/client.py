@@ -18,7 +18,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from opentelemetry import context as otel_context
 from pydantic import BaseModel, ValidationError
 
-from bus.channels import Consumer, Topic
+from bus.channels import Asked, Consumer, Topic
 from bus.confirms import Confirmations
 from bus.credentials import is_inbox, nats_options
 from bus.provision import ensure_consumer, ensure_streams
@@ -287,39 +287,39 @@ class Bus:
         )
         self._subs.append(sub)
 
-    async def request(self, subject: str, query: BaseModel, reply: type[R], timeout: float) -> R:
+    async def request(self, asked: Asked[Q, R], query: Q, timeout: float) -> R:
         """Ask and wait for the answer; the active span's trace goes along in the headers."""
         msg = await self._nc.request(
-            subject, encode(query), timeout=timeout, headers=trace_headers() or None
+            asked.subject, encode(query), timeout=timeout, headers=trace_headers() or None
         )
-        return decode_as(reply, msg.data)
+        return decode_as(asked.reply, msg.data)
 
     async def serve(
-        self,
-        subject: str,
-        query: type[Q],
-        handler: Callable[[Q], Awaitable[BaseModel]],
-        *,
-        queue: str,
+        self, asked: Asked[Q, R], handler: Callable[[Q], Awaitable[R]], *, queue: str
     ) -> None:
-        """Answer requests on ``subject``; replicas in one queue group share the load. The
+        """Answer requests on ``asked``'s subject; replicas in one queue group share the load. The
         handler runs in the trace of the asker (its headers), so its spans join that trace."""
 
         async def on_msg(msg: Msg) -> None:
             if not is_inbox(msg.reply):
-                drops("not_an_inbox", "no answer on %s to %.80r: not an inbox", subject, msg.reply)
+                drops(
+                    "not_an_inbox",
+                    "no answer on %s to %.80r: not an inbox",
+                    asked.subject,
+                    msg.reply,
+                )
                 return
             token = otel_context.attach(context_of_headers(msg.headers))
             try:
-                answer = await handler(decode_as(query, msg.data))
+                answer = await handler(decode_as(asked.query, msg.data))
             except ValidationError as error:
-                drops("malformed_query", "bad query on %s: %s", subject, first_line(error))
+                drops("malformed_query", "bad query on %s: %s", asked.subject, first_line(error))
                 return
             finally:
                 otel_context.detach(token)
             await msg.respond(encode(answer))
 
-        self._subs.append(await self._nc.subscribe(subject, queue=queue, cb=on_msg))
+        self._subs.append(await self._nc.subscribe(asked.subject, queue=queue, cb=on_msg))
 
     async def close(self) -> None:
         for sub in self._subs:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from bus import readme
 from bus.api_keys import KEYS_PREFIX
-from bus.channels import Channel, Consumer, Endpoint
+from bus.channels import Channel, Consumer, Endpoint, QueryEndpoint
 from bus.credentials import inbox_prefix
 from bus.registry import (
     LEADER_KEY,
@@ -131,8 +131,8 @@ def nats_permissions(identity: Identity) -> NatsPermissions:
             publish.append(_subject(declared, identity, publishing=True))
         if identity.role in map(_role_of, declared.consumers):
             subscribe.append(_subject(declared, identity, publishing=False))
-            # An endpoint that carries `Query` → `Reply` is answered by its consumers.
-            responds |= isinstance(declared, Endpoint) and "→" in declared.carries
+            # A query endpoint is answered by its consumers.
+            responds |= isinstance(declared, QueryEndpoint)
     for consumer in _durables(identity):
         # The admin made it; its deliveries come on its own subject and are acked on theirs.
         publish.append(f"$JS.ACK.{consumer.stream.name}.{consumer.durable}.>")

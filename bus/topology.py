@@ -20,6 +20,7 @@ from bus.channels import (
     Channel,
     Consumer,
     Endpoint,
+    QueryEndpoint,
     Stream,
     Topic,
     markdown_table,
@@ -47,6 +48,18 @@ from schemas.events import (
     TokenBatch,
     TokensGenerated,
     WorkerLoadReported,
+)
+from schemas.messages import (
+    IndexState,
+    IndexStateQuery,
+    KvPullQuery,
+    KvPullReply,
+    OverlapQueries,
+    OverlapQuery,
+    OverlapReplies,
+    OverlapReply,
+    ResendQuery,
+    ResendReply,
 )
 
 DAY_S = 24 * 3600.0
@@ -242,49 +255,54 @@ STREAM_SUBJECTS = stream_subjects(CHANNELS)
 # CPU per delta (benchmarks/bus_bench.py).
 RETIRED_STREAMS = ("LW_TOKENS",)
 
-OVERLAP_QUERY = Endpoint(
+OVERLAP_QUERY: QueryEndpoint[OverlapQuery, OverlapReply] = QueryEndpoint(
     "lw.query.overlap",
-    "`OverlapQuery` → `OverlapReply`",
     ("operators", "tests"),
     ("kv-indexer (queue group)",),
     "request/reply: queries are not facts; one prompt's (the planner asks in batches)",
+    query=OverlapQuery,
+    reply=OverlapReply,
 )
-OVERLAP_QUERIES = Endpoint(
+OVERLAP_QUERIES: QueryEndpoint[OverlapQueries, OverlapReplies] = QueryEndpoint(
     "lw.query.overlaps",
-    "`OverlapQueries` → `OverlapReplies`",
     ("planner",),
     ("kv-indexer (queue group)",),
     "the queries a planner asked in one turn of its loop, in one round trip",
+    query=OverlapQueries,
+    reply=OverlapReplies,
 )
-INDEX_STATE = Endpoint(
+INDEX_STATE: QueryEndpoint[IndexStateQuery, IndexState] = QueryEndpoint(
     "lw.query.index.{indexer}",
-    "`IndexStateQuery` → `IndexState`",
     ("operators", "tests"),
     ("kv-indexer (that replica)",),
     "one replica's digest of its index",
+    query=IndexStateQuery,
+    reply=IndexState,
 )
 KV_HANDOFF = Endpoint(
     "lw.kvx.{worker}",
-    "KV tensor chunks (bytes)",
     ("worker (prefill side)",),
     ("worker (decode side)",),
     "megabytes, useless once delivered; announced by `PrefillCompleted`",
     publish_any=("worker",),
+    carries="KV tensor chunks (bytes)",
 )
-KV_PULL = Endpoint(
+KV_PULL: QueryEndpoint[KvPullQuery, KvPullReply] = QueryEndpoint(
     "lw.kvpull.{worker}",
-    "`KvPullQuery` → `KvPullReply`",
     ("worker (a KV move's target)",),
     ("worker (the KV's holder)",),
     "a KV move: the chunks go to the asker's `lw.kvx.{worker}`, then the answer",
     publish_any=("worker",),
+    query=KvPullQuery,
+    reply=KvPullReply,
 )
-RESEND = Endpoint(
+RESEND: QueryEndpoint[ResendQuery, ResendReply] = QueryEndpoint(
     "lw.resend.{worker}",
-    "`ResendQuery` → `ResendReply`",
     ("ingress",),
     ("worker (its own)",),
     "token deltas are core messages: one lost on its way is asked of the request's worker again",
+    query=ResendQuery,
+    reply=ResendReply,
 )
 ENDPOINTS = (OVERLAP_QUERY, OVERLAP_QUERIES, INDEX_STATE, KV_HANDOFF, KV_PULL, RESEND)
 
@@ -308,10 +326,10 @@ class Subjects:
     all_routes: Topic[RouteDecided | KvTransferred] = view("lw.route.>", ROUTE, TRANSFERRED)
     route_decisions = ROUTE.every
     all_prefilled = PREFILLED.every
-    overlap_query = OVERLAP_QUERY.pattern
-    overlap_queries = OVERLAP_QUERIES.pattern
-    resend = staticmethod(RESEND.at)
-    index_state = staticmethod(INDEX_STATE.at)
+    overlap_query = OVERLAP_QUERY.ask()
+    overlap_queries = OVERLAP_QUERIES.ask()
+    resend = staticmethod(RESEND.ask)
+    index_state = staticmethod(INDEX_STATE.ask)
     placements = staticmethod(PLACEMENTS.at)
     planner_failures = staticmethod(PLANNER_FAILURES.at)
     request_terminal = staticmethod(TERMINALS.at)
@@ -319,7 +337,7 @@ class Subjects:
     prefilled = staticmethod(PREFILLED.at)
     kv_transferred = staticmethod(TRANSFERRED.at)
     kv_handoff = staticmethod(KV_HANDOFF.at)
-    kv_pull = staticmethod(KV_PULL.at)
+    kv_pull = staticmethod(KV_PULL.ask)
     kv = staticmethod(KV_EVENTS.at)
     tokens = staticmethod(TOKEN_DELTAS.at)
     load = staticmethod(LOAD_REPORTS.at)

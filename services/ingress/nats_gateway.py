@@ -139,7 +139,6 @@ class NatsGateway:
             return await self._bus.request(
                 Subjects.resend(worker_id),
                 ResendQuery(request_id=request_id, index=index, attempt=attempt),
-                ResendReply,
                 timeout=min(self._recovery.silence_s, 0.5),
             )
         except (NatsError, TimeoutError):

@@ -17,7 +17,6 @@ from bus.topology import INDEX_SNAPSHOT_NAME, INDEX_SNAPSHOTS, Subjects
 from observability.metrics import MetricsServer
 from observability.tracing import setup_tracing
 from schemas.events import new_id
-from schemas.messages import IndexStateQuery, OverlapQueries, OverlapQuery
 from services.common.kv_follow import KvFollower
 from services.common.kv_index.indexer import Indexer
 
@@ -51,15 +50,10 @@ def main() -> None:
         source = BusKvSource(bus, etcd)
         follower = KvFollower(source, settings.predicted_ttl_s, settings.purge_interval_s)
         indexer = await follower.start()
-        await bus.serve(Subjects.overlap_query, OverlapQuery, indexer.on_query, queue="kv-indexer")
+        await bus.serve(Subjects.overlap_query, indexer.on_query, queue="kv-indexer")
+        await bus.serve(Subjects.overlap_queries, indexer.on_queries, queue="kv-indexer")
         await bus.serve(
-            Subjects.overlap_queries, OverlapQueries, indexer.on_queries, queue="kv-indexer"
-        )
-        await bus.serve(
-            Subjects.index_state(settings.instance_id),
-            IndexStateQuery,
-            indexer.on_state,
-            queue=settings.instance_id,
+            Subjects.index_state(settings.instance_id), indexer.on_state, queue=settings.instance_id
         )
         metrics = MetricsServer(indexer.metrics.registry)
         await metrics.start(settings.metrics_host, settings.metrics_port)

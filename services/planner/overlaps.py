@@ -21,7 +21,7 @@ from prometheus_client import Counter, Histogram
 from bus.client import Bus
 from bus.topology import Subjects
 from schemas.events import BlockHashes
-from schemas.messages import OVERLAP_BATCH_LIMIT, OverlapQueries, OverlapQuery, OverlapReplies
+from schemas.messages import OVERLAP_BATCH_LIMIT, OverlapQueries, OverlapQuery
 from services.common.kv_follow import KvFollower
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class OverlapAsker:
         query = OverlapQueries(queries=tuple(OverlapQuery(block_hashes=b) for b, _ in batch))
         try:
             reply = await self._bus.request(
-                Subjects.overlap_queries, query, OverlapReplies, timeout=self._timeout_s
+                Subjects.overlap_queries, query, timeout=self._timeout_s
             )
             if len(reply.replies) != len(batch):
                 raise ValueError(f"{len(reply.replies)} answers to {len(batch)} queries")

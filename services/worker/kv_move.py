@@ -143,8 +143,7 @@ class KvMoves:
         # The holder answers once its chunks are out: one deadline for both.
         within_s = self._receiver.within_s(move.transfer_ms)
         deadline = time.monotonic() + within_s
-        subject = Subjects.kv_pull(move.source_worker_id)
-        reply = await self._bus.request(subject, query, KvPullReply, within_s)
+        reply = await self._bus.request(Subjects.kv_pull(move.source_worker_id), query, within_s)
         if reply.error is not None or reply.blocks == 0:
             raise ValueError(f"the holder sent nothing: {reply.error}")
         if reply.blocks > len(wanted):

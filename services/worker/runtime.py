@@ -128,13 +128,16 @@ class Worker:
         self._lease = lease
         await lease.start()
         await self._bus.subscribe(Subjects.cancellation_requested, self._handlers.on_cancel)
+        # Answered from the bytes it kept, and with the chunks first: no typed handler.
         await self._bus.subscribe_bytes(
-            Subjects.resend(self._opt.worker_id), self._outputs.on_resend
+            Subjects.resend(self._opt.worker_id).subject, self._outputs.on_resend
         )
         await self._bus.subscribe_bytes(
             Subjects.kv_handoff(self._opt.worker_id), self._receiver.blobs.on_msg
         )
-        await self._bus.subscribe_bytes(Subjects.kv_pull(self._opt.worker_id), self._moves.on_pull)
+        await self._bus.subscribe_bytes(
+            Subjects.kv_pull(self._opt.worker_id).subject, self._moves.on_pull
+        )
         await self._bus.subscribe(
             Subjects.prefilled(self._opt.worker_id), self._handlers.on_prefilled
         )

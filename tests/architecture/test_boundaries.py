@@ -22,7 +22,10 @@ BROKER = frozenset({"bus", "nats", "aetcd", "faststream"})
 # scheduler, the shared libraries (the prefix index among them), and the event schemas.
 CORE_FILES = [
     *(f"services/planner/{name}.py" for name in ("policy", "kv_policy", "disagg", "decision")),
-    *(f"services/planner/{name}.py" for name in ("capacity", "cluster", "replay", "policy_registry")),
+    *(
+        f"services/planner/{name}.py"
+        for name in ("capacity", "cluster", "replay", "policy_registry")
+    ),
 ]
 CORE_TREES = ["services/engine", "services/common", "schemas"]
 MAX_LINES = 400

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from benchmarks import bus_bench
 from bus import channels
-from bus.channels import Consumer, Stream
+from bus.channels import Asked, Consumer, Stream
 from bus.client import Bus, at_server
 from bus.provision import ensure_streams
 from bus.topology import (
@@ -322,10 +322,9 @@ async def test_request_reply(bus: Bus) -> None:
     async def answer(query: OverlapQuery) -> OverlapReply:
         return OverlapReply(overlaps={"w": len(query.block_hashes)}, indexed_blocks=9)
 
-    await bus.serve("lw.query.test", OverlapQuery, answer, queue="t")
-    reply = await bus.request(
-        "lw.query.test", OverlapQuery(block_hashes=(1, 2)), OverlapReply, timeout=2
-    )
+    asked = Asked("lw.query.test", OverlapQuery, OverlapReply)
+    await bus.serve(asked, answer, queue="t")
+    reply = await bus.request(asked, OverlapQuery(block_hashes=(1, 2)), timeout=2)
     assert reply.overlaps == {"w": 2}
 
 

@@ -14,7 +14,7 @@ from bus.client import Bus
 from bus.topology import Subjects
 from infra.cluster import LocalCluster
 from schemas.events import Event, RequestCancelled
-from schemas.messages import OverlapQuery, OverlapReply
+from schemas.messages import OverlapQuery
 from services.common.tokenizer import ByteTokenizer
 from tests.helpers import eventually
 from tests.live import ClusterFactory, api_block_hashes, registrations
@@ -300,7 +300,7 @@ async def test_kv_indexer_knows_where_a_prompt_is_cached(
 
     async def overlaps() -> dict[str, int]:
         query = OverlapQuery(block_hashes=hashes)
-        return (await bus.request(Subjects.overlap_query, query, OverlapReply, timeout=2)).overlaps
+        return (await bus.request(Subjects.overlap_query, query, timeout=2)).overlaps
 
     found = await eventually(overlaps, message="KV events never reached the indexer")
     await bus.close()

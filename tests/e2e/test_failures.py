@@ -16,7 +16,7 @@ async def test_engines_without_kv_events_are_indexed_from_routing(
     cluster_factory: ClusterFactory,
 ) -> None:
     from infra.bench.traces import block_tokens
-    from schemas.messages import OverlapQuery, OverlapReply
+    from schemas.messages import OverlapQuery
 
     cluster = cluster_factory(workers=2, env={"LANEWAY_KV_EVENTS": "false"})
     client = openai.AsyncOpenAI(
@@ -26,9 +26,7 @@ async def test_engines_without_kv_events_are_indexed_from_routing(
     await client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     hashes = await api_block_hashes(cluster, list(prompt.encode()), 16)
     bus = await Bus.connect(cluster.nats_url, "test-approx")
-    answer = await bus.request(
-        Subjects.overlap_query, OverlapQuery(block_hashes=hashes), OverlapReply, timeout=2
-    )
+    answer = await bus.request(Subjects.overlap_query, OverlapQuery(block_hashes=hashes), timeout=2)
     await bus.close()
     assert list(answer.overlaps.values()) == [10]
     assert answer.indexed_blocks == 0  # nothing came from KV events

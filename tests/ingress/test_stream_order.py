@@ -312,7 +312,7 @@ async def test_a_batch_lost_on_its_way_is_sent_again_by_its_holder(bus: Bus) -> 
         batches = tuple(b for b in kept if b.index + len(b.token_ids) > query.index)
         await msg.respond(encode(ResendReply(batches=batches, terminal=end)))
 
-    await bus.subscribe_bytes(Subjects.resend("w0"), holder)
+    await bus.subscribe_bytes(Subjects.resend("w0").subject, holder)
     script: Script = [("tokens", kept[0]), ("tokens", kept[2]), ("terminal", end)]
     received = await answer(bus, "resent", script)
     assert text_of(received) == "abcdef"

@@ -9,6 +9,4 @@ from schemas.messages import IndexState, IndexStateQuery
 
 async def index_state(bus: Bus, instance: str) -> IndexState:
     """One kv-indexer replica's digest of its index."""
-    return await bus.request(
-        Subjects.index_state(instance), IndexStateQuery(), IndexState, timeout=5
-    )
+    return await bus.request(Subjects.index_state(instance), IndexStateQuery(), timeout=5)

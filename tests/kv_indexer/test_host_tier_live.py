@@ -46,7 +46,7 @@ async def test_evicted_blocks_reach_the_indexer_and_the_planner_as_host_tier(
 
         async def answer() -> OverlapReply | None:
             query = OverlapQuery(block_hashes=hashes)
-            reply = await asker.request(Subjects.overlap_query, query, OverlapReply, timeout=2)
+            reply = await asker.request(Subjects.overlap_query, query, timeout=2)
             return reply if reply.host_runs else None
 
         reply = await eventually(answer, timeout=10)

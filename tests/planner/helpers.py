@@ -22,7 +22,7 @@ async def indexer(
         asked.append(batch)
         return answer(batch)
 
-    await bus.serve(Subjects.overlap_queries, OverlapQueries, on_queries, queue="test")
+    await bus.serve(Subjects.overlap_queries, on_queries, queue="test")
     return asked
 
 

@@ -133,7 +133,7 @@ async def test_live_and_offline_decide_alike_field_for_field(
 
     await planner.attach()
     await bus.subscribe(Subjects.route_decisions, on_route)
-    await bus.serve(Subjects.overlap_queries, OverlapQueries, on_overlap, queue="parity")
+    await bus.serve(Subjects.overlap_queries, on_overlap, queue="parity")
     try:
         await eventually(lambda: len(planner.cluster.workers) == len(roles))
         open_routes: dict[str, list[str]] = {w: [] for w in roles}

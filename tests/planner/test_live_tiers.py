@@ -87,7 +87,7 @@ async def test_host_runs_places_and_learned_lengths_reach_the_decision(bus: Bus)
         if isinstance(event, RouteDecided):
             routes.append(event)
 
-    await bus.serve(Subjects.overlap_queries, OverlapQueries, on_overlap, queue="tiers")
+    await bus.serve(Subjects.overlap_queries, on_overlap, queue="tiers")
     await bus.subscribe(Subjects.all_routes, on_route)
     for n, tokens in enumerate((30, 40, 41)):
         await planner.on_terminal(_finished(f"done-{n}", tokens))

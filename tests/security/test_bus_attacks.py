@@ -402,8 +402,8 @@ async def test_a_worker_answers_under_its_own_name_only(secured: Secured) -> Non
     for subject in (*(topic.subject for topic in theirs), *planners):
         assert not await _received(secured, subject, worker, b"{}")
         await _refused(worker, refusals, subject)
-    await worker.subscribe(Subjects.resend("w2"))
-    await _refused(worker, refusals, Subjects.resend("w2"))
+    await worker.subscribe(Subjects.resend("w2").subject)
+    await _refused(worker, refusals, Subjects.resend("w2").subject)
 
 
 async def _bus_as(secured: Secured, identity: Identity) -> Bus:

@@ -111,7 +111,7 @@ async def test_a_service_answers_only_to_an_inbox(server: Provisioned) -> None:
                 )
             )
 
-        await indexer.serve(Subjects.overlap_queries, OverlapQueries, answer, queue="kv-indexer")
+        await indexer.serve(Subjects.overlap_queries, answer, queue="kv-indexer")
         await at_server(indexer.nc)
         history = (REQUESTS.name, ROUTES.name, CONTROL.name)
         before = {stream: await _stored(admin, stream) for stream in history}
@@ -124,10 +124,10 @@ async def test_a_service_answers_only_to_an_inbox(server: Provisioned) -> None:
             Subjects.route("w2").subject,
             Subjects.planner_configured.subject,
         ):
-            await planner.nc.publish(Subjects.overlap_queries, query, reply=reply)
+            await planner.nc.publish(Subjects.overlap_queries.subject, query, reply=reply)
         await at_server(planner.nc)
         asked = OverlapQueries(queries=(OverlapQuery(block_hashes=(1,)),))
-        answer = await planner.request(Subjects.overlap_queries, asked, OverlapReplies, timeout=5)
+        answer = await planner.request(Subjects.overlap_queries, asked, timeout=5)
         assert len(answer.replies) == 1
         assert {stream: await _stored(admin, stream) for stream in history} == before
     finally:

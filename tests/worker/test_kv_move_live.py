@@ -243,7 +243,7 @@ async def test_a_holder_that_is_gone_silent_empty_or_lying_costs_a_recompute(
     async def ignore(msg: object) -> None:
         silent.append(b"")
 
-    await bus.subscribe_bytes(Subjects.kv_pull("mvmute"), ignore)
+    await bus.subscribe_bytes(Subjects.kv_pull("mvmute").subject, ignore)
 
     def lying(reply: KvPullReply) -> Callable[[Msg], Awaitable[None]]:
         """A holder that sends two bytes of chunk and answers ``reply``."""
@@ -259,9 +259,9 @@ async def test_a_holder_that_is_gone_silent_empty_or_lying_costs_a_recompute(
 
     garbled = KvPayload(chunks=1, size=2, sha256="0" * 64)
     await bus.subscribe_bytes(
-        Subjects.kv_pull("mvgarbled"), lying(KvPullReply(blocks=8, payload=garbled))
+        Subjects.kv_pull("mvgarbled").subject, lying(KvPullReply(blocks=8, payload=garbled))
     )
-    await bus.subscribe_bytes(Subjects.kv_pull("mvgreedy"), lying(KvPullReply(blocks=9)))
+    await bus.subscribe_bytes(Subjects.kv_pull("mvgreedy").subject, lying(KvPullReply(blocks=9)))
     targets = {
         "gone": "mvnobody",
         "mute": "mvmute",
@@ -308,7 +308,7 @@ async def test_the_holder_sends_only_blocks_it_holds_to_the_worker_that_asks(
 
         async def ask(to: str, hashes: tuple[int, ...]) -> KvPullReply:
             query = KvPullQuery(request_id="q", to_worker_id=to, block_hashes=hashes)
-            return await bus.request(Subjects.kv_pull("mvhold"), query, KvPullReply, 2.0)
+            return await bus.request(Subjects.kv_pull("mvhold"), query, 2.0)
 
         # What it holds of a longer chain: its leading blocks, modelled (no payload).
         longer = chain_block_hashes([*PROMPT[: 8 * BLOCK], *range(500, 532)], BLOCK)
