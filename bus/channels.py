@@ -247,6 +247,18 @@ def fill(pattern: str, keys: tuple[str, ...]) -> str:
     return filled
 
 
+def matches(pattern: str, subject: str) -> bool:
+    """Whether ``subject`` is one of ``pattern``'s (NATS wildcards: ``*`` one token, ``>`` the
+    rest)."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(want) == len(have)
+
+
 def view(subject: str, *channels: Channel[Any]) -> Topic[Any]:
     """One subscription over several channels (an observer of a whole stream)."""
     return Topic(subject, tuple(t for c in channels for t in c.events), channels)

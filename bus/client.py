@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from bus.channels import Asked, Consumer, Topic
 from bus.confirms import Confirmations
 from bus.credentials import is_inbox, nats_options
+from bus.leaders import LeaderSteward
 from bus.provision import ensure_consumer, ensure_streams
 from bus.received import drops, for_handler, received, undecodable
 from observability.drops import first_line
@@ -76,10 +77,13 @@ async def _log_error(error: Exception) -> None:
 
 
 class Bus:
-    def __init__(self, nc: NatsClient) -> None:
+    def __init__(self, nc: NatsClient, steps_down: tuple[str, ...] = ()) -> None:
+        """``steps_down``: the streams whose leader this connection asks to step down when a
+        confirmed publish to it goes unanswered (bus.leaders)."""
         self._nc = nc
         self._js: JetStreamContext = nc.jetstream()
-        self._confirms = Confirmations(nc)
+        steward = LeaderSteward(nc, steps_down) if steps_down else None
+        self._confirms = Confirmations(nc, steward.unanswered if steward else None)
         self._subs: list[Subscription] = []
         # Whether the admin made the streams and durables (see ``provision``).
         self._by_admin = False
@@ -88,7 +92,13 @@ class Bus:
         self._handling: set[asyncio.Task[None]] = set()
 
     @classmethod
-    async def connect(cls, url: str, name: str, tls: ssl.SSLContext | None = None) -> Bus:
+    async def connect(
+        cls,
+        url: str,
+        name: str,
+        tls: ssl.SSLContext | None = None,
+        steps_down: tuple[str, ...] = (),
+    ) -> Bus:
         """``url`` may list several servers of one cluster, comma-separated: the connection
         moves to another (those listed, or those the cluster tells of) when its server goes.
 
@@ -108,7 +118,7 @@ class Bus:
             ping_interval=2,
             max_outstanding_pings=3,
         )
-        return cls(nc)
+        return cls(nc, steps_down)
 
     @property
     def nc(self) -> NatsClient:

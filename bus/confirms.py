@@ -55,8 +55,11 @@ _ERROR = b'"error"'
 
 
 class Confirmations:
-    def __init__(self, nc: NatsClient) -> None:
+    def __init__(self, nc: NatsClient, unanswered: Callable[[str], None] | None = None) -> None:
+        """``unanswered``: told the subject of each try its stream left unanswered for
+        ``ATTEMPT_S`` (bus.leaders asks a stalled leader to step down)."""
         self._nc = nc
+        self._unanswered = unanswered
         self._prefix = ""
         self._sub: Subscription | None = None
         self._starting = asyncio.Lock()
@@ -108,6 +111,8 @@ class Confirmations:
                 check(await (answer or await self.send(subject, data, headers)))
                 break
             except (*_RETRIED, APIError) as error:
+                if isinstance(error, nats.errors.TimeoutError) and self._unanswered is not None:
+                    self._unanswered(subject)
                 busy = isinstance(error, APIError) and (
                     error.code == _BUSY or error.err_code == _IN_PROCESS
                 )

@@ -35,9 +35,10 @@ from nats.js.api import (
     ConsumerConfig,
 )
 
+from bus.channels import matches
 from bus.client import Bus
 from bus.memory_client import MemoryClient
-from bus.memory_parts import Callback, Durable, Stream, Subscription, matches
+from bus.memory_parts import Callback, Durable, Stream, Subscription
 from bus.topology import STREAM_SUBJECTS
 
 _ACK_PREFIX = "$JS.ACK."

@@ -21,7 +21,8 @@ from nats.js.api import (
 )
 from nats.js.errors import NoStreamResponseError, NotFoundError
 
-from bus.memory_parts import Callback, Stream, Subscription, matches
+from bus.channels import matches
+from bus.memory_parts import Callback, Stream, Subscription
 
 if TYPE_CHECKING:
     from bus.memory import MemoryBroker

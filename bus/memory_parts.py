@@ -14,24 +14,13 @@ from typing import TYPE_CHECKING
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, StreamConfig
 
+from bus.channels import matches
 from bus.client import MSG_ID_HEADER
 
 if TYPE_CHECKING:
     from bus.memory_client import MemoryClient
 
 Callback = Callable[[Msg], Awaitable[None]]
-
-
-def matches(pattern: str, subject: str) -> bool:
-    """Whether ``subject`` is one of ``pattern``'s (NATS wildcards: ``*`` one token, ``>`` the
-    rest)."""
-    want, have = pattern.split("."), subject.split(".")
-    for i, token in enumerate(want):
-        if token == ">":
-            return len(have) > i
-        if i >= len(have) or (token != "*" and token != have[i]):
-            return False
-    return len(want) == len(have)
 
 
 class Subscription:

@@ -111,6 +111,24 @@ _OBJECT_STORES = {"kv-indexer": (INDEX_SNAPSHOTS,)}
 _OBJECT_READS = {"planner": (INDEX_SNAPSHOTS,)}
 
 
+# The roles that ask a stalled stream's leader to step down (bus.leaders): the streams a request
+# waits on are theirs, and they run few.
+_STEWARDS: tuple[Role, ...] = ("ingress", "planner")
+
+
+def leader_step_downs(role: Role) -> tuple[str, ...]:
+    """The streams whose leader ``role`` may ask to step down: those it publishes confirmed
+    events into."""
+    if role not in _STEWARDS:
+        return ()
+    streams = (
+        c.stream.name
+        for c in CHANNELS
+        if c.delivery == "confirmed" and c.stream is not None and role in map(_role_of, c.producers)
+    )
+    return tuple(dict.fromkeys(streams))
+
+
 def _durables(identity: Identity) -> tuple[Consumer[Any], ...]:
     if identity.role == "planner":
         return (PLANNER_INTAKE,)
@@ -147,6 +165,7 @@ def nats_permissions(identity: Identity) -> NatsPermissions:
             f"{_JS}.CONSUMER.CREATE.{stream}",
             f"$JS.FC.{stream}.>",
         ]
+    publish += [f"{_JS}.STREAM.LEADER.STEPDOWN.{s}" for s in leader_step_downs(identity.role)]
     for bucket in _OBJECT_STORES.get(identity.role, ()):
         publish += _object_store(bucket)
     for bucket in _OBJECT_READS.get(identity.role, ()):

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp
 
 from bus.api_keys import watch_keys
 from bus.client import Bus
+from bus.permissions import leader_step_downs
 from bus.registry import connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
@@ -186,7 +187,11 @@ def main() -> None:
     async def serve(stop: asyncio.Event) -> None:
         listener = _bind(settings.host, settings.port, settings.reuse_port)
         setup_tracing("laneway-ingress", settings.instance_id, settings.trace_exporter)
-        bus = await Bus.connect(settings.nats_url, f"ingress-{settings.instance_id}")
+        bus = await Bus.connect(
+            settings.nats_url,
+            f"ingress-{settings.instance_id}",
+            steps_down=leader_step_downs("ingress"),
+        )
         await bus.provision(settings.stream_replicas, settings.bus_provisioned)
         gateway = NatsGateway(
             bus, settings.instance_id, Recovery(migration_limit=settings.migration_limit)

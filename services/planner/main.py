@@ -14,6 +14,7 @@ from pydantic import Field
 from bus.client import Bus
 from bus.etcd_space import guard_space
 from bus.kv_source import BusKvSource, FoldSettings
+from bus.permissions import leader_step_downs
 from bus.registry import LeasedKey, assign_roles, connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.sessions import SessionStore
@@ -174,7 +175,11 @@ def main() -> None:
 
     async def serve(stop: asyncio.Event) -> None:
         setup_tracing("laneway-planner", settings.instance_id, settings.trace_exporter)
-        bus = await Bus.connect(settings.nats_url, f"planner-{settings.instance_id}")
+        bus = await Bus.connect(
+            settings.nats_url,
+            f"planner-{settings.instance_id}",
+            steps_down=leader_step_downs("planner"),
+        )
         await bus.provision(settings.stream_replicas, settings.bus_provisioned)
         etcd = connect_etcd(settings.etcd_endpoints)
         policy = make_policy(settings.policy, settings.seed, settings.kv())

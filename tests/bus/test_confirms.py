@@ -158,3 +158,29 @@ async def test_a_stream_too_busy_is_tried_again_and_any_other_refusal_is_raised(
     await bus.nc.subscribe("refused.x", cb=refuse)
     with pytest.raises(BadRequestError):
         await confirms.stored("refused.x", b"x", {}, await confirms.send("refused.x", b"x", {}))
+
+
+async def test_an_unanswered_try_is_told_with_its_subject(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What bus.leaders hears: each try a stream left unanswered, by subject; an answered one
+    is not told."""
+    monkeypatch.setattr(confirms_module, "ATTEMPT_S", 0.05)
+    monkeypatch.setattr(confirms_module, "CONFIRM_WITHIN_S", 0.2)
+
+    async def silent(msg: Msg) -> None:
+        pass
+
+    await bus.nc.subscribe("mute.x", cb=silent)
+    told: list[str] = []
+    confirms = Confirmations(bus.nc, told.append)
+    with pytest.raises(nats.errors.TimeoutError):
+        await confirms.stored("mute.x", b"x", {}, await confirms.send("mute.x", b"x", {}))
+    assert len(told) >= 2 and set(told) == {"mute.x"}
+    told.clear()
+    topic = Subjects.request_terminal("i1", "w1")
+    ended = RequestCancelled(
+        source="worker/w1", request_id="r-told", worker_id="w1", reason="client_disconnected"
+    )
+    await bus.publish(topic, ended)
+    assert told == []

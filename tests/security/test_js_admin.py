@@ -38,8 +38,9 @@ _API = "$JS.API"
 
 # What each role calls, written out here rather than taken from bus.permissions: the ordered
 # replay of the KV stream (its head, an ephemeral consumer) and the index snapshots (read by
-# subject; the kv-indexer also purges its old chunks). Workers and the ingress use no API at
-# all: the admin made their streams and durables.
+# subject; the kv-indexer also purges its old chunks). The ingress and the planners may ask the
+# leader of a stream they publish confirmed events into to step down (bus.leaders), no other.
+# Workers use no API at all: the admin made their streams and durables.
 _READS = {
     f"{_API}.STREAM.INFO.LW_KV",
     f"{_API}.CONSUMER.CREATE.LW_KV",
@@ -48,8 +49,12 @@ _READS = {
 }
 NEEDED: dict[str, set[str]] = {
     "worker": set(),
-    "ingress": set(),
-    "planner": _READS,
+    "ingress": {f"{_API}.STREAM.LEADER.STEPDOWN.LW_REQUESTS"},
+    "planner": {
+        *_READS,
+        f"{_API}.STREAM.LEADER.STEPDOWN.LW_ROUTES",
+        f"{_API}.STREAM.LEADER.STEPDOWN.LW_CONTROL",
+    },
     "kv-indexer": {*_READS, f"{_API}.STREAM.PURGE.{BUCKET}"},
 }
 

@@ -1,0 +1,75 @@
+"""Asking a stream's leader to step down when it leaves its publishers unanswered.
+
+A JetStream stream's leader on a host behind a slow, lossy link keeps its place while its
+followers hear from it now and then, which is all nats-server's raft asks of a leader; it loses
+it only when it misses its quorum for seconds on end. Meanwhile every confirmed publish into the
+stream waits for it (docs/operations.md, "Three hosts, the network failing": the routes'
+stream led from a host slowed to 512 kbit/s held a request that moved off that host's worker
+until the link healed, 23 s). A publisher whose try goes unanswered for ``ATTEMPT_S`` asks the
+leader to step down; the stream's current followers elect one of theirs.
+
+Only the ingress and the planners ask (``bus.permissions.leader_step_downs``): their streams
+(the requests', the routes', the control stream) are the ones a request waits on, and they run
+few. A worker's terminals reach the ingress on its subscription before any stream has them. An
+asker behind a slow link itself has its streams' healthy leaders step down at most once per
+``EVERY_S`` each: an election of a second or two for their other publishers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import nats.errors
+from nats.aio.client import Client as NatsClient
+
+from bus.channels import matches
+from bus.topology import STREAM_SUBJECTS
+
+log = logging.getLogger(__name__)
+
+# At most one ask per stream this often: an election takes a second or two, and a leader
+# elected since the last ask deserves the time to answer.
+EVERY_S = 10.0
+_ASK_TIMEOUT_S = 2.0
+
+
+class LeaderSteward:
+    """Asks the leader of one of ``streams`` to step down when a publish to it went unanswered
+    (:meth:`unanswered`, with the publish's subject); other streams' are left alone."""
+
+    def __init__(self, nc: NatsClient, streams: tuple[str, ...]) -> None:
+        self._nc = nc
+        self._subjects = [
+            (stream.name, subject)
+            for stream, subjects in STREAM_SUBJECTS.items()
+            if stream.name in streams
+            for subject in subjects
+        ]
+        self._asked: dict[str, float] = {}
+        self._asking: set[asyncio.Task[None]] = set()
+
+    def unanswered(self, subject: str) -> None:
+        stream = next((name for name, p in self._subjects if matches(p, subject)), None)
+        now = time.monotonic()
+        if stream is None or now < self._asked.get(stream, -EVERY_S) + EVERY_S:
+            return
+        self._asked[stream] = now
+        task = asyncio.create_task(self._ask(stream))
+        self._asking.add(task)
+        task.add_done_callback(self._asking.discard)
+
+    async def _ask(self, stream: str) -> None:
+        try:
+            answer = await self._nc.request(
+                f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=_ASK_TIMEOUT_S
+            )
+        except (nats.errors.Error, TimeoutError) as error:
+            # No leader to ask (one being elected, or the one asked is cut off): the election
+            # under way is what the ask was for.
+            log.warning("asked %s's leader to step down (unanswered publishes): %r", stream, error)
+            return
+        log.warning(
+            "asked %s's leader to step down (unanswered publishes): %s", stream, answer.data[:200]
+        )

@@ -1,0 +1,34 @@
+"""A stream's leader asked to step down when a publish to it went unanswered: once per stream
+in a while, and only for the streams the asker was given."""
+
+from __future__ import annotations
+
+import pytest
+from nats.aio.msg import Msg
+
+from bus import leaders
+from bus.client import Bus, at_server
+from bus.leaders import LeaderSteward
+from bus.permissions import leader_step_downs
+from bus.topology import Subjects
+from tests.helpers import eventually
+
+
+async def test_a_stalled_stream_is_asked_once_in_a_while_and_no_other(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[str] = []
+
+    async def on_ask(msg: Msg) -> None:
+        asked.append(msg.subject.rsplit(".", 1)[-1])
+
+    await bus.nc.subscribe("$JS.API.STREAM.LEADER.STEPDOWN.*", cb=on_ask)
+    await at_server(bus.nc)
+    steward = LeaderSteward(bus.nc, leader_step_downs("planner"))
+    steward.unanswered(Subjects.route("w1").subject)
+    steward.unanswered(Subjects.route("w2").subject)  # the same stream, asked just now
+    steward.unanswered(Subjects.kv("w1").subject)  # not a planner's to ask
+    await eventually(lambda: asked == ["LW_ROUTES"], message="the routes' leader was not asked")
+    monkeypatch.setattr(leaders, "EVERY_S", 0.0)
+    steward.unanswered(Subjects.route("w1").subject)
+    await eventually(lambda: asked == ["LW_ROUTES", "LW_ROUTES"], message="not asked again")
