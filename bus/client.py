@@ -77,13 +77,19 @@ async def _log_error(error: Exception) -> None:
 
 
 class Bus:
-    def __init__(self, nc: NatsClient, steps_down: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        nc: NatsClient,
+        steps_down: tuple[str, ...] = (),
+        durables_step_down: tuple[Consumer[Any], ...] = (),
+    ) -> None:
         """``steps_down``: the streams whose leader this connection asks to step down when a
-        confirmed publish to it goes unanswered (bus.leaders)."""
+        confirmed publish to it goes unanswered; ``durables_step_down``, the durables whose
+        leader it asks when told their deliveries are late (:meth:`undelivered`; bus.leaders)."""
         self._nc = nc
         self._js: JetStreamContext = nc.jetstream()
-        steward = LeaderSteward(nc, steps_down) if steps_down else None
-        self._confirms = Confirmations(nc, steward.unanswered if steward else None)
+        self._steward = LeaderSteward(nc, steps_down, durables_step_down)
+        self._confirms = Confirmations(nc, self._steward.unanswered if steps_down else None)
         self._subs: list[Subscription] = []
         # Whether the admin made the streams and durables (see ``provision``).
         self._by_admin = False
@@ -98,6 +104,7 @@ class Bus:
         name: str,
         tls: ssl.SSLContext | None = None,
         steps_down: tuple[str, ...] = (),
+        durables_step_down: tuple[Consumer[Any], ...] = (),
     ) -> Bus:
         """``url`` may list several servers of one cluster, comma-separated: the connection
         moves to another (those listed, or those the cluster tells of) when its server goes.
@@ -118,7 +125,12 @@ class Bus:
             ping_interval=2,
             max_outstanding_pings=3,
         )
-        return cls(nc, steps_down)
+        return cls(nc, steps_down, durables_step_down)
+
+    def undelivered(self, consumer: Consumer[Any]) -> None:
+        """What ``consumer`` should have delivered by now has not come: its leader is asked to
+        step down if this connection was given it (``durables_step_down``)."""
+        self._steward.undelivered(consumer)
 
     @property
     def nc(self) -> NatsClient:

@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from bus.channels import matches
+from bus.channels import Consumer, matches
 from bus.topology import STREAM_SUBJECTS
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,12 @@ _ASK_TIMEOUT_S = 2.0
 
 class LeaderSteward:
     """Asks the leader of one of ``streams`` to step down when a publish to it went unanswered
-    (:meth:`unanswered`, with the publish's subject); other streams' are left alone."""
+    (:meth:`unanswered`, with the publish's subject), and the leader of one of ``durables``
+    when what it should deliver does not come (:meth:`undelivered`); others are left alone."""
 
-    def __init__(self, nc: NatsClient, streams: tuple[str, ...]) -> None:
+    def __init__(
+        self, nc: NatsClient, streams: tuple[str, ...], durables: tuple[Consumer[Any], ...] = ()
+    ) -> None:
         self._nc = nc
         self._subjects = [
             (stream.name, subject)
@@ -47,29 +51,36 @@ class LeaderSteward:
             if stream.name in streams
             for subject in subjects
         ]
+        self._durables = {c.durable for c in durables}
         self._asked: dict[str, float] = {}
         self._asking: set[asyncio.Task[None]] = set()
 
     def unanswered(self, subject: str) -> None:
         stream = next((name for name, p in self._subjects if matches(p, subject)), None)
+        if stream is not None:
+            self._ask(f"STREAM.LEADER.STEPDOWN.{stream}", f"{stream}'s leader", "publishes")
+
+    def undelivered(self, consumer: Consumer[Any]) -> None:
+        if consumer.durable in self._durables:
+            what = f"{consumer.stream.name}'s durable {consumer.durable}'s leader"
+            api = f"CONSUMER.LEADER.STEPDOWN.{consumer.stream.name}.{consumer.durable}"
+            self._ask(api, what, "deliveries")
+
+    def _ask(self, api: str, what: str, late: str) -> None:
         now = time.monotonic()
-        if stream is None or now < self._asked.get(stream, -EVERY_S) + EVERY_S:
+        if now < self._asked.get(api, -EVERY_S) + EVERY_S:
             return
-        self._asked[stream] = now
-        task = asyncio.create_task(self._ask(stream))
+        self._asked[api] = now
+        task = asyncio.create_task(self._request(f"$JS.API.{api}", f"{what} ({late} late)"))
         self._asking.add(task)
         task.add_done_callback(self._asking.discard)
 
-    async def _ask(self, stream: str) -> None:
+    async def _request(self, subject: str, why: str) -> None:
         try:
-            answer = await self._nc.request(
-                f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=_ASK_TIMEOUT_S
-            )
+            answer = await self._nc.request(subject, b"", timeout=_ASK_TIMEOUT_S)
         except (nats.errors.Error, TimeoutError) as error:
             # No leader to ask (one being elected, or the one asked is cut off): the election
             # under way is what the ask was for.
-            log.warning("asked %s's leader to step down (unanswered publishes): %r", stream, error)
+            log.warning("asked %s to step down: %r", why, error)
             return
-        log.warning(
-            "asked %s's leader to step down (unanswered publishes): %s", stream, answer.data[:200]
-        )
+        log.warning("asked %s to step down: %s", why, answer.data[:200])

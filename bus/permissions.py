@@ -129,6 +129,12 @@ def leader_step_downs(role: Role) -> tuple[str, ...]:
     return tuple(dict.fromkeys(streams))
 
 
+def durable_step_downs(role: Role) -> tuple[Consumer[Any], ...]:
+    """The durables whose leader ``role`` may ask to step down: the planners' intake, for the
+    ingress that feeds it (a request it placed in the stream and no planner placed since)."""
+    return (PLANNER_INTAKE,) if role == "ingress" else ()
+
+
 def _durables(identity: Identity) -> tuple[Consumer[Any], ...]:
     if identity.role == "planner":
         return (PLANNER_INTAKE,)
@@ -166,6 +172,10 @@ def nats_permissions(identity: Identity) -> NatsPermissions:
             f"$JS.FC.{stream}.>",
         ]
     publish += [f"{_JS}.STREAM.LEADER.STEPDOWN.{s}" for s in leader_step_downs(identity.role)]
+    publish += [
+        f"{_JS}.CONSUMER.LEADER.STEPDOWN.{c.stream.name}.{c.durable}"
+        for c in durable_step_downs(identity.role)
+    ]
     for bucket in _OBJECT_STORES.get(identity.role, ()):
         publish += _object_store(bucket)
     for bucket in _OBJECT_READS.get(identity.role, ()):

@@ -85,6 +85,10 @@ class Recovery:
     orphan_s: float = 6.0
     """How long a started request's worker answers nothing before the request moves on (past
     the workers' lease, after which the planner says so itself)."""
+    unplaced_s: float = 4.0
+    """How long a request's attempt waits for its placement before the intake is told it is
+    late (``unplaced``: its leader asked to step down, bus.leaders); placements take
+    milliseconds, and a planner holds one with no worker to give it 2 s at most."""
     unrouted_s: float = 10.0
     """How long no worker holds a request that none answered for yet before it is submitted
     again as the next attempt (its decision or its route was lost on the bus: a durable
@@ -125,6 +129,7 @@ class Follow:
         source: str,
         hold: Callable[[float], float] | None = None,
         drain: Drain | None = None,
+        unplaced: Callable[[], None] | None = None,
     ) -> None:
         """``hold``: how long to wait after passing events on before taking the next (seconds;
         what comes meanwhile goes on together), given how long the request has run (seconds),
@@ -133,6 +138,8 @@ class Follow:
         counted from the terminal)."""
         self._accepted = accepted
         self._drain = drain
+        self._on_unplaced = unplaced
+        self._told_unplaced = False  # this attempt's
         self._hold = hold
         self._request_id = accepted.request_id or ""
         self._queue = queue
@@ -252,6 +259,8 @@ class Follow:
             bound = self._rec.unrouted_s if self._worker is None else self._rec.orphan_s
             if now - self._heard >= bound:
                 return await self._migrate()
+            if self._worker is None and now - self._heard >= self._rec.unplaced_s:
+                self._tell_unplaced()
             self._next_ask = now + (GAP_WAIT_S if order.gap else self._rec.silence_s)
             return []
         self._heard = now
@@ -276,6 +285,11 @@ class Follow:
         if isinstance(self._order.held, RequestFinished):
             return await self._migrate()
         return self._end(self._order.give_up(self._source))
+
+    def _tell_unplaced(self) -> None:
+        if self._on_unplaced is not None and not self._told_unplaced:
+            self._told_unplaced = True
+            self._on_unplaced()
 
     def _end(self, terminal: TerminalEvent) -> list[GatewayEvent]:
         self.ended = terminal
@@ -306,6 +320,7 @@ class Follow:
         self._order.delivered, self._order.token_ids = order.delivered, order.token_ids
         now = self._loop.time()
         self._worker, self._held_since, self._drained = None, None, False
+        self._told_unplaced = False
         self._unplaced.clear()
         self._heard, self._next_ask = now, now + self._rec.silence_s
         await self._resubmit(

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp
 
 from bus.api_keys import watch_keys
 from bus.client import Bus
-from bus.permissions import leader_step_downs
+from bus.permissions import durable_step_downs, leader_step_downs
 from bus.registry import connect_etcd, watch_workers
 from bus.runtime import run_service
 from bus.settings import ServiceSettings
@@ -191,6 +191,7 @@ def main() -> None:
             settings.nats_url,
             f"ingress-{settings.instance_id}",
             steps_down=leader_step_downs("ingress"),
+            durables_step_down=durable_step_downs("ingress"),
         )
         await bus.provision(settings.stream_replicas, settings.bus_provisioned)
         gateway = NatsGateway(

@@ -16,7 +16,7 @@ from opentelemetry import trace
 
 from bus.client import Bus
 from bus.received import received
-from bus.topology import TOKEN_DELTAS, Subjects
+from bus.topology import PLANNER_INTAKE, TOKEN_DELTAS, Subjects
 from observability.tracing import trace_context
 from schemas.codec import encode
 from schemas.deltas import Batch, lean_batch
@@ -117,6 +117,7 @@ class NatsGateway:
                     self._source,
                     hold=self._lag.hold_s if self._lag is not None else None,
                     drain=self.drain,
+                    unplaced=self._intake_late,
                 )
                 # Closed here, not left to the loop's finalizer of abandoned generators: the
                 # client's answer ends at the terminal, with the generator still suspended,
@@ -129,6 +130,11 @@ class NatsGateway:
                 span.set_attribute("laneway.attempts", follow.attempt + 1)
             finally:
                 del self._streams[request_id]
+
+    def _intake_late(self) -> None:
+        """A request in the stream has had no placement for ``Recovery.unplaced_s``: the
+        planners' durable may be led from a server behind a slow link (bus.leaders)."""
+        self._bus.undelivered(PLANNER_INTAKE)
 
     async def ask(
         self, request_id: str, worker_id: str, index: int, attempt: int

@@ -9,8 +9,8 @@ from nats.aio.msg import Msg
 from bus import leaders
 from bus.client import Bus, at_server
 from bus.leaders import LeaderSteward
-from bus.permissions import leader_step_downs
-from bus.topology import Subjects
+from bus.permissions import durable_step_downs, leader_step_downs
+from bus.topology import PLANNER_INTAKE, Subjects, worker_routes
 from tests.helpers import eventually
 
 
@@ -32,3 +32,18 @@ async def test_a_stalled_stream_is_asked_once_in_a_while_and_no_other(
     monkeypatch.setattr(leaders, "EVERY_S", 0.0)
     steward.unanswered(Subjects.route("w1").subject)
     await eventually(lambda: asked == ["LW_ROUTES", "LW_ROUTES"], message="not asked again")
+
+
+async def test_a_late_durable_is_asked_only_where_given(bus: Bus) -> None:
+    asked: list[str] = []
+
+    async def on_ask(msg: Msg) -> None:
+        asked.append(msg.subject.removeprefix("$JS.API.CONSUMER.LEADER.STEPDOWN."))
+
+    await bus.nc.subscribe("$JS.API.CONSUMER.LEADER.STEPDOWN.>", cb=on_ask)
+    await at_server(bus.nc)
+    steward = LeaderSteward(bus.nc, (), durable_step_downs("ingress"))
+    steward.undelivered(worker_routes("w1"))  # not the ingress's to ask
+    steward.undelivered(PLANNER_INTAKE)
+    steward.undelivered(PLANNER_INTAKE)  # asked just now
+    await eventually(lambda: asked == ["LW_REQUESTS.planner"], message="the intake was not asked")

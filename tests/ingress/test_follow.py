@@ -19,7 +19,7 @@ from services.ingress.gateway import GatewayEvent
 from services.ingress.mailbox import Mailbox
 from tests.ingress.helpers import batch, collect, finished, request_spec, text_of
 
-FAST = Recovery(completion_wait_s=0.2, silence_s=0.05, orphan_s=0.3, unrouted_s=0.3)
+FAST = Recovery(completion_wait_s=0.2, silence_s=0.05, orphan_s=0.3, unplaced_s=0.1, unrouted_s=0.3)
 
 
 def placed(worker_id: str, attempt: int) -> RequestPlaced:
@@ -35,7 +35,7 @@ def of(event: GatewayEvent, worker_id: str, attempt: int) -> GatewayEvent:
 
 
 async def follow(
-    on_resubmit: dict[int, list[Heard]],
+    on_resubmit: dict[int, list[Heard]], unplaced: list[int] | None = None
 ) -> tuple[list[GatewayEvent], list[RequestAccepted]]:
     """Follow request r1 (max_tokens 6) whose holders answer no resend query; each attempt's
     resubmission puts its events in the queue."""
@@ -53,7 +53,12 @@ async def follow(
 
     for event in on_resubmit.get(0, []):
         queue.put_nowait(event)
-    out = Follow(accepted, queue, FAST, resend, resubmit, "ingress/t")
+
+    def told() -> None:
+        if unplaced is not None:
+            unplaced.append(out.attempt)
+
+    out = Follow(accepted, queue, FAST, resend, resubmit, "ingress/t", unplaced=told)
     return await asyncio.wait_for(collect(out.events()), 5), resubmitted
 
 
@@ -229,3 +234,15 @@ async def test_a_failure_whose_tokens_were_lost_ends_as_it_was() -> None:
     )
     assert text_of(out) == "ab" and resubmitted == []
     assert [e.type for e in out] == ["TokensGenerated", "RequestFailed"]
+
+
+async def test_an_attempt_unplaced_for_long_tells_the_intake_once() -> None:
+    """Past ``unplaced_s`` without a placement the intake is told it is late (its leader asked
+    to step down), once an attempt; past ``unrouted_s`` the request moves on, and its next
+    attempt, placed at once, tells nothing."""
+    unplaced: list[int] = []
+    second = [placed("w1", 1), of(batch(0, "abcdef"), "w1", 1), of(finished(6), "w1", 1)]
+    events, resubmitted = await follow({1: second}, unplaced)
+    assert text_of(events) == "abcdef"
+    assert len(resubmitted) == 1
+    assert unplaced == [0]

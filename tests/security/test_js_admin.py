@@ -39,7 +39,8 @@ _API = "$JS.API"
 # What each role calls, written out here rather than taken from bus.permissions: the ordered
 # replay of the KV stream (its head, an ephemeral consumer) and the index snapshots (read by
 # subject; the kv-indexer also purges its old chunks). The ingress and the planners may ask the
-# leader of a stream they publish confirmed events into to step down (bus.leaders), no other.
+# leader of a stream they publish confirmed events into to step down (bus.leaders), and the
+# ingress the planners' durable's, no other.
 # Workers use no API at all: the admin made their streams and durables.
 _READS = {
     f"{_API}.STREAM.INFO.LW_KV",
@@ -49,7 +50,10 @@ _READS = {
 }
 NEEDED: dict[str, set[str]] = {
     "worker": set(),
-    "ingress": {f"{_API}.STREAM.LEADER.STEPDOWN.LW_REQUESTS"},
+    "ingress": {
+        f"{_API}.STREAM.LEADER.STEPDOWN.LW_REQUESTS",
+        f"{_API}.CONSUMER.LEADER.STEPDOWN.LW_REQUESTS.planner",
+    },
     "planner": {
         *_READS,
         f"{_API}.STREAM.LEADER.STEPDOWN.LW_ROUTES",
