@@ -89,7 +89,7 @@ class Bus:
         self._nc = nc
         self._js: JetStreamContext = nc.jetstream()
         self._steward = LeaderSteward(nc, steps_down, durables_step_down)
-        self._confirms = Confirmations(nc, self._steward.unanswered if steps_down else None)
+        self._confirms = Confirmations(nc, self._steward.unanswered)
         self._subs: list[Subscription] = []
         # Whether the admin made the streams and durables (see ``provision``).
         self._by_admin = False

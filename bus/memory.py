@@ -155,19 +155,14 @@ class MemoryBroker:
                 continue
             times = durable.unacked.get(seq, 0) + 1
             durable.unacked[seq] = times
-            reply = (
-                f"{_ACK_PREFIX}{durable.stream}.{config.durable_name}.{times}.{seq}.{seq}."
-                f"{time.time_ns()}.0"
-            )
+            reply = _ack_subject(durable.stream, config.durable_name or "", times, seq)
             member = members[next(self._turns) % len(members)]
             member.put(stored.subject, reply, stored.data, stored.headers)
-            self._redeliver_after(durable, seq, config.ack_wait or 30.0)
+            self._redeliver_after(durable, seq, durable.ack_wait_s)
         durable.due.clear()
 
     def _redeliver_after(self, durable: Durable, seq: int, delay_s: float) -> None:
-        timer = durable.timers.pop(seq, None)
-        if timer is not None:
-            timer.cancel()
+        durable.stop_timer(seq)
 
         def again() -> None:
             durable.timers.pop(seq, None)
@@ -188,12 +183,10 @@ class MemoryBroker:
             self._redeliver_after(durable, seq, delay_ns / 1e9)
             return
         if data.startswith(b"+WPI"):
-            self._redeliver_after(durable, seq, durable.config.ack_wait or 30.0)
+            self._redeliver_after(durable, seq, durable.ack_wait_s)
             return
         durable.unacked.pop(seq, None)
-        timer = durable.timers.pop(seq, None)
-        if timer is not None:
-            timer.cancel()
+        durable.stop_timer(seq)
 
     # -- ordered replay -------------------------------------------------------------------
 
@@ -212,9 +205,15 @@ class MemoryBroker:
                 position = seq
                 stored = store.messages[seq]
                 if matches(subject, stored.subject):
-                    reply = f"{_ACK_PREFIX}{stream}.ordered.1.{seq}.{seq}.{time.time_ns()}.0"
+                    reply = _ack_subject(stream, "ordered", 1, seq)
                     sub.put(stored.subject, reply, stored.data, stored.headers)
 
         follow()
         self._replays.append((sub, follow))
         return sub
+
+
+def _ack_subject(stream: str, consumer: str, times: int, seq: int) -> str:
+    """A delivery's reply subject, as JetStream's (nats-py reads its metadata from it): stream,
+    consumer, times delivered, stream and consumer sequence, time, pending."""
+    return f"{_ACK_PREFIX}{stream}.{consumer}.{times}.{seq}.{seq}.{time.time_ns()}.0"

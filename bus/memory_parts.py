@@ -102,3 +102,13 @@ class Durable:
     due: list[int] = field(default_factory=list)  # to deliver again, in order
     timers: dict[int, asyncio.TimerHandle] = field(default_factory=dict)
     created: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+    @property
+    def ack_wait_s(self) -> float:
+        return self.config.ack_wait or 30.0
+
+    def stop_timer(self, seq: int) -> None:
+        """No redelivery of ``seq`` is due any more (acked, or given a new time)."""
+        timer = self.timers.pop(seq, None)
+        if timer is not None:
+            timer.cancel()
