@@ -85,7 +85,7 @@ def _offline(
         itl_target_ms=args.itl_target_ms,
         kv_bytes_per_token=args.kv_bytes_per_token,
         host_link_gb_s=tiers.host_link_gb_s,
-        kv_moves=tiers.topology is not None,
+        moves=tiers.topology is not None,
     )
     replay = OfflineReplay(
         trace,

@@ -10,7 +10,7 @@ rule: a worker that owns a popular prefix stops winning as soon as its queue cos
 recomputing the prefix elsewhere.
 
 Beyond one worker's GPU memory: blocks in a worker's host tier load at the PCIe link's cost, and
-with ``kv_moves`` a candidate may instead pull the prompt's KV from the worker caching most of it
+with ``moves`` a candidate may instead pull the prompt's KV from the worker caching most of it
 (GPU or host tier) over the link between the two (NVLink within a node, RDMA across), then
 prefill the rest. Each candidate is predicted both ways and keeps the sooner, so the choice is
 run on the owner (queue there), move the KV to a less loaded worker, or recompute elsewhere.
@@ -21,15 +21,26 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated
+
+from annotated_types import Ge, Gt
 
 from schemas.events import KvMove, TtftAlternative
 from services.common.kv_transfer import PCIE_LATENCY_MS, KvTransferModel, LinkModel, sized
 from services.common.perf_model import PerfModel, measured_perf, perf_model
 from services.planner.policy import Choice, RouteRequest, WorkerView, decision_rng
 
+_Positive = Annotated[float, Gt(0)]
+_Weight = Annotated[float, Ge(0)]
+
 
 @dataclass(frozen=True, slots=True)
 class KvSettings:
+    """The kv policy's knobs. A live planner reads each as ``LANEWAY_KV_<NAME>``
+    (``LANEWAY_KV_DECODE_WEIGHT``; services.planner.main.PlannerSettings), but for the four it
+    derives from settings it shares: ``perf_model``, ``itl_target_ms``, ``kv_bytes_per_token``,
+    and the speed-up ``ttft_target_ms`` is scaled by."""
+
     # Perf model of the workers that report no measured step costs (simulated ones, and real
     # ones until they have run enough steps), and the workers' prefill budget per step.
     perf_model: str = "dynamo-mocker"
@@ -60,25 +71,28 @@ class KvSettings:
     tie_ms: float = 0.0
     # KV bytes a token's cache takes, and the PCIe link a host-tier hit loads over (GB/s).
     kv_bytes_per_token: int = 131_072
-    host_link_gb_s: float = 25.0
+    host_link_gb_s: _Positive = 25.0
     # Weigh pulling the prompt's KV from the worker caching most of it; off, KV is only ever
-    # recomputed. A move must be predicted this much sooner (ms) than both running on that
+    # recomputed. The worker told to move pulls the blocks from the holder
+    # (services/worker/kv_move.py); what goes wrong on the way costs a recompute, never the
+    # request. A move must be predicted this much sooner (ms) than both running on that
     # worker and recomputing: predictions err, and a copy of the KV evicts other blocks where
-    # it lands. The links between two workers (GB/s): same node, same rack, across racks.
-    kv_moves: bool = False
+    # it lands. The links between two workers, as their registrations place them (GB/s): same
+    # node, same rack, across racks.
+    moves: bool = False
     move_margin_ms: float = 50.0
-    node_link_gb_s: float = 300.0
-    rack_link_gb_s: float = 50.0
-    cross_link_gb_s: float = 25.0
+    node_link_gb_s: _Positive = 300.0
+    rack_link_gb_s: _Positive = 50.0
+    cross_link_gb_s: _Positive = 25.0
     # Urgency: a high-priority request's predicted wait for its first token weighs this many
-    # times its ms, a low one's this fraction; past ``ttft_target_ms`` (0: none) each further
-    # ms costs ``ttft_miss_weight`` more. Waiting on the KV's owner, moving the KV and
-    # recomputing are weighed alike, so an urgent request moves or recomputes for a gain a
-    # normal one would wait out.
-    high_priority_weight: float = 2.0
-    low_priority_weight: float = 0.5
-    ttft_target_ms: float = 0.0
-    ttft_miss_weight: float = 4.0
+    # times its ms, a low one's this fraction; past ``ttft_target_ms`` (0: none; ms as clients
+    # see them) each further ms costs ``ttft_miss_weight`` more. Waiting on the KV's owner,
+    # moving the KV and recomputing are weighed alike, so an urgent request moves or
+    # recomputes for a gain a normal one would wait out.
+    high_priority_weight: _Weight = 2.0
+    low_priority_weight: _Weight = 0.5
+    ttft_target_ms: _Weight = 0.0
+    ttft_miss_weight: _Weight = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +159,7 @@ class KvAware:
         if request.session_id is None and self._short(request):
             return self._two_choices(request, workers)
         source = None
-        if self.settings.kv_moves:
+        if self.settings.moves:
             source = _deepest([w for w in workers if w.worker_id in handoff])
         predictions = {
             w.worker_id: self._sooner(request, w, source if w.worker_id in handoff else None)

@@ -6,10 +6,11 @@ import asyncio
 import logging
 from dataclasses import replace
 from importlib.metadata import version
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import aetcd
-from pydantic import Field
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
 
 from bus.client import Bus
 from bus.etcd_space import guard_space
@@ -40,7 +41,16 @@ _DISAGG = DisaggSettings()
 _CAPACITY = CapacitySettings()
 
 
+# The kv policy's knobs it takes from settings shared with others, and those settings.
+_DERIVED = {
+    "itl_target_ms": "LANEWAY_ITL_TARGET_MS",
+    "kv_bytes_per_token": "LANEWAY_KV_BYTES_PER_TOKEN",
+}
+
+
 class PlannerSettings(FoldSettings):
+    # The kv policy's knobs are one nested setting: LANEWAY_KV_DECODE_WEIGHT is kv.decode_weight.
+    model_config = SettingsConfigDict(env_nested_delimiter="_", env_nested_max_split=1)
     renamed: ClassVar[dict[str, str]] = {"LANEWAY_KV_PERF_MODEL": "perf_model"}
 
     instance_id: str = Field(default_factory=new_id)
@@ -55,33 +65,11 @@ class PlannerSettings(FoldSettings):
     overlap_check_interval_s: float = Field(default=0.25, gt=0)
     # Seconds a session stays bound to its worker after the binding was last set (kv policy).
     session_ttl_s: int = 600
-    # The kv policy's knobs; see services.planner.kv_policy._KV.
+    # The perf model of workers that report no measured step costs (the workers' setting too).
     perf_model: str = _KV.perf_model
-    kv_max_num_batched_tokens: int = _KV.max_num_batched_tokens
-    kv_decode_weight: float = _KV.decode_weight
-    kv_stall_weight: float = _KV.stall_weight
-    kv_balance_ms_per_block: float = _KV.balance_ms_per_block
-    kv_temperature: float = _KV.temperature
-    kv_short_prompt_tokens: int = _KV.short_prompt_tokens
-    kv_session_slack_ms: float = _KV.session_slack_ms
-    kv_tie_ms: float = _KV.tie_ms
-    # Workers' host tiers load a hit over this PCIe link (GB/s); see KvSettings.
-    kv_host_link_gb_s: float = Field(default=_KV.host_link_gb_s, gt=0)
-    # Weigh pulling a prompt's KV from the worker caching most of it, over the link between the
-    # two as their registrations place them (same node, same rack, across racks; GB/s). The
-    # worker told to move pulls the blocks from the holder (services/worker/kv_move.py); what
-    # goes wrong on the way costs a recompute, never the request.
-    kv_moves: bool = _KV.kv_moves
-    kv_move_margin_ms: float = _KV.move_margin_ms
-    kv_node_link_gb_s: float = Field(default=_KV.node_link_gb_s, gt=0)
-    kv_rack_link_gb_s: float = Field(default=_KV.rack_link_gb_s, gt=0)
-    kv_cross_link_gb_s: float = Field(default=_KV.cross_link_gb_s, gt=0)
-    # Urgency: how much a high or low priority request's wait for its first token weighs, and
-    # a TTFT target (ms, as clients see them; 0: none) past which each ms weighs more.
-    kv_high_priority_weight: float = Field(default=_KV.high_priority_weight, ge=0)
-    kv_low_priority_weight: float = Field(default=_KV.low_priority_weight, ge=0)
-    kv_ttft_target_ms: float = Field(default=_KV.ttft_target_ms, ge=0)
-    kv_ttft_miss_weight: float = Field(default=_KV.ttft_miss_weight, ge=0)
+    # The kv policy's knobs, each read as LANEWAY_KV_<NAME> (kv_policy.KvSettings), the four
+    # it derives from the settings below excepted (see kv_settings).
+    kv: KvSettings = _KV
     # The output length the cost model assumes: learned from the requests that finished
     # (capped by each one's max_tokens), or the client's max_tokens itself.
     output_length: Literal["predicted", "max-tokens"] = "predicted"
@@ -102,29 +90,28 @@ class PlannerSettings(FoldSettings):
     itl_target_ms: float = _CAPACITY.itl_target_ms
     plan_interval_s: float = _CAPACITY.interval_s
 
-    def kv(self) -> KvSettings:
-        return KvSettings(
+    @model_validator(mode="before")
+    @classmethod
+    def _no_derived_knob(cls, data: Any) -> Any:
+        knobs = data.get("kv") if isinstance(data, dict) else None
+        if isinstance(knobs, dict):
+            if "perf_model" in knobs:  # read by its old name: the renamed settings take it
+                knobs = {k: v for k, v in knobs.items() if k != "perf_model"}
+                data = {**data, "kv": knobs}
+            for knob, setting in _DERIVED.items():
+                if knob in knobs:
+                    raise ValueError(f"LANEWAY_KV_{knob.upper()} is read from {setting}")
+        return data
+
+    def kv_settings(self) -> KvSettings:
+        """The kv policy's knobs, with those it shares: the perf model the workers run, the
+        capacity loop's ITL target and the link model's KV size; targets scaled to model time."""
+        return replace(
+            self.kv,
             perf_model=self.perf_model,
-            max_num_batched_tokens=self.kv_max_num_batched_tokens,
-            decode_weight=self.kv_decode_weight,
-            stall_weight=self.kv_stall_weight,
-            balance_ms_per_block=self.kv_balance_ms_per_block,
-            temperature=self.kv_temperature,
-            short_prompt_tokens=self.kv_short_prompt_tokens,
-            session_slack_ms=self.kv_session_slack_ms,
-            tie_ms=self.kv_tie_ms,
             itl_target_ms=self.itl_target_ms * self.speedup,
             kv_bytes_per_token=self.kv_bytes_per_token,
-            host_link_gb_s=self.kv_host_link_gb_s,
-            kv_moves=self.kv_moves,
-            move_margin_ms=self.kv_move_margin_ms,
-            node_link_gb_s=self.kv_node_link_gb_s,
-            rack_link_gb_s=self.kv_rack_link_gb_s,
-            cross_link_gb_s=self.kv_cross_link_gb_s,
-            high_priority_weight=self.kv_high_priority_weight,
-            low_priority_weight=self.kv_low_priority_weight,
-            ttft_target_ms=self.kv_ttft_target_ms * self.speedup,
-            ttft_miss_weight=self.kv_ttft_miss_weight,
+            ttft_target_ms=self.kv.ttft_target_ms * self.speedup,
         )
 
     def capacity(self) -> CapacitySettings:
@@ -182,7 +169,7 @@ def main() -> None:
         )
         await bus.provision(settings.stream_replicas, settings.bus_provisioned)
         etcd = connect_etcd(settings.etcd_endpoints)
-        policy = make_policy(settings.policy, settings.seed, settings.kv())
+        policy = make_policy(settings.policy, settings.seed, settings.kv_settings())
         source = f"planner/{settings.instance_id}"
         # Its decisions can be made again only with the settings they were made with.
         await bus.publish(
@@ -191,7 +178,7 @@ def main() -> None:
                 source,
                 settings.policy,
                 settings.seed,
-                settings.kv(),
+                settings.kv_settings(),
                 settings.disagg_settings(),
                 version("laneway"),
                 settings.speedup,

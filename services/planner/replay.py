@@ -18,6 +18,9 @@ from services.planner.policy_registry import make_policy
 
 _D = TypeVar("_D")
 
+# Knobs recorded under an older name, and theirs now.
+_RENAMED_KV = {"kv_moves": "moves"}
+
 
 def configured(
     source: str,
@@ -46,9 +49,13 @@ def settings_of(config: PlannerConfigured) -> tuple[Policy, DisaggSettings]:
     disagg = dict(config.disagg)
     transfer = _known(KvTransferModel, disagg.pop("transfer", {}))
     return (
-        make_policy(config.policy, config.seed, _known(KvSettings, config.kv)),
+        make_policy(config.policy, config.seed, _known(KvSettings, _renamed(config.kv))),
         dataclasses.replace(_known(DisaggSettings, disagg), transfer=transfer),
     )
+
+
+def _renamed(knobs: dict[str, Any]) -> dict[str, Any]:
+    return {_RENAMED_KV.get(k, k): v for k, v in knobs.items()}
 
 
 def _known(kind: type[_D], values: dict[str, Any]) -> _D:

@@ -112,7 +112,7 @@ def test_catching_up_gives_what_stepping_in_global_order_gives(
     trace = load_trace(path)
     config = SimConfig(num_gpu_blocks=512, num_host_blocks=round(host_ratio * 512))
     tiers = TierSettings(host_ratio, topology=topology, output_length=output_length)
-    kv = KvSettings(kv_moves=topology is not None)
+    kv = KvSettings(moves=topology is not None)
     _assert_catching_up_changes_nothing(
         lambda: OfflineReplay(trace, make_policy("kv", 0, kv), 4, config, tiers=tiers)
     )

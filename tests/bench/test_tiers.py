@@ -25,7 +25,7 @@ def _conversation_burst() -> list[TraceRequest]:
 
 
 def _run(trace: list[TraceRequest], moves: bool) -> OfflineReplay:
-    policy = KvAware(KvSettings(kv_moves=moves))
+    policy = KvAware(KvSettings(moves=moves))
     tiers = TierSettings(topology=(1, 4), output_length="oracle")
     replay = OfflineReplay(trace, policy, 4, SimConfig(block_size=64), tiers=tiers)
     replay.decisions = []

@@ -7,6 +7,7 @@ applied: there is no cluster on this machine."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import shutil
@@ -185,11 +186,20 @@ def test_the_ingress_is_autoscaled_and_serves_its_port(manifests: Manifests) -> 
     assert ports["http"]["port"] == int(env["LANEWAY_PORT"])
 
 
+def _names_read(settings: type[ServiceSettings]) -> set[str]:
+    """Its settings' names, a nested one's fields as ``<setting>_<field>`` (LANEWAY_KV_MOVES)."""
+    names = set(settings.model_fields)
+    for name, field in settings.model_fields.items():
+        if dataclasses.is_dataclass(field.annotation):
+            names |= {f"{name}_{f.name}" for f in dataclasses.fields(field.annotation)}
+    return names
+
+
 def test_every_setting_is_one_a_service_reads(manifests: Manifests) -> None:
     # A misspelt LANEWAY_* name would be ignored without a word (the settings ignore extras).
     read = set().union(
         *(
-            cls.model_fields
+            _names_read(cls)
             for cls in (
                 ServiceSettings,
                 IngressSettings,

@@ -48,7 +48,7 @@ def test_a_host_tier_hit_costs_the_pcie_load_not_a_prefill() -> None:
 
 
 def test_a_move_and_a_host_load_carry_the_kv_size_the_worker_declares() -> None:
-    policy = KvAware(KvSettings(kv_moves=True))
+    policy = KvAware(KvSettings(moves=True))
     source = view("a", cached_blocks=BLOCKS - 1)
     # A model whose token's KV takes 4 KiB, as its engine declares, not the configured 128 KiB.
     small = view("b", kv_bytes_per_token=4096)
@@ -81,7 +81,7 @@ def _decide(
 def test_a_busy_owners_kv_is_moved_to_an_idle_worker_and_the_move_explained() -> None:
     owner = view("a", cached_blocks=BLOCKS, waiting_prefill_tokens=60_000, running=20)
     idle = view("b")
-    moved = _decide(KvSettings(kv_moves=True), owner, [idle])
+    moved = _decide(KvSettings(moves=True), owner, [idle])
     assert moved.worker_id == "b"
     move = moved.kv_move
     assert move is not None and move.source_worker_id == "a"
@@ -101,18 +101,18 @@ def test_a_busy_owners_kv_is_moved_to_an_idle_worker_and_the_move_explained() ->
 
 def test_no_move_from_or_to_a_worker_whose_engine_cannot_hand_kv_over() -> None:
     owner = view("a", cached_blocks=BLOCKS, waiting_prefill_tokens=60_000, running=20)
-    assert _decide(KvSettings(kv_moves=True), owner, [view("b")]).kv_move is not None
+    assert _decide(KvSettings(moves=True), owner, [view("b")]).kv_move is not None
     for able in ({"a"}, {"b"}):
-        moved = _decide(KvSettings(kv_moves=True), owner, [view("b")], frozenset(able))
+        moved = _decide(KvSettings(moves=True), owner, [view("b")], frozenset(able))
         assert moved.worker_id == "b" and moved.kv_move is None, able
 
 
 def test_no_move_when_the_owner_is_free_or_the_link_too_slow() -> None:
     owner = view("a", cached_blocks=BLOCKS)
-    assert _decide(KvSettings(kv_moves=True), owner, [view("b")]).kv_move is None
+    assert _decide(KvSettings(moves=True), owner, [view("b")]).kv_move is None
     # A busy owner across a slow link: recomputing on b beats moving 1 GiB at 0.1 GB/s.
     busy = dataclasses.replace(owner, waiting_prefill_tokens=60_000, node="n1")
-    slow = KvSettings(kv_moves=True, rack_link_gb_s=0.1, cross_link_gb_s=0.1)
+    slow = KvSettings(moves=True, rack_link_gb_s=0.1, cross_link_gb_s=0.1)
     decision = _decide(slow, busy, [view("b")])
     assert decision.worker_id == "b" and decision.kv_move is None
 

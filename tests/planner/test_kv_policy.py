@@ -140,7 +140,7 @@ def test_the_planner_holds_predictions_to_targets_in_model_time(
     monkeypatch.setenv("LANEWAY_ITL_TARGET_MS", "5")
     settings = PlannerSettings()
     assert settings.capacity().ttft_target_ms == 250 and settings.capacity().itl_target_ms == 5
-    assert settings.kv().itl_target_ms == 20
+    assert settings.kv_settings().itl_target_ms == 20
     assert settings.disagg_settings().ttft_target_ms == 1000
 
 

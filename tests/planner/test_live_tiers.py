@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
+from pydantic import ValidationError
+
 from bus.client import Bus
 from bus.topology import Subjects
 from schemas.events import (
@@ -61,7 +64,7 @@ def _accepted() -> RequestAccepted:
 
 
 async def test_host_runs_places_and_learned_lengths_reach_the_decision(bus: Bus) -> None:
-    settings = KvSettings(kv_moves=True)
+    settings = KvSettings(moves=True)
     planner = Planner(
         bus, KvAware(settings), "tiers", overlap_timeout_s=2.0, lengths=OutputLengthPredictor()
     )
@@ -106,7 +109,12 @@ async def test_host_runs_places_and_learned_lengths_reach_the_decision(bus: Bus)
     assert {a.action for a in move.alternatives} == {"owner", "move", "recompute"}
     # A replay re-decides it from the event (its priority too) and the planner's recorded
     # settings alone.
-    policy, disagg = settings_of(configured("planner/tiers", "kv", 0, settings, NEVER, "0"))
+    recorded = configured("planner/tiers", "kv", 0, settings, NEVER, "0")
+    policy, disagg = settings_of(recorded)
+    assert differences(route, redecide(route, policy, disagg)) == []
+    # So does a planner's record from before `kv_moves` was called `moves`.
+    old = {("kv_moves" if k == "moves" else k): v for k, v in recorded.kv.items()}
+    policy, disagg = settings_of(recorded.model_copy(update={"kv": old}))
     assert differences(route, redecide(route, policy, disagg)) == []
     # Its answer ends up 13 tokens longer than predicted: the predictor's error, measured.
     await planner.on_terminal(_finished("r-tiers", 50, worker_id="b"))
@@ -116,18 +124,57 @@ async def test_host_runs_places_and_learned_lengths_reach_the_decision(bus: Bus)
     assert registry.get_sample_value(f"{errors}_sum") == 13
 
 
-def test_the_planners_settings_carry_moves_links_and_the_host_tier() -> None:
-    settings = PlannerSettings(
-        kv_moves=True,
-        kv_move_margin_ms=20.0,
-        kv_host_link_gb_s=12.5,
-        kv_node_link_gb_s=150.0,
-        kv_rack_link_gb_s=40.0,
-        kv_cross_link_gb_s=10.0,
-    )
-    kv = settings.kv()
-    assert (kv.kv_moves, kv.move_margin_ms, kv.host_link_gb_s) == (True, 20.0, 12.5)
+def test_the_planners_settings_carry_moves_links_and_the_host_tier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each knob of the kv policy is read as LANEWAY_KV_<NAME>.
+    for name, value in {
+        "MOVES": "1",
+        "MOVE_MARGIN_MS": "20",
+        "HOST_LINK_GB_S": "12.5",
+        "NODE_LINK_GB_S": "150",
+        "RACK_LINK_GB_S": "40",
+        "CROSS_LINK_GB_S": "10",
+        "SLOW_STEP_MS_PER_TOKEN": "0.5",
+    }.items():
+        monkeypatch.setenv(f"LANEWAY_KV_{name}", value)
+    kv = PlannerSettings().kv_settings()
+    assert (kv.moves, kv.move_margin_ms, kv.host_link_gb_s) == (True, 20.0, 12.5)
     assert (kv.node_link_gb_s, kv.rack_link_gb_s, kv.cross_link_gb_s) == (150.0, 40.0, 10.0)
-    assert settings.output_length == "predicted"
-    urgent = PlannerSettings(kv_ttft_target_ms=200.0, speedup=4.0, kv_high_priority_weight=3.0)
-    assert (urgent.kv().ttft_target_ms, urgent.kv().high_priority_weight) == (800.0, 3.0)
+    assert kv.slow_step_ms_per_token == 0.5
+    assert PlannerSettings().output_length == "predicted"
+    monkeypatch.setenv("LANEWAY_SPEEDUP", "4")
+    monkeypatch.setenv("LANEWAY_KV_TTFT_TARGET_MS", "200")
+    monkeypatch.setenv("LANEWAY_KV_HIGH_PRIORITY_WEIGHT", "3")
+    urgent = PlannerSettings().kv_settings()
+    assert (urgent.ttft_target_ms, urgent.high_priority_weight) == (800.0, 3.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("NODE_LINK_GB_S", "0"), ("TTFT_MISS_WEIGHT", "-1"), ("MOVES", "maybe")]
+)
+def test_a_knob_out_of_its_range_stops_the_planner(
+    name: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(f"LANEWAY_KV_{name}", value)
+    with pytest.raises(ValidationError, match=name.lower()):
+        PlannerSettings()
+
+
+@pytest.mark.parametrize(
+    ("knob", "shared"),
+    [
+        ("ITL_TARGET_MS", "LANEWAY_ITL_TARGET_MS"),
+        ("KV_BYTES_PER_TOKEN", "LANEWAY_KV_BYTES_PER_TOKEN"),
+    ],
+)
+def test_a_knob_the_policy_shares_is_read_under_the_shared_name_only(
+    knob: str, shared: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(f"LANEWAY_KV_{knob}", "7")
+    with pytest.raises(ValidationError, match=f"LANEWAY_KV_{knob} is read from {shared}"):
+        PlannerSettings()
+    monkeypatch.delenv(f"LANEWAY_KV_{knob}")
+    monkeypatch.setenv(shared, "7")
+    kv = PlannerSettings().kv_settings()
+    assert getattr(kv, knob.lower()) == 7

@@ -22,7 +22,7 @@ def _decide(priority: Priority, queued: int, **settings: float) -> Decision:
     owner = dataclasses.replace(
         idle, worker_id="a", cached_blocks=BLOCKS, waiting_prefill_tokens=queued
     )
-    policy = KvAware(KvSettings(kv_moves=True, **settings))  # type: ignore[arg-type]
+    policy = KvAware(KvSettings(moves=True, **settings))  # type: ignore[arg-type]
     inputs = DecisionInputs(request, [owner, idle], handoff=frozenset({"a", "b"}))
     return decide(policy, DisaggSettings(mode="never"), inputs)
 
