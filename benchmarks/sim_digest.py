@@ -28,8 +28,8 @@ from infra.cli import build_parser
 def digest(result: ReplayResult) -> str:
     h = hashlib.sha256()
     for record in result.records:
-        *fields, gaps = astuple(record)
-        h.update(repr(fields).encode())
+        *fields, (first_s, last_s, gaps) = astuple(record)
+        h.update(repr([*fields, first_s, last_s]).encode())
         h.update(gaps.tobytes())
     report = {k: v for k, v in result.report.items() if k != "wall_s"}
     h.update(json.dumps(report, sort_keys=True, default=repr).encode())

@@ -37,6 +37,7 @@ MODULES = (
     "services.common.perf_model",
     "services.common.kv_index.changes",
     "services.common.kv_index.index",
+    "services.common.token_times",
     "services.engine.protocol",
     "services.engine.scheduling.text",
     "services.engine.scheduling.request",

@@ -118,7 +118,8 @@ async def _one(
     tokens' times go into ``record`` as ``at`` turns the client's clock into the replay's."""
     sample = await stream_one(session, url, body, headers, timeout_s)
     for when in sample.chunk_times:
-        record.tokens_at(at(when), 1)
+        record.times.came(at(when))
+    record.output_tokens = len(sample.chunk_times)
     usage = sample.usage or {}
     if "completion_tokens" in usage:
         record.output_tokens = usage["completion_tokens"]

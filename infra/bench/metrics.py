@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from infra.bench.busy import BusyIntervals
+from services.common.token_times import TokenTimes
 from services.planner.capacity import percentile_of_sorted
 
 
@@ -23,29 +24,15 @@ class RequestRecord:
     worker_id: str = ""
     # Where its prompt was prefilled, when not on `worker_id` (offline replays know it).
     prefill_worker_id: str = ""
-    first_token_s: float | None = None
-    last_token_s: float | None = None
     output_tokens: int = 0
     cached_tokens: int = 0
     failed: bool = False
-    # Milliseconds from each streamed token (or chunk, live) to the next, in order.
-    token_gaps_ms: array[float] = field(default_factory=lambda: array("d"))
-
-    def tokens_at(self, now_s: float, count: int) -> float | None:
-        """``count`` more tokens arrived at ``now_s``; the gap since the last ones, if any."""
-        gap = None
-        if self.first_token_s is None:
-            self.first_token_s = now_s
-        else:
-            gap = (now_s - (self.last_token_s or now_s)) * 1000
-            self.token_gaps_ms.append(gap)
-        self.last_token_s = now_s
-        self.output_tokens += count
-        return gap
+    # When its tokens (or chunks, live) came, and the gaps between them.
+    times: TokenTimes = field(default_factory=TokenTimes)
 
     @property
     def done(self) -> bool:
-        return self.last_token_s is not None and not self.failed
+        return self.times.last_s is not None and not self.failed
 
 
 @dataclass(slots=True)
@@ -86,7 +73,7 @@ class ReplayResult:
     decisions: Sequence[dict[str, Any]] = ()
 
     def ttft_ms(self) -> list[float]:
-        return [((r.first_token_s or 0.0) - r.arrival_s) * 1000 for r in self.records if r.done]
+        return [((r.times.first_s or 0.0) - r.arrival_s) * 1000 for r in self.records if r.done]
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:
@@ -108,22 +95,22 @@ def build_report(
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     done = [r for r in requests if r.done]
-    ttft = [((r.first_token_s or 0.0) - r.arrival_s) * 1000 for r in done]
-    e2e = [((r.last_token_s or 0.0) - r.arrival_s) * 1000 for r in done]
+    ttft = [((r.times.first_s or 0.0) - r.arrival_s) * 1000 for r in done]
+    e2e = [((r.times.last_s or 0.0) - r.arrival_s) * 1000 for r in done]
     # Inter-token latency as vLLM's benchmark and Dynamo's replay count it: every gap between
     # consecutive tokens, pooled over requests. TPOT is the per-request view: a request's decode
     # time spread over its tokens after the first.
     itl = array("d")
     for r in done:
-        itl.extend(r.token_gaps_ms)
+        itl.extend(r.times.gaps_ms)
     tpot = [
-        ((r.last_token_s or 0.0) - (r.first_token_s or 0.0)) * 1000 / (r.output_tokens - 1)
+        ((r.times.last_s or 0.0) - (r.times.first_s or 0.0)) * 1000 / (r.output_tokens - 1)
         for r in done
         if r.output_tokens > 1
     ]
     prompt = sum(r.prompt_tokens for r in done)
     start = min((r.arrival_s for r in requests), default=0.0)
-    end = max((r.last_token_s or r.arrival_s for r in requests), default=0.0)
+    end = max((r.times.last_s or r.arrival_s for r in requests), default=0.0)
     span = max(end - start, 1e-9)
     busy = {w: rec.busy_s() / span for w, rec in sorted(workers.items())}
     mean_busy = sum(busy.values()) / len(busy) if busy else 0.0

@@ -277,7 +277,7 @@ class OfflineReplay(ReplaySteps):
         interval = self._capacity.settings.interval_s
         since = now - interval
         recent = [
-            r for r in self._records if r.first_token_s is not None and r.first_token_s >= since
+            r for r in self._records if r.times.first_s is not None and r.times.first_s >= since
         ]
         gaps, self._interval_gaps = self._interval_gaps, LatencyHistogram()
         stalled, self._interval_stalled = self._interval_stalled, 0
@@ -285,7 +285,7 @@ class OfflineReplay(ReplaySteps):
         decision = self._capacity.decide(
             observe_interval(
                 [
-                    (((r.first_token_s or 0.0) - r.arrival_s) * 1000, bool(r.prefill_worker_id))
+                    (((r.times.first_s or 0.0) - r.arrival_s) * 1000, bool(r.prefill_worker_id))
                     for r in recent
                 ],
                 gaps,

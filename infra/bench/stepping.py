@@ -13,11 +13,10 @@ from __future__ import annotations
 import heapq
 import math
 from abc import ABC, abstractmethod
-from array import array
 from collections.abc import Sequence
 from functools import cmp_to_key, reduce
 from itertools import chain, groupby, pairwise, repeat
-from operator import add, mul, sub
+from operator import add
 from typing import Any
 
 from infra.bench.metrics import RequestRecord
@@ -27,6 +26,7 @@ from infra.bench.traces import TraceRequest
 from schemas.latency import LatencyHistogram
 from services.common.kv_index.changes import CLEARED, Change, change_of
 from services.common.kv_index.index import PrefixIndex
+from services.common.token_times import gaps_ms
 from services.engine.protocol import (
     BlocksStored,
     CacheCleared,
@@ -142,12 +142,10 @@ class ReplaySteps(ABC):
         ended = len(times) - 2
         if ended:
             # Every request of the batch got each step's token: the gaps after the first agree.
-            gaps = array("d", map(mul, map(sub, times[2:-1], times[1:-2]), repeat(1000)))
-            first = times[1]
+            later = gaps_ms(times[1:-1])
+            first, last = times[1], times[-2]
             for record in records:
-                record.token_gaps_ms.append((first - record.last_token_s) * 1000)  # type: ignore[operator]
-                record.token_gaps_ms.extend(gaps)
-                record.last_token_s = times[-2]
+                record.times.came_in_steps(first, later, last)
                 record.output_tokens += ended
         worker.end, worker.pending = times[-1], (run, records)
 
@@ -157,8 +155,7 @@ class ReplaySteps(ABC):
         run, records = pending
         self._fold(worker, run.last_changes)
         for record in records:
-            record.token_gaps_ms.append((now - record.last_token_s) * 1000)  # type: ignore[operator]
-            record.last_token_s = now
+            record.times.came(now)
             record.output_tokens += 1
         for req in run.finished:
             i = self._owner.pop(req.request_id)
@@ -242,17 +239,15 @@ class ReplaySteps(ABC):
         at once: times and gaps)."""
         record = self._records[i]
         ids = output.new_token_ids
-        if record.first_token_s is None:
-            record.first_token_s, record.cached_tokens = now, output.cached_tokens or 0
-        elif ids and record.last_token_s is not None:
-            gap = (now - record.last_token_s) * 1000
-            record.token_gaps_ms.append(gap)
-            if self._watch_gaps:
-                self._interval_gaps.add(gap)
-                self._interval_stalled += stalled
-        if ids:
-            record.last_token_s = now
-            record.output_tokens += len(ids)
+        if record.times.first_s is None:
+            record.cached_tokens = output.cached_tokens or 0
+        elif not ids:
+            return
+        gap = record.times.came(now)
+        if gap is not None and self._watch_gaps:
+            self._interval_gaps.add(gap)
+            self._interval_stalled += stalled
+        record.output_tokens += len(ids)
 
     def _fold(self, worker: SimWorker, changes: list[KvChange]) -> None:
         # The index folds the step's changes as the live one folds a worker's step event, but

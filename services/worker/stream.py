@@ -10,6 +10,7 @@ from typing import NamedTuple
 from schemas.events import FinishReason, RequestFinished, RequestSpec, TraceContext, Usage
 from schemas.latency import LatencyHistogram
 from schemas.logprobs import TokenLogprob, TopLogprob
+from services.common.token_times import TokenTimes, gaps_ms
 from services.common.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.engine.protocol import Logprobs, RequestOutput
 
@@ -38,35 +39,28 @@ def request_detokenizer(tokenizer: Tokenizer, spec: RequestSpec) -> IncrementalD
 
 class RequestStream:
     """``received``: when the request arrived (same clock as every ``now``). Without a
-    ``detokenizer`` chunks carry no text and no stop string can end the answer. ``histogram``
-    False: the caller keeps every gap itself (:attr:`last_gap_ms`), so ``token_gaps`` stays
-    empty. ``offset``: answer tokens another worker already generated (a migrated request): the
-    first chunk's position, and counted in the usage."""
+    ``detokenizer`` chunks carry no text and no stop string can end the answer. ``offset``:
+    answer tokens another worker already generated (a migrated request): the first chunk's
+    position, and counted in the usage."""
 
     def __init__(
         self,
         prompt_tokens: int,
         received: float,
         detokenizer: IncrementalDetokenizer | None = None,
-        histogram: bool = True,
         offset: int = 0,
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.received = received
         self._detok = detokenizer
-        self.first_token: float | None = None
-        self.last_token: float | None = None
+        self.times = TokenTimes()
         self.finished_at: float | None = None
         self.finish_reason: FinishReason | None = None
         self.cached_tokens = 0
         # Tokens published so far.
         self.emitted = offset
-        self.token_gaps = LatencyHistogram()
-        self._histogram = histogram
         # Gaps whose step also computed prompt tokens (another request's prefill, mostly).
         self.stalled_gaps = 0
-        # The gap the latest output closed, in milliseconds (None for the first token).
-        self.last_gap_ms: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -89,26 +83,22 @@ class RequestStream:
         holds several steps' (a decode run, which never computes prompt tokens): each closes a
         gap of its own, as it would have stepped one by one."""
         ids = output.new_token_ids
-        gap = None
-        if self.first_token is None:
-            self.first_token = now
+        clock = self.times
+        if clock.first_s is None:
+            clock.came(now)
             # The engine counts the cached prefix of the prompt it ran, which for a continued
             # request (a migration) ends with the answer tokens already delivered; the client's
             # usage counts its own prompt, the first ``prompt_tokens`` of it (one migrated
             # request told 144 cached of 98). A prefix cache holds a prefix, so that part of it
             # is the client's prompt, up to its length.
             self.cached_tokens = min(output.cached_tokens or 0, self.prompt_tokens)
-        elif ids and self.last_token is not None:
-            came = times or (now,)
-            for at in came:
-                gap = (at - self.last_token) * 1000
-                if self._histogram:
-                    self.token_gaps.add(gap)
-                self.last_token = at
-            self.stalled_gaps += stalled * len(came)
-        self.last_gap_ms = gap
-        if ids:
-            self.last_token = times[-1] if times else now
+        elif ids:
+            closed = len(clock.gaps_ms)
+            if times:
+                clock.came_in_steps(times[0], gaps_ms(times), times[-1])
+            else:
+                clock.came(now)
+            self.stalled_gaps += stalled * (len(clock.gaps_ms) - closed)
         detok = self._detok
         stopped = False
         text = ""
@@ -160,9 +150,9 @@ class RequestStream:
                 completion_tokens=self.emitted,
                 cached_tokens=self.cached_tokens,
             ),
-            ttft_ms=((self.first_token or end) - self.received) * 1000,
+            ttft_ms=((self.times.first_s or end) - self.received) * 1000,
             e2e_ms=(end - self.received) * 1000,
-            token_gaps=self.token_gaps,
+            token_gaps=LatencyHistogram.of(self.times.gaps_ms),
             stalled_gaps=self.stalled_gaps,
             prefill_worker_id=prefill_worker_id,
             attempt=attempt,

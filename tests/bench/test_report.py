@@ -16,6 +16,11 @@ from infra.bench.report import format_table, write_json
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+def _token(record: RequestRecord, at: float) -> None:
+    record.times.came(at)
+    record.output_tokens += 1
+
+
 def _report(workers: int, scale: float, timeline: bool = True) -> dict[str, Any]:
     """A small replay: ``scale`` stretches every latency, one request fails."""
     records = {f"w{i:03d}": WorkerRecord() for i in range(workers)}
@@ -28,9 +33,9 @@ def _report(workers: int, scale: float, timeline: bool = True) -> dict[str, Any]
             arrival, prompt_tokens=100, worker_id=worker_id, cached_tokens=25 * (i % 3)
         )
         for k in range(10):
-            record.tokens_at(first + 0.01 * scale * k, 1)
+            _token(record, first + 0.01 * scale * k)
         requests.append(record)
-        records[worker_id].busy.append((arrival, record.last_token_s or first))
+        records[worker_id].busy.append((arrival, record.times.last_s or first))
         records[worker_id].requests += 1
     requests.append(RequestRecord(0.7, prompt_tokens=50, worker_id="w000", failed=True))
     report = build_report(requests, records, wall_s=1.234)
@@ -172,14 +177,14 @@ def test_itl_pools_every_gap_and_tpot_averages_per_request() -> None:
     request, TPOT is 14.9 and 10 ms; pooled, 101 of the 102 gaps are 10 ms."""
     long, short = RequestRecord(0.0, 10), RequestRecord(0.0, 10)
     now = 1.0
-    long.tokens_at(now, 1)
+    _token(long, now)
     for i in range(100):
         now += 0.5 if i == 0 else 0.01
-        long.tokens_at(now, 1)
+        _token(long, now)
     for t in (1.0, 1.01, 1.02):
-        short.tokens_at(t, 1)
+        _token(short, t)
     report = build_report([long, short], {"w0": WorkerRecord()}, 0.1)
-    assert long.output_tokens == 101 and len(long.token_gaps_ms) == 100
+    assert long.output_tokens == 101 and len(long.times.gaps_ms) == 100
     assert report["tpot_ms"]["p50"] == pytest.approx((14.9 + 10) / 2)
     assert report["itl_ms"]["p50"] == pytest.approx(10.0)
     assert report["itl_ms"]["p99"] == pytest.approx(10.0)

@@ -24,7 +24,7 @@ def test_digest_sees_every_gap_and_not_the_wall(small_trace: Path) -> None:
     assert replay() == first  # its wall time differs; nothing else
     trace = load_trace(small_trace)
     result = OfflineReplay(trace, make_policy("kv", 0), 2, SimConfig()).run()
-    gaps = result.records[3].token_gaps_ms
+    gaps = result.records[3].times.gaps_ms
     gaps[-1] = gaps[-1] + gaps[-1] * 2.0**-50  # its last digits
     assert digest(result) != first
 
