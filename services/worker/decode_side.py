@@ -17,7 +17,7 @@ from observability.drops import Drops
 from observability.tracing import context_of
 from schemas.events import PrefillCompleted, RouteDecided
 from services.engine.continuation import continuation
-from services.worker.parts import WorkerParts
+from services.worker.parts import WorkerParts, WorkerSide
 from services.worker.requests import Active, Awaiting
 
 log = logging.getLogger(__name__)
@@ -29,16 +29,11 @@ EARLY_PREFILLED_S = 30.0
 EARLY_PREFILLED_KEPT = 1024
 
 
-class DecodeSide:
+class DecodeSide(WorkerSide):
     def __init__(self, parts: WorkerParts, handoffs: Counter) -> None:
         """``handoffs``: counts the hand-offs received, by side and outcome."""
+        super().__init__(parts)
         self._handoffs = handoffs
-        self._requests = parts.requests
-        self._receiver = parts.receiver
-        self._driver = parts.driver
-        self._outputs = parts.outputs
-        self._background = parts.background
-        self._tracer = trace.get_tracer("laneway.worker")
         self._early: OrderedDict[str, tuple[float, PrefillCompleted]] = OrderedDict()
 
     def _child(self, name: str, state: Active, links: list[Link] | None = None) -> Span:

@@ -29,7 +29,7 @@ from schemas.codec import decode_as, encode
 from schemas.events import KvMove, KvTransferred, RouteDecided
 from schemas.messages import KvPullQuery, KvPullReply
 from services.engine.protocol import EngineRequest, modelled_kv_move
-from services.worker.parts import WorkerParts
+from services.worker.parts import WorkerParts, WorkerSide
 from services.worker.requests import Active, Awaiting
 
 log = logging.getLogger(__name__)
@@ -44,15 +44,10 @@ def blob_id(request_id: str, attempt: int) -> str:
     return f"{request_id}/{attempt}/move"
 
 
-class KvMoves:
+class KvMoves(WorkerSide):
     def __init__(self, bus: Bus, parts: WorkerParts, registry: CollectorRegistry) -> None:
+        super().__init__(parts)
         self._bus = bus
-        self._requests = parts.requests
-        self._receiver = parts.receiver
-        self._driver = parts.driver
-        self._outputs = parts.outputs
-        self._background = parts.background
-        self._tracer = trace.get_tracer("laneway.worker")
         self._moves = Counter(
             "laneway_worker_kv_moves",
             "KV moves between workers, by side (pulled: this worker ran the request, sent: it "

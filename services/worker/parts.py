@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from opentelemetry import trace
+
 from services.worker.driver import EngineDriver
 from services.worker.handoff import KvReceiver
 from services.worker.outputs import Background, Outputs
@@ -20,3 +22,16 @@ class WorkerParts:
     driver: EngineDriver
     outputs: Outputs
     background: Background
+
+
+class WorkerSide:
+    """A side of the worker's request handling (decode, KV moves): the shared parts at hand,
+    and spans in the worker's tracer."""
+
+    def __init__(self, parts: WorkerParts) -> None:
+        self._requests = parts.requests
+        self._receiver = parts.receiver
+        self._driver = parts.driver
+        self._outputs = parts.outputs
+        self._background = parts.background
+        self._tracer = trace.get_tracer("laneway.worker")
