@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Callable
 
@@ -40,6 +41,22 @@ def positive(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text[:40]}")
     return value
+
+
+# A served model's name as OpenAI's clients write them: no spaces, no quotes.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+
+
+def pool(text: str) -> tuple[str, int]:
+    """``NAME=N``: N workers serving the model NAME."""
+    name, equals, count = text.partition("=")
+    if not equals:
+        raise argparse.ArgumentTypeError(f"not NAME=N: {text[:40]!r}")
+    if _MODEL_NAME.fullmatch(name) is None:
+        raise argparse.ArgumentTypeError(
+            f"not a model name (letters, digits and ._:/- up to 128): {name[:40]!r}"
+        )
+    return name, at_least(1)(count)
 
 
 def renamed(new: str) -> type[argparse.Action]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from infra import cluster_args
-from infra.arg_types import at_least, port, positive
+from infra.arg_types import at_least, pool, port, positive
 from infra.engine_env import engine_env as _engine_env
 from infra.recording import RecordingError
 from services.planner.policy_registry import POLICY_NAMES
@@ -48,8 +48,16 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument(
         "--workers",
         type=at_least(1),
-        default=2,
-        help="workers that decode (aggregated without a prefill pool)",
+        # No default of its own: given with --pool, it is refused.
+        help="workers that decode (aggregated without a prefill pool) (default: 2)",
+    )
+    up.add_argument(
+        "--pool",
+        type=pool,
+        action="append",
+        metavar="NAME=N",
+        help="N workers serving the model NAME (repeatable, instead of --workers): the sim "
+        "engine serves NAME, a real one its --model folder under NAME",
     )
     up.add_argument("--prefill-workers", type=at_least(0), default=0, help="prefill-only workers")
     up.add_argument(
@@ -162,6 +170,7 @@ def _up(args: argparse.Namespace) -> int:
         raise SystemExit("laneway up: --tls-cert and --tls-key go together")
     if args.ingresses < 1:
         raise SystemExit("laneway up: --ingresses must be at least 1")
+    pools = _pools(args)
     tls = (args.tls_cert.resolve(), args.tls_key.resolve()) if args.tls_cert else None
     cluster = LocalCluster(
         ClusterConfig(
@@ -173,7 +182,8 @@ def _up(args: argparse.Namespace) -> int:
             nats_port=args.nats_port,
             etcd_port=args.etcd_port,
             ha=args.ha,
-            workers=args.workers,
+            workers=args.workers or 2,
+            pools=pools,
             prefill_workers=args.prefill_workers,
             ingresses=args.ingresses,
             policy=args.policy,
@@ -218,6 +228,20 @@ def _up(args: argparse.Namespace) -> int:
         print("stopping …", flush=True)
         cluster.stop()
     return 0
+
+
+def _pools(args: argparse.Namespace) -> dict[str, int]:
+    """``--pool``'s model names and their workers; SystemExit where they cannot be run."""
+    if not args.pool:
+        return {}
+    if args.workers is not None:
+        raise SystemExit("laneway up: --pool NAME=N or --workers N, not both")
+    if args.prefill_workers:
+        raise SystemExit("laneway up: --prefill-workers serve one model, not --pool's")
+    pools = dict(args.pool)
+    if len(pools) < len(args.pool):
+        raise SystemExit("laneway up: each --pool NAME once")
+    return pools
 
 
 def _print_where_secrets_are(cluster: LocalCluster) -> None:

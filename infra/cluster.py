@@ -267,7 +267,7 @@ class LocalCluster:
         """Ready when the API answers, every service's ``/readyz`` says ready, every worker
         holds a lease in etcd and every planner replica consumes requests."""
         deadline = time.monotonic() + timeout
-        workers = self.config.workers + self.config.prefill_workers
+        workers = self.config.decode_workers + self.config.prefill_workers
         missing = ""
         while time.monotonic() < deadline:
             self._check_alive()

@@ -3,6 +3,7 @@ is started with (pure: ``infra.cluster`` starts them)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,9 @@ class ClusterConfig:
     nats_port: int | None = None
     etcd_port: int | None = None
     workers: int = 2
+    # Model pools: each model's name and how many workers serve it, instead of ``workers``
+    # serving their own setting's model. The ingress serves every pool's name.
+    pools: dict[str, int] = field(default_factory=dict)
     prefill_workers: int = 0
     planners: int = 1
     indexers: int = 1
@@ -50,6 +54,11 @@ class ClusterConfig:
     bus_credentials: Path | None = None
     # How `supervise` restarts a child that exits.
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+    @property
+    def decode_workers(self) -> int:
+        """The workers that decode: the pools', or ``workers``."""
+        return sum(self.pools.values()) if self.pools else self.workers
 
     @property
     def base_url(self) -> str:
@@ -91,13 +100,15 @@ def plan_services(cfg: ClusterConfig) -> list[Service]:
     # serve requests end to end.
     role = {} if cfg.prefill_workers else {"LANEWAY_ROLE": "both"}
     # Ids given here, so that each has its own credentials (see infra.cluster_auth).
+    # Each worker's model: its pool's, else its own setting's.
+    models = [{"LANEWAY_MODEL": name} for name, n in cfg.pools.items() for _ in range(n)]
     services += [
         Service(
             f"decode-worker-{i}",
             "services.worker.decode_worker",
-            {**role, **common, "LANEWAY_WORKER_ID": new_id()},
+            {**role, **common, **model, "LANEWAY_WORKER_ID": new_id()},
         )
-        for i in range(cfg.workers)
+        for i, model in enumerate(models or [{}] * cfg.decode_workers)
     ]
     services += [
         Service(
@@ -107,6 +118,7 @@ def plan_services(cfg: ClusterConfig) -> list[Service]:
         )
         for i in range(cfg.prefill_workers)
     ]
+    served = {"LANEWAY_SERVED_MODEL_NAMES": json.dumps(list(cfg.pools))} if cfg.pools else {}
     services += [
         Service(
             _name("ingress", i, cfg.ingresses),
@@ -117,6 +129,7 @@ def plan_services(cfg: ClusterConfig) -> list[Service]:
                 "LANEWAY_PORT": str(cfg.http_port),
                 "LANEWAY_REUSE_PORT": str(cfg.ingresses > 1).lower(),
                 "LANEWAY_INSTANCE_ID": new_id(),
+                **served,
             },
         )
         for i in range(cfg.ingresses)

@@ -239,6 +239,7 @@ async def _workers(etcd: aetcd.Client) -> list[dict[str, Any]]:
         workers.append(
             {
                 "worker_id": reg.worker_id,
+                "model": reg.model,
                 "role": reg.role,
                 "draining": reg.draining,
                 "engine": reg.engine,

@@ -105,6 +105,7 @@ def _workers(found: dict[str, Any]) -> list[str]:
         rows.append(
             [
                 _short(w["worker_id"]),
+                w["model"],
                 w["role"],
                 "yes" if w["draining"] else "no",
                 lease,
@@ -116,6 +117,7 @@ def _workers(found: dict[str, Any]) -> list[str]:
         )
     header = [
         "worker",
+        "model",
         "role",
         "draining",
         "lease left",

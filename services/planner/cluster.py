@@ -130,20 +130,22 @@ class ClusterView:
         cached_blocks: dict[str, int] | None,
         session_owner: str | None,
         host_blocks: dict[str, int] | None = None,
+        model: str | None = None,
     ) -> DecisionInputs:
         """What a routing decision for ``request`` needs to know about the workers now;
-        ``host_blocks``: the blocks each one's host tier holds after its GPU overlap."""
+        ``host_blocks``: the blocks each one's host tier holds after its GPU overlap;
+        ``model``: the model it asks for, which only its pool's workers are candidates for."""
         slots = {worker_id: reg.max_num_seqs for worker_id, reg in self.workers.items()}
         quiet = self.quiet()
         # When every server is silent the bus or this planner stalled, not all the workers:
         # routing to them then beats refusing. A silent prefill worker is simply not used.
         serving = self.candidates(
-            cached_blocks, session_owner, host_blocks, leave_out=quiet
-        ) or self.candidates(cached_blocks, session_owner, host_blocks)
+            cached_blocks, session_owner, host_blocks, leave_out=quiet, model=model
+        ) or self.candidates(cached_blocks, session_owner, host_blocks, model=model)
         return DecisionInputs(
             request,
             with_room(serving, slots),
-            self.prefill_candidates(cached_blocks, host_blocks, leave_out=quiet),
+            self.prefill_candidates(cached_blocks, host_blocks, leave_out=quiet, model=model),
             frozenset(w for w, reg in self.workers.items() if reg.kv_handoff),
         )
 
@@ -153,20 +155,27 @@ class ClusterView:
         session_owner: str | None = None,
         host_blocks: dict[str, int] | None = None,
         leave_out: AbstractSet[str] = frozenset(),
+        model: str | None = None,
     ) -> list[WorkerView]:
-        """Workers that can serve a request end to end (or decode it after a remote prefill)."""
-        return self._views(SERVING_ROLES, cached_blocks, session_owner, host_blocks, leave_out)
+        """Workers that can serve a request end to end (or decode it after a remote prefill);
+        of ``model``'s pool, where one is given."""
+        return self._views(
+            SERVING_ROLES, cached_blocks, session_owner, host_blocks, leave_out, model
+        )
 
     def prefill_candidates(
         self,
         cached_blocks: dict[str, int] | None = None,
         host_blocks: dict[str, int] | None = None,
         leave_out: AbstractSet[str] = frozenset(),
+        model: str | None = None,
     ) -> list[WorkerView]:
         """Prefill-only workers that can hand their KV over."""
         return [
             view
-            for view in self._views(PREFILL_ROLES, cached_blocks, None, host_blocks, leave_out)
+            for view in self._views(
+                PREFILL_ROLES, cached_blocks, None, host_blocks, leave_out, model
+            )
             if self.workers[view.worker_id].kv_handoff
         ]
 
@@ -177,11 +186,14 @@ class ClusterView:
         session_owner: str | None,
         host_blocks: dict[str, int] | None,
         leave_out: AbstractSet[str],
+        model: str | None = None,
     ) -> list[WorkerView]:
         views = []
         # In id order, as the offline replay lists them: a decision record reads the same.
         for worker_id, reg in sorted(self.workers.items()):
             if reg.role not in roles or reg.draining or worker_id in leave_out:
+                continue
+            if model is not None and reg.model != model:  # another pool's
                 continue
             load = self._load.get(worker_id)
             unreported = sum(tokens for _, tokens in self._unreported.get(worker_id, ()))

@@ -149,14 +149,16 @@ class Planner:
         owner = None
         if self._sessions is not None and session is not None:
             owner = await self._sessions.owner(session)
-        inputs = self.cluster.decision_inputs(route, overlaps, owner, host_runs)
+        inputs = self.cluster.decision_inputs(route, overlaps, owner, host_runs, spec.model)
         if not inputs.decoders:
             # Workers come and go (a start, a restart): give one a moment before giving up.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._workers_changed.wait(), self._no_worker_grace_s)
-            inputs = self.cluster.decision_inputs(route, overlaps, owner, host_runs)
+            inputs = self.cluster.decision_inputs(route, overlaps, owner, host_runs, spec.model)
         if not inputs.decoders:
-            await self._fail(event, "no_worker", "no worker is registered to serve this model")
+            await self._fail(
+                event, "no_worker", f"no worker is registered to serve the model {spec.model!r}"
+            )
             return
         decision = decide(self._policy, self._disagg, inputs)
         # Booked before any wait, so the requests routed meanwhile (a burst is routed at once)

@@ -20,6 +20,9 @@ from infra.cli import main
         (["up", "--workers", "-1"], "argument --workers: must be at least 1, got -1"),
         (["up", "--prefill-workers", "-1"], "argument --prefill-workers: must be at least 0"),
         (["up", "--speedup", "0"], "argument --speedup: must be a positive number, got 0"),
+        (["up", "--pool", "alpha"], "argument --pool: not NAME=N: 'alpha'"),
+        (["up", "--pool", "alpha=0"], "argument --pool: must be at least 1, got 0"),
+        (["up", "--pool", "a b=1"], "argument --pool: not a model name"),
         (["up", "--speedup", "nan"], "argument --speedup: must be a positive number, got nan"),
         (["bench", "--workers", "0"], "argument --workers: must be at least 1, got 0"),
         (["bench", "--limit", "0"], "argument --limit: must be at least 1, got 0"),
@@ -45,6 +48,21 @@ def test_a_value_no_run_could_use_is_refused_in_one_line(
 def test_a_bench_with_no_decode_worker_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--workers", "2", "--prefill-workers", "2", "--limit", "1"]) == 2
     assert "no decode worker: 2 of --workers 2 are prefill workers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        (["--pool", "a=1", "--workers", "2"], "--pool NAME=N or --workers N, not both"),
+        (["--pool", "a=1", "--prefill-workers", "1"], "--prefill-workers serve one model"),
+        (["--pool", "a=1", "--pool", "a=2"], "each --pool NAME once"),
+    ],
+)
+def test_pools_that_cannot_run_together_are_refused_before_anything_starts(
+    argv: list[str], complaint: str
+) -> None:
+    with pytest.raises(SystemExit, match=complaint):
+        main(["up", *argv])
 
 
 def test_a_key_of_unbounded_rate_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

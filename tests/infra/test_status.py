@@ -60,7 +60,7 @@ def test_json_shows_services_workers_streams_and_health(
     assert workers.keys() == {pids["decode-worker-0"], pids["prefill-worker-0"]}
     assert {w["role"] for w in workers.values()} == {"decode", "prefill"}
     for worker in workers.values():
-        assert worker["draining"] is False
+        assert worker["draining"] is False and worker["model"] == "laneway-sim"
         assert worker["lease_granted_s"] == 2  # FAST_WORKERS' LANEWAY_LEASE_TTL_S
         assert 0 <= worker["lease_ttl_left_s"] <= 2
         # The load stream keeps the latest report, sent every 0.2 s.
