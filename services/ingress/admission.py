@@ -117,9 +117,11 @@ class Admission:
         clock: Callable[[], float] = time.monotonic,
         pressure: Callable[[], bool] | None = None,
         liveness: Liveness | None = None,
+        gauges: bool = True,
     ) -> None:
         """``liveness``: the workers as the ingress hears of them (fed by its caller; None:
-        every registered worker counts)."""
+        every registered worker counts); ``gauges``: its capacity, requests held and queue are
+        the ingress's gauges (False: one pool's of several, which sum them)."""
         self._settings = settings
         self._liveness = liveness
         self._pressure = pressure
@@ -132,8 +134,10 @@ class Admission:
         # replica's own requests it can count.
         self._reports: dict[str, tuple[int, float, int]] = {}
         self._waiting: dict[Priority, deque[_Waiter]] = {p: deque() for p in PRIORITIES}
-        metrics.admission_capacity.set_function(lambda: self.capacity or 0)
-        metrics.admission_in_cluster.set_function(lambda: self.in_cluster)
+        if gauges:
+            metrics.admission_capacity.set_function(lambda: self.capacity or 0)
+            metrics.admission_in_cluster.set_function(lambda: self.in_cluster)
+            metrics.admission_queue.set_function(lambda: self.queued)
 
     @property
     def capacity(self) -> int | None:
@@ -240,7 +244,6 @@ class Admission:
                 displaced.future.set_exception(self._shed("displaced", lower))
         waiter = _Waiter(priority)
         self._waiting[priority].append(waiter)
-        self._metrics.admission_queue.set(self.queued)
         return waiter
 
     def _remove(self, waiter: _Waiter) -> bool:
@@ -250,7 +253,6 @@ class Admission:
             queue.remove(waiter)
         except ValueError:
             return False
-        self._metrics.admission_queue.set(self.queued)
         return True
 
     def _wake(self) -> None:
@@ -263,7 +265,6 @@ class Admission:
                     continue  # its wait ran out just now (not yet resumed): it leaves as shed
                 self._add_own(1)
                 waiter.future.set_result(None)
-        self._metrics.admission_queue.set(self.queued)
 
     def _shed(self, reason: ShedReason, priority: Priority) -> Overloaded:
         self._metrics.shed.labels(reason, priority).inc()

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.tokenizer import Tokenizer
 from services.ingress.access_log import log_request
-from services.ingress.admission import Admission, AdmissionSettings
+from services.ingress.admission import AdmissionSettings
 from services.ingress.auth import CACHE_SALT, TENANT, AuthGate, KeyBook, capped
 from services.ingress.body import read_json_body, request_headers
 from services.ingress.context_limit import WorkerContextLimit
@@ -45,6 +45,7 @@ from services.ingress.openai_models import (
     session_id,
 )
 from services.ingress.openapi import openapi_document
+from services.ingress.pool_admission import PooledAdmission, pooled
 from services.ingress.responses import (
     JSON_HEADERS,
     ChatFormat,
@@ -64,7 +65,7 @@ def create_app(
     settings: IngressApiSettings,
     worker_limit: WorkerContextLimit | None = None,
     metrics: IngressMetrics | None = None,
-    admission: Admission | None = None,
+    admission: PooledAdmission | None = None,
     keys: KeyBook | None = None,
     readiness: Readiness | None = None,
     worker_features: WorkerFeatures | None = None,
@@ -75,7 +76,7 @@ def create_app(
     ``keys``: the API keys every request but ``/health`` must bring (none: no keys asked)."""
     metrics = metrics or IngressMetrics()
     # Without one given, no bound until a worker registers, and none registers with it.
-    admission = admission or Admission(AdmissionSettings(), metrics)
+    admission = admission or pooled(AdmissionSettings(), metrics)
     intake = Intake(tokenizer, settings, worker_limit or WorkerContextLimit(), worker_features)
     endpoints = _Endpoints(settings, metrics, readiness)
 
@@ -209,7 +210,7 @@ class _CompletionEndpoint:
 
     endpoint: Endpoint
     intake: Intake
-    admission: Admission
+    admission: PooledAdmission
     parse: Callable[[bytes], ParsedRequest]
     max_body_bytes: int
 
@@ -225,7 +226,7 @@ class _CompletionEndpoint:
             # No higher than the key allows: a tenant cannot shed others by asking.
             asked = request_priority(headers.get(b"x-laneway-priority"), parsed.params.priority)
             priority = capped(scope, asked)
-            ticket = await self.admission.admit(priority)
+            ticket = await self.admission.admit(priority, spec.model)
         except ClientDisconnect:
             self._done(scope, CLIENT_CLOSED_STATUS, received, parsed)
             return

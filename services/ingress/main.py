@@ -40,6 +40,7 @@ from services.ingress.http_head import HeadLimits, bounded_head_protocol
 from services.ingress.metrics import IngressMetrics
 from services.ingress.migration import MIGRATION_LIMIT
 from services.ingress.nats_gateway import NatsGateway
+from services.ingress.pool_admission import PooledAdmission
 from services.ingress.settings import IngressApiSettings
 from services.ingress.worker_features import WorkerFeatures
 
@@ -205,8 +206,15 @@ def main() -> None:
         # Which workers are live, for /health and admission alike (the planner's rule).
         liveness = Liveness()
         readiness = Readiness(lambda: bus.nc.is_connected, liveness)
-        admission = Admission(
-            settings.admission(), metrics, pressure=gateway.behind, liveness=liveness
+        admission = PooledAdmission(
+            metrics,
+            lambda: Admission(
+                settings.admission(),
+                metrics,
+                pressure=gateway.behind,
+                liveness=liveness,
+                gauges=False,
+            ),
         )
 
         workers_read = asyncio.Event()

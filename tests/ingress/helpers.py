@@ -25,11 +25,11 @@ from schemas.events import (
 )
 from services.common.tokenizer import ByteTokenizer
 from services.ingress.acceptor import EagerAcceptServer
-from services.ingress.admission import Admission
 from services.ingress.api import create_app
 from services.ingress.gateway import GatewayEvent
 from services.ingress.main import IngressSettings, http_config
 from services.ingress.metrics import IngressMetrics
+from services.ingress.pool_admission import PooledAdmission
 from services.ingress.settings import IngressApiSettings
 from tests.ingress.fakes import FakeGateway, Step
 
@@ -47,7 +47,7 @@ class Harness:
 async def harness(
     script: Sequence[Step] | None = None,
     *,
-    admission: Admission | None = None,
+    admission: PooledAdmission | None = None,
     metrics: IngressMetrics | None = None,
     **settings: Any,
 ) -> AsyncIterator[Harness]:

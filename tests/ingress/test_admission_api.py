@@ -6,16 +6,17 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.ingress.admission import Admission, AdmissionSettings
+from services.ingress.admission import AdmissionSettings
 from services.ingress.metrics import IngressMetrics
+from services.ingress.pool_admission import pooled
 from tests.helpers import eventually
 from tests.ingress.fakes import Hang
-from tests.ingress.helpers import chat_body, completion_body, harness
+from tests.ingress.helpers import MODEL, chat_body, completion_body, harness
 
 
 async def test_a_full_cluster_answers_429_with_retry_after_fast() -> None:
     metrics = IngressMetrics()
-    admission = Admission(AdmissionSettings(max_in_flight=1, max_wait_s=0.02), metrics)
+    admission = pooled(AdmissionSettings(max_in_flight=1, max_wait_s=0.02), metrics)
     async with harness([Hang()], admission=admission, metrics=metrics, request_timeout_s=2.0) as h:
         holding = asyncio.create_task(h.client.post("/v1/completions", json=completion_body()))
         await eventually(lambda: h.gateway.submitted)
@@ -40,8 +41,8 @@ async def test_a_full_cluster_answers_429_with_retry_after_fast() -> None:
 
 
 async def test_an_invalid_request_is_refused_for_that_even_when_full() -> None:
-    admission = Admission(AdmissionSettings(max_in_flight=1), IngressMetrics())
-    ticket = await admission.admit("normal")
+    admission = pooled(AdmissionSettings(max_in_flight=1), IngressMetrics())
+    ticket = await admission.admit("normal", MODEL)
     async with harness(admission=admission) as h:
         response = await h.client.post("/v1/completions", json=completion_body(max_tokens=0))
     assert response.status_code == 400
@@ -50,7 +51,7 @@ async def test_an_invalid_request_is_refused_for_that_even_when_full() -> None:
 
 async def test_priority_from_the_header_or_the_body() -> None:
     metrics = IngressMetrics()
-    admission = Admission(AdmissionSettings(), metrics)
+    admission = pooled(AdmissionSettings(), metrics)
     async with harness(admission=admission, metrics=metrics) as h:
         post = h.client.post
         assert (await post("/v1/completions", json=completion_body(priority="low"))).is_success
@@ -78,7 +79,7 @@ async def test_priority_from_the_header_or_the_body() -> None:
 
 
 async def test_a_shed_waiter_at_the_api_frees_nothing_it_did_not_take() -> None:
-    admission = Admission(AdmissionSettings(max_in_flight=2, max_wait_s=0.01), IngressMetrics())
+    admission = pooled(AdmissionSettings(max_in_flight=2, max_wait_s=0.01), IngressMetrics())
     async with harness(admission=admission) as h:
         replies = await asyncio.gather(
             *(h.client.post("/v1/completions", json=completion_body()) for _ in range(20))
