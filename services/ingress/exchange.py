@@ -201,7 +201,7 @@ class Exchange:
             if isinstance(event, TokensGenerated):
                 if self.ttft_s is None:
                     self.ttft_s = self._elapsed()
-                    self._metrics.first_token(self._endpoint.name, self.ttft_s)
+                    self._metrics.first_token(self._endpoint.name, self._params.model, self.ttft_s)
                 if logprobs is not None:
                     logprobs.extend(event.logprobs)
                 if not event.text:
@@ -229,6 +229,7 @@ class Exchange:
             usage = self.usage = event.usage
             self._metrics.completed(
                 self._endpoint.name,
+                self._params.model,
                 self._elapsed(),
                 self.ttft_s,
                 usage.prompt_tokens,

@@ -78,14 +78,14 @@ class IngressMetrics:
         self._ttft = Histogram(
             "laneway_ingress_ttft_seconds",
             "Request received to first generated token, seconds.",
-            ["endpoint"],
+            ["endpoint", "model"],
             buckets=_TTFT_BUCKETS,
             registry=self.registry,
         )
         self._e2e = Histogram(
             "laneway_ingress_e2e_latency_seconds",
             "Request received to terminal event, seconds, for completed requests.",
-            ["endpoint"],
+            ["endpoint", "model"],
             buckets=_E2E_BUCKETS,
             registry=self.registry,
         )
@@ -93,7 +93,7 @@ class IngressMetrics:
             "laneway_ingress_itl_seconds",
             "Mean inter-token latency of each completed request of two tokens or more: "
             "(E2E − TTFT) / (completion tokens − 1), seconds.",
-            ["endpoint"],
+            ["endpoint", "model"],
             buckets=_ITL_BUCKETS,
             registry=self.registry,
         )
@@ -108,16 +108,19 @@ class IngressMetrics:
         self._prompt_tokens = Counter(
             "laneway_ingress_prompt_tokens",
             "Prompt tokens of completed requests.",
+            ["model"],
             registry=self.registry,
         )
         self._cached_tokens = Counter(
             "laneway_ingress_cached_prompt_tokens",
             "Prompt tokens of completed requests that were served from a KV cache.",
+            ["model"],
             registry=self.registry,
         )
         self._completion_tokens = Counter(
             "laneway_ingress_completion_tokens",
             "Generated tokens of completed requests.",
+            ["model"],
             registry=self.registry,
         )
         # Each request's labelled series, looked up once: labels() validates and locks per call.
@@ -133,24 +136,26 @@ class IngressMetrics:
     def request_done(self, endpoint: str, status: int) -> None:
         self._child(self._requests, endpoint, str(status)).inc()
 
-    def first_token(self, endpoint: str, seconds: float) -> None:
-        self._child(self._ttft, endpoint).observe(seconds)
+    def first_token(self, endpoint: str, model: str, seconds: float) -> None:
+        self._child(self._ttft, endpoint, model).observe(seconds)
 
     def completed(
         self,
         endpoint: str,
+        model: str,
         seconds: float,
         ttft_s: float | None,
         prompt: int,
         cached: int,
         completion: int,
     ) -> None:
-        self._child(self._e2e, endpoint).observe(seconds)
+        self._child(self._e2e, endpoint, model).observe(seconds)
         if ttft_s is not None and completion > 1:
-            self._child(self._itl, endpoint).observe((seconds - ttft_s) / (completion - 1))
-        self._prompt_tokens.inc(prompt)
-        self._cached_tokens.inc(cached)
-        self._completion_tokens.inc(completion)
+            itl = (seconds - ttft_s) / (completion - 1)
+            self._child(self._itl, endpoint, model).observe(itl)
+        self._child(self._prompt_tokens, model).inc(prompt)
+        self._child(self._cached_tokens, model).inc(cached)
+        self._child(self._completion_tokens, model).inc(completion)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
