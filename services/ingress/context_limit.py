@@ -1,6 +1,6 @@
 """The context limit that requests are checked against, learnt from the workers' records in
-etcd: the smallest that a registered worker holds, so that whichever worker the planner picks
-can hold any request the ingress takes."""
+etcd: per served model, the smallest that a registered worker of that model holds, so that
+whichever of its workers the planner picks can hold any request the ingress takes."""
 
 from __future__ import annotations
 
@@ -9,11 +9,19 @@ from schemas.messages import WorkerRegistration
 
 class WorkerContextLimit:
     def __init__(self) -> None:
-        # None until a worker registers one.
-        self.tokens: int | None = None
+        # Per model, once a worker of it registers one.
+        self._tokens: dict[str, int] = {}
 
     async def on_workers(self, workers: dict[str, WorkerRegistration]) -> None:
-        limits = [w.max_model_len for w in workers.values() if w.max_model_len is not None]
-        # Workers come and go (a restart): the last known limit stands while none is registered.
-        if limits:
-            self.tokens = min(limits)
+        limits: dict[str, int] = {}
+        for worker in workers.values():
+            if worker.max_model_len is not None:
+                known = limits.get(worker.model, worker.max_model_len)
+                limits[worker.model] = min(known, worker.max_model_len)
+        # Workers come and go (a restart): a model's last known limit stands while none of its
+        # workers is registered.
+        self._tokens.update(limits)
+
+    def tokens(self, model: str) -> int | None:
+        """``model``'s limit; None until a worker of it registers one."""
+        return self._tokens.get(model)

@@ -50,7 +50,7 @@ class Intake:
         if not prompt_len:
             raise InvalidRequest("The prompt must contain at least one token.", "prompt")
         settings = self._settings
-        limit = self._max_model_len()
+        limit = self._max_model_len(params.model)
         max_tokens = params.max_tokens
         if max_tokens is None:
             room = settings.default_max_tokens if limit is None else limit - prompt_len
@@ -86,8 +86,8 @@ class Intake:
             "tenant": tenant, "attempt": 0, "priority": "normal", "cache_salt": salt,
         })  # fmt: skip
 
-    def _max_model_len(self) -> int | None:
-        limits = (self._settings.max_model_len, self._worker_limit.tokens)
+    def _max_model_len(self, model: str) -> int | None:
+        limits = (self._settings.max_model_len, self._worker_limit.tokens(model))
         return min((n for n in limits if n is not None), default=None)
 
     def _prompt_ids(self, request: ParsedRequest) -> Sequence[int]:
