@@ -28,7 +28,7 @@ from infra.cli import build_parser
 def digest(result: ReplayResult) -> str:
     h = hashlib.sha256()
     for record in result.records:
-        *fields, (first_s, last_s, gaps) = astuple(record)
+        *fields, (first_s, last_s, gaps, _) = astuple(record)
         h.update(repr([*fields, first_s, last_s]).encode())
         h.update(gaps.tobytes())
     report = {k: v for k, v in result.report.items() if k != "wall_s"}

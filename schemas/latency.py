@@ -9,7 +9,6 @@ by one; their bucket counts are not.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 from pydantic import BaseModel, Field
 
@@ -28,13 +27,6 @@ def _midpoint_ms(bucket: int) -> float:
 
 class LatencyHistogram(BaseModel):
     counts: dict[int, int] = Field(default_factory=dict, description="bucket index -> samples")
-
-    @classmethod
-    def of(cls, samples_ms: Iterable[float]) -> LatencyHistogram:
-        histogram = cls()
-        for ms in samples_ms:
-            histogram.add(ms)
-        return histogram
 
     def add(self, ms: float) -> None:
         b = _bucket(ms)

@@ -50,6 +50,10 @@ class OverlapReplies(Frozen):
     replies: tuple[OverlapReply, ...] = Field(max_length=OVERLAP_BATCH_LIMIT)
 
 
+# The model a worker serves, and the ingress's one name, when neither is told another.
+DEFAULT_MODEL = "laneway-sim"
+
+
 class WorkerRegistration(Frozen):
     """A worker's record in etcd (`workers/<id>`), alive as long as its lease."""
 

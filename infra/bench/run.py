@@ -26,6 +26,7 @@ from infra.bench.traces import (
 )
 from infra.engine_env import engine_env
 from infra.progress import Progress
+from schemas.messages import DEFAULT_MODEL
 from services.common.kv_transfer import KvTransferModel
 from services.engine.sim import SimConfig
 from services.planner.capacity import CapacitySettings
@@ -33,7 +34,7 @@ from services.planner.disagg import DisaggSettings
 from services.planner.kv_policy import KvSettings
 from services.planner.policy_registry import POLICY_NAMES, make_policy
 
-MODEL = "laneway-sim"
+MODEL = DEFAULT_MODEL
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -8,7 +8,7 @@ offline replay's records and a live replay's client (whose outputs are chunks).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import mul, sub
@@ -21,6 +21,9 @@ class TokenTimes:
     first_s: float | None = None
     last_s: float | None = None
     gaps_ms: array[float] = field(default_factory=lambda: array("d"))
+    # Where each gap goes instead of ``gaps_ms`` (a histogram's ``add``): a long answer's gaps
+    # then hold no memory.
+    sink: Callable[[float], None] | None = None
 
     def came(self, now: float) -> float | None:
         """Tokens came at ``now`` (a step's, or a chunk's): the gap they closed, None for the
@@ -31,7 +34,10 @@ class TokenTimes:
             self.first_s = now
             return None
         gap = (now - last) * 1000
-        self.gaps_ms.append(gap)
+        if self.sink is None:
+            self.gaps_ms.append(gap)
+        else:
+            self.sink(gap)
         return gap
 
     def came_in_steps(self, first: float, later_gaps_ms: array[float], last: float) -> None:
@@ -39,9 +45,16 @@ class TokenTimes:
         gap of ``later_gaps_ms`` later each, the last at ``last``. Each closes a gap of its own,
         as stepped one by one (the later gaps are a decode run's, alike for its whole batch)."""
         assert self.last_s is not None, "a run of steps follows the first token"
-        self.gaps_ms.append((first - self.last_s) * 1000)
-        self.gaps_ms.extend(later_gaps_ms)
+        gap = (first - self.last_s) * 1000
         self.last_s = last
+        sink = self.sink
+        if sink is None:
+            self.gaps_ms.append(gap)
+            self.gaps_ms.extend(later_gaps_ms)
+            return
+        sink(gap)
+        for later in later_gaps_ms:
+            sink(later)
 
 
 def gaps_ms(times: Sequence[float]) -> array[float]:

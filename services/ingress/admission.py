@@ -117,11 +117,10 @@ class Admission:
         clock: Callable[[], float] = time.monotonic,
         pressure: Callable[[], bool] | None = None,
         liveness: Liveness | None = None,
-        gauges: bool = True,
     ) -> None:
         """``liveness``: the workers as the ingress hears of them (fed by its caller; None:
-        every registered worker counts); ``gauges``: its capacity, requests held and queue are
-        the ingress's gauges (False: one pool's of several, which sum them)."""
+        every registered worker counts). One model pool's (the ingress's admission gauges sum
+        the pools: services.ingress.pool_admission)."""
         self._settings = settings
         self._liveness = liveness
         self._pressure = pressure
@@ -134,10 +133,6 @@ class Admission:
         # replica's own requests it can count.
         self._reports: dict[str, tuple[int, float, int]] = {}
         self._waiting: dict[Priority, deque[_Waiter]] = {p: deque() for p in PRIORITIES}
-        if gauges:
-            metrics.admission_capacity.set_function(lambda: self.capacity or 0)
-            metrics.admission_in_cluster.set_function(lambda: self.in_cluster)
-            metrics.admission_queue.set_function(lambda: self.queued)
 
     @property
     def capacity(self) -> int | None:

@@ -213,7 +213,6 @@ def main() -> None:
                 metrics,
                 pressure=gateway.behind,
                 liveness=liveness,
-                gauges=False,
             ),
         )
 

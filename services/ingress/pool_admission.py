@@ -19,7 +19,7 @@ from services.ingress.metrics import IngressMetrics
 
 class PooledAdmission:
     def __init__(self, metrics: IngressMetrics, pool: Callable[[], Admission]) -> None:
-        """``pool``: makes a pool's Admission, of ``gauges=False`` (these are the sums)."""
+        """``pool``: makes a pool's Admission."""
         self._pool = pool
         # model → its pool; a model's pool is made when a worker serving it registers or a
         # request asks for it (the ingress has checked that it serves that name).
@@ -47,9 +47,16 @@ class PooledAdmission:
 
     async def on_workers(self, workers: dict[str, WorkerRegistration]) -> None:
         self._model_of = {w.worker_id: w.model for w in workers.values()}
-        for model in set(self._model_of.values()) | self._pools.keys():
-            mine = {k: w for k, w in workers.items() if w.model == model}
-            await self._of(model).on_workers(mine)
+        pools: dict[str, dict[str, WorkerRegistration]] = {}
+        for worker_id, worker in workers.items():
+            pools.setdefault(worker.model, {})[worker_id] = worker
+        for model in pools.keys() | self._pools.keys():
+            pool = self._of(model)
+            await pool.on_workers(pools.get(model, {}))
+            # Models come and go with the workers' records: a pool of none that holds and
+            # queues nothing goes (made again by the next request for it).
+            if model not in pools and pool.in_cluster == pool.queued == 0:
+                del self._pools[model]
 
     async def on_load(self, report: WorkerLoadReported) -> None:
         model = self._model_of.get(report.worker_id)
@@ -64,4 +71,4 @@ class PooledAdmission:
 
 def pooled(settings: AdmissionSettings, metrics: IngressMetrics) -> PooledAdmission:
     """Pools of ``settings``, each bounded by its workers alone (no liveness, no pressure)."""
-    return PooledAdmission(metrics, lambda: Admission(settings, metrics, gauges=False))
+    return PooledAdmission(metrics, lambda: Admission(settings, metrics))

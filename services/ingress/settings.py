@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from schemas.messages import DEFAULT_MODEL
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IngressApiSettings:
     instance_id: str
     """Ingress instance that the cluster streams answers to (``RequestSpec.reply_to``)."""
-    served_model_names: tuple[str, ...] = ("laneway-sim",)
+    served_model_names: tuple[str, ...] = (DEFAULT_MODEL,)
     block_size: int = 16
     """Tokens per block of the prompt's chained block hashes."""
     max_model_len: int | None = None

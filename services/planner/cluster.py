@@ -5,6 +5,7 @@ Plain bookkeeping with no I/O; the service feeds it events and asks it for candi
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -12,11 +13,13 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from schemas.events import WorkerLoadReported
-from schemas.messages import WorkerRegistration
+from schemas.messages import DEFAULT_MODEL, WorkerRegistration
 from services.common.liveness import QUIET_S, Liveness
 from services.planner.decision import DecisionInputs
 from services.planner.policy import RouteRequest, WorkerView
 from services.planner.routable import with_room
+
+log = logging.getLogger(__name__)
 
 # How a recorded decision of a request that moved to another worker begins its reason.
 MIGRATED = "migrated (attempt {attempt}): "
@@ -60,6 +63,8 @@ class ClusterView:
         self._in_flight: dict[str, int] = {}
         # Per worker, (when, prompt tokens) routed there that its last report may not include.
         self._unreported: dict[str, deque[tuple[float, int]]] = {}
+        # Models asked of workers that name none (see _pool_of), each warned of once.
+        self._unnamed: set[str] = set()
 
     def set_workers(self, workers: dict[str, WorkerRegistration]) -> dict[str, Routed]:
         """Replace the live set; returns the requests that were in flight on workers now gone."""
@@ -137,17 +142,42 @@ class ClusterView:
         ``model``: the model it asks for, which only its pool's workers are candidates for."""
         slots = {worker_id: reg.max_num_seqs for worker_id, reg in self.workers.items()}
         quiet = self.quiet()
-        # When every server is silent the bus or this planner stalled, not all the workers:
-        # routing to them then beats refusing. A silent prefill worker is simply not used.
+        model = self._pool_of(model)
         serving = self.candidates(
             cached_blocks, session_owner, host_blocks, leave_out=quiet, model=model
-        ) or self.candidates(cached_blocks, session_owner, host_blocks, model=model)
+        )
+        # When every server (every pool's) is silent the bus or this planner stalled, not all
+        # the workers: routing to them then beats refusing. A silent prefill worker is simply
+        # not used.
+        if not serving and not self.candidates(leave_out=quiet):
+            serving = self.candidates(cached_blocks, session_owner, host_blocks, model=model)
         return DecisionInputs(
             request,
             with_room(serving, slots),
             self.prefill_candidates(cached_blocks, host_blocks, leave_out=quiet, model=model),
             frozenset(w for w, reg in self.workers.items() if reg.kv_handoff),
         )
+
+    def _pool_of(self, model: str | None) -> str | None:
+        """The model whose workers serve ``model``'s requests: its own, unless no worker names
+        a model of its own (all register DEFAULT_MODEL): then any (None), with a warning, for
+        one release. Before model pools an ingress serving other names in front of such
+        workers worked, the planner ignoring the model."""
+        workers = self.workers.values()
+        if model is None or any(reg.model == model for reg in workers):
+            return model
+        if not workers or any(reg.model != DEFAULT_MODEL for reg in workers):
+            return model
+        if model not in self._unnamed:
+            self._unnamed.add(model)
+            log.warning(
+                "no worker registers model %r, and all register %r: routed to them all the "
+                "same; set LANEWAY_MODEL=%s on them (this goes in the next release)",
+                model,
+                DEFAULT_MODEL,
+                model,
+            )
+        return None
 
     def candidates(
         self,

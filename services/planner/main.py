@@ -42,7 +42,7 @@ _CAPACITY = CapacitySettings()
 
 
 # The kv policy's knobs it takes from settings shared with others, and those settings.
-_DERIVED = {
+SHARED_KNOBS = {
     "itl_target_ms": "LANEWAY_ITL_TARGET_MS",
     "kv_bytes_per_token": "LANEWAY_KV_BYTES_PER_TOKEN",
 }
@@ -98,7 +98,7 @@ class PlannerSettings(FoldSettings):
             if "perf_model" in knobs:  # read by its old name: the renamed settings take it
                 knobs = {k: v for k, v in knobs.items() if k != "perf_model"}
                 data = {**data, "kv": knobs}
-            for knob, setting in _DERIVED.items():
+            for knob, setting in SHARED_KNOBS.items():
                 if knob in knobs:
                     raise ValueError(f"LANEWAY_KV_{knob.upper()} is read from {setting}")
         return data

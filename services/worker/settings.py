@@ -11,6 +11,7 @@ from pydantic import Field
 
 from bus.settings import ServiceSettings
 from schemas.events import Role, new_id
+from schemas.messages import DEFAULT_MODEL
 from services.common.kv_transfer import KvTransferModel
 from services.common.tokenizer import ByteTokenizer, Tokenizer
 from services.engine.protocol import Engine
@@ -62,7 +63,7 @@ class WorkerSettings(ServiceSettings):
     # sim: simulated timing, real KV accounting. torch, trtllm, vllm: a real model from
     # `model_dir` (vllm: vLLM's engine in this process, services.engine.vllm_engine).
     engine: Literal["sim", "torch", "trtllm", "vllm"] = "sim"
-    model: str = "laneway-sim"
+    model: str = DEFAULT_MODEL
     # A Hugging Face layout folder (config.json, *.safetensors, tokenizer.json): torch engine.
     model_dir: Path | None = None
     device: str = "cpu"

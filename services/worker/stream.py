@@ -53,7 +53,8 @@ class RequestStream:
         self.prompt_tokens = prompt_tokens
         self.received = received
         self._detok = detokenizer
-        self.times = TokenTimes()
+        self.token_gaps = LatencyHistogram()
+        self.times = TokenTimes(sink=self.token_gaps.add)
         self.finished_at: float | None = None
         self.finish_reason: FinishReason | None = None
         self.cached_tokens = 0
@@ -93,12 +94,11 @@ class RequestStream:
             # is the client's prompt, up to its length.
             self.cached_tokens = min(output.cached_tokens or 0, self.prompt_tokens)
         elif ids:
-            closed = len(clock.gaps_ms)
             if times:
                 clock.came_in_steps(times[0], gaps_ms(times), times[-1])
             else:
                 clock.came(now)
-            self.stalled_gaps += stalled * (len(clock.gaps_ms) - closed)
+            self.stalled_gaps += stalled * (len(times) or 1)
         detok = self._detok
         stopped = False
         text = ""
@@ -152,7 +152,7 @@ class RequestStream:
             ),
             ttft_ms=((self.times.first_s or end) - self.received) * 1000,
             e2e_ms=(end - self.received) * 1000,
-            token_gaps=LatencyHistogram.of(self.times.gaps_ms),
+            token_gaps=self.token_gaps,
             stalled_gaps=self.stalled_gaps,
             prefill_worker_id=prefill_worker_id,
             attempt=attempt,

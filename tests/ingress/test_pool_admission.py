@@ -17,7 +17,7 @@ from tests.ingress.test_admission import Clock, load, sample
 def _pools(metrics: IngressMetrics) -> PooledAdmission:
     """Pools that shed at once, on a clock that stands still."""
     settings, clock = AdmissionSettings(max_wait_s=0.0), Clock()
-    return PooledAdmission(metrics, lambda: Admission(settings, metrics, clock, gauges=False))
+    return PooledAdmission(metrics, lambda: Admission(settings, metrics, clock))
 
 
 def _worker(worker_id: str, model: str) -> dict[str, object]:
@@ -56,3 +56,18 @@ async def test_a_model_no_worker_serves_yet_is_not_bounded() -> None:
     assert admission.in_cluster == 10
     for ticket in tickets:
         ticket.release()
+
+
+async def test_a_pool_whose_workers_left_goes_once_it_holds_nothing() -> None:
+    """Workers name their own models: a pool per name ever seen would grow without end."""
+    metrics = IngressMetrics()
+    admission = _pools(metrics)
+    for i in range(50):
+        await admission.on_workers(_worker(f"w{i}", f"model-{i}"))  # type: ignore[arg-type]
+    held = await admission.admit("normal", "model-49")
+    await admission.on_workers({})
+    assert sample(metrics, "laneway_ingress_admission_capacity") == 0
+    assert list(admission._pools) == ["model-49"]  # it still holds a request
+    held.release()
+    await admission.on_workers({})
+    assert not admission._pools
