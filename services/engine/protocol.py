@@ -28,6 +28,8 @@ class EngineRequest:
     # salt_root), for the blocks the engine hashes itself (all of them where ``block_hashes``
     # is empty, the answer's always), so that they join the same salted chain.
     root_hash: int = ROOT_HASH
+    # The LoRA adapter it runs with (None: the base model).
+    lora: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,10 @@ class SimConfig:
     host_link_latency_ms: float = 0.05
     # KV bytes of one token (Llama-3-8B-like bf16), what a load from host memory moves.
     kv_bytes_per_token: int = 131_072
+    # LoRA adapters resident at once (vLLM's --max-loras; least recently used out beyond), and
+    # what loading one that is not costs the step that first schedules a request of it.
+    max_loras: int = 2
+    lora_load_ms: float = 150.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -26,3 +30,5 @@ class SimConfig:
                 raise ValueError(f"{name} must be positive")
         if self.num_host_blocks < 0 or self.host_link_gb_s <= 0:
             raise ValueError("num_host_blocks must be >= 0 and host_link_gb_s positive")
+        if self.max_loras < 1 or self.lora_load_ms < 0:
+            raise ValueError("max_loras must be positive and lora_load_ms >= 0")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from services.common.kv_transfer import KvTransferModel
@@ -41,6 +42,16 @@ class SimEngine(ScheduledEngine):
         )
         # Requests whose KV another worker sends: the transfer's ms, paid when first scheduled.
         self._transfers_ms: dict[str, float] = {}
+        # Requests of a LoRA adapter not yet scheduled (the adapter loads then, if it is not
+        # resident), and the adapters resident, least recently used first.
+        self._lora_of: dict[str, str] = {}
+        self._loras: OrderedDict[str, None] = OrderedDict()
+        self._max_loras, self._lora_load_ms = config.max_loras, config.lora_load_ms
+
+    @property
+    def loras(self) -> frozenset[str]:
+        """The LoRA adapters resident now."""
+        return frozenset(self._loras)
 
     def add_request(self, request: EngineRequest) -> None:
         try:
@@ -49,6 +60,8 @@ class SimEngine(ScheduledEngine):
             if request.request_id not in self._requests:
                 self._transfers_ms.pop(request.request_id, None)  # expected, never queued
             raise
+        if request.lora is not None:
+            self._lora_of[request.request_id] = request.lora
 
     def expect_transfer(self, request_id: str, transfer_ms: float) -> None:
         """The request added next under ``request_id`` is a live KV move's, its blocks imported
@@ -77,6 +90,25 @@ class SimEngine(ScheduledEngine):
 
     def _forget(self, request_id: str) -> None:
         self._transfers_ms.pop(request_id, None)
+        self._lora_of.pop(request_id, None)
+
+    def _load_loras(self, request_ids: Sequence[str]) -> float:
+        """The adapters of the requests a step schedules first made resident; the ms their loads
+        take (vLLM loads an adapter before the step that runs it)."""
+        load_ms = 0.0
+        loras = self._loras
+        for request_id in request_ids:
+            lora = self._lora_of.pop(request_id, None)
+            if lora is None:
+                continue
+            if lora in loras:
+                loras.move_to_end(lora)
+                continue
+            load_ms += self._lora_load_ms
+            loras[lora] = None
+            if len(loras) > self._max_loras:
+                loras.popitem(last=False)
+        return load_ms
 
     def import_blocks(self, block_hashes: Sequence[int]) -> int:
         """Take a prompt's KV blocks handed over by a prefill worker into the prefix cache (as
@@ -104,7 +136,7 @@ class SimEngine(ScheduledEngine):
         """Every decode step from ``start`` (seconds) that begins before ``until``, at once, when
         they are plain decode steps (see :func:`~services.engine.scheduling.decode_run.decode_run`):
         for a simulation, which needs no per-step outputs. None when the next step is not one."""
-        if self._transfers_ms:
+        if self._transfers_ms or self._lora_of:
             return None
         perf, total = self._perf, self.kv_blocks_total
         return self._decode_run(
@@ -137,10 +169,14 @@ class SimEngine(ScheduledEngine):
         batch = self._scheduler.schedule()
         if not batch.scheduled:
             return StepResult(kv_changes=self._pool.drain_changes())
+        # Adapters load before the step runs (and before a request it ends is forgotten).
+        lora_ms = (
+            self._load_loras([r.request_id for r, _ in batch.scheduled]) if self._lora_of else 0.0
+        )
         # The KV the step's attention reads: every running request's blocks, this step's included.
         kv_usage = self._pool.num_used / self.kv_blocks_total
         outputs = self._advance(batch, lambda req: req.words.next_token())
-        step_ms = self._perf.step_ms(batch.prefill_tokens, batch.decode_seqs, kv_usage)
+        step_ms = self._perf.step_ms(batch.prefill_tokens, batch.decode_seqs, kv_usage) + lora_ms
         # Loads from host memory, and moved KV, arrive before the step's attention reads them.
         step_ms += self._host_link.transfer_ms(batch.loaded_tokens)
         if self._transfers_ms:
