@@ -78,6 +78,9 @@ class RequestSpec(Frozen):
         description="admission control's class: the kv policy weighs a first token's delay by it",
     )
     cache_salt: str | None = Field(None, max_length=64, description="the salt of its block hashes")
+    lora: str | None = Field(
+        default=None, max_length=128, description="the LoRA adapter it runs with; None: the base"
+    )
 
     @property
     def prompt_length(self) -> int:
@@ -128,6 +131,11 @@ class RouteCandidate(Frozen):
     )
     kv_bytes_per_token: int = Field(
         default=0, ge=0, description="bytes of KV a token takes there (0: the planner's setting)"
+    )
+    lora_resident: bool | None = Field(
+        default=None,
+        description="the request's LoRA adapter was resident there (False: its load was "
+        "predicted); None: the request has no adapter",
     )
 
 

@@ -181,6 +181,25 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     )
     tenants = "offline: the conversations dealt out to N tenants, each with its salted cache"
     bench.add_argument("--tenants", type=at_least(1), help=tenants)
+    bench.add_argument(
+        "--loras",
+        type=at_least(1),
+        help="offline: each conversation asks for one of N LoRA adapters, drawn by Zipf "
+        "(--lora-zipf); a worker holds --max-loras and loads others in --lora-load-ms",
+    )
+    bench.add_argument("--lora-zipf", type=float, default=1.1, help="Zipf exponent of --loras")
+    bench.add_argument(
+        "--max-loras",
+        type=at_least(1),
+        default=_ENGINE_DEFAULTS.max_loras,
+        help="adapters a worker holds",
+    )
+    bench.add_argument(
+        "--lora-load-ms",
+        type=float,
+        default=_ENGINE_DEFAULTS.lora_load_ms,
+        help="what loading an adapter a worker does not hold costs",
+    )
     bench.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
     bench.add_argument(
         "--time-scale",

@@ -159,6 +159,7 @@ class OfflineReplay(ReplaySteps):
         report["pool_busy_fraction"] = self._pools.fractions()
         report["remote_prefills"] = self._remote_prefills
         report["kv_moves"] = self._kv_moves
+        report["lora_loads"] = sum(w.engine.lora_loads for w in self._workers)
         report["kv_tiers"] = self._tiers.report()
         report["output_length"] = self._lengths.report()
         if self._capacity is not None:
@@ -171,7 +172,9 @@ class OfflineReplay(ReplaySteps):
         hashes = self._hashes.of(i)
         request_id = f"r{i}"
         max_tokens, expected = self._lengths.route(i, request.input_length, request.output_length)
-        route = RouteRequest(request_id, request.input_length, hashes, None, max_tokens, expected)
+        route = RouteRequest(
+            request_id, request.input_length, hashes, None, max_tokens, expected, lora=request.lora
+        )
         overlaps = {}
         tiered: tuple[int, ...] = ()
         if hashes and self._policy.wants_overlap(route):
@@ -194,7 +197,7 @@ class OfflineReplay(ReplaySteps):
         sampling = SamplingParams(max_tokens=request.output_length, ignore_eos=True)
         root = salt_root(request.cache_salt)
         prompt = self._prompts.prompt(request)
-        whole = EngineRequest(request_id, prompt, sampling, hashes, root)
+        whole = EngineRequest(request_id, prompt, sampling, hashes, root, request.lora)
         move = decision.kv_move
         if remote is None:
             if move is None:
@@ -211,7 +214,10 @@ class OfflineReplay(ReplaySteps):
         cached = next(v.cached_blocks for v in inputs.decoders if v.worker_id == decision.worker_id)
         self._handoffs[i] = (w, whole, cached)
         one = SamplingParams(max_tokens=1, ignore_eos=True)
-        prefill = EngineRequest(request_id + PREFILL, whole.prompt_token_ids, one, hashes, root)
+        lora = request.lora
+        prefill = EngineRequest(
+            request_id + PREFILL, whole.prompt_token_ids, one, hashes, root, lora
+        )
         self._submit(now, self._index_of(remote), i, prefill)
 
     def _pool(self, role: Role) -> list[SimWorker]:

@@ -22,6 +22,7 @@ from infra.bench.traces import (
     load_trace,
     sample_conversations,
     with_block_unit,
+    with_loras,
     with_tenants,
 )
 from infra.engine_env import engine_env
@@ -59,6 +60,8 @@ def _offline(
         num_host_blocks=round(tiers.host_kv_ratio * args.num_gpu_blocks),
         host_link_gb_s=tiers.host_link_gb_s,
         kv_bytes_per_token=args.kv_bytes_per_token,
+        max_loras=args.max_loras,
+        lora_load_ms=args.lora_load_ms,
     )
     prefill, decode = _pools(args)
     disagg = DisaggSettings(
@@ -87,6 +90,7 @@ def _offline(
         kv_bytes_per_token=args.kv_bytes_per_token,
         host_link_gb_s=tiers.host_link_gb_s,
         moves=tiers.topology is not None,
+        lora_load_ms=args.lora_load_ms,
     )
     replay = OfflineReplay(
         trace,
@@ -243,9 +247,10 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.tenants is not None and args.mode == "live":
-        print("laneway bench: --tenants is offline only", file=sys.stderr)
-        return 2
+    for offline_only in ("tenants", "loras"):
+        if getattr(args, offline_only) is not None and args.mode == "live":
+            print(f"laneway bench: --{offline_only} is offline only", file=sys.stderr)
+            return 2
     refused = _refused_with_engine(args)
     if refused:
         print(f"laneway bench: {refused}", file=sys.stderr)
@@ -266,6 +271,8 @@ def main(args: argparse.Namespace) -> int:
         trace = _slice(args)
         if args.tenants is not None:
             trace = with_tenants(trace, args.tenants)
+        if args.loras is not None:
+            trace = with_loras(trace, args.loras, args.lora_zipf)
     except ValueError as e:
         print(f"laneway bench: {e}", file=sys.stderr)
         return 2

@@ -59,4 +59,5 @@ class SimWorker:
             kv_capacity_tokens=engine.kv_blocks_total * engine.block_size,
             host_blocks=index.host_run(self.worker_id, hashes, cached) if hashes else 0,
             node=self.node,
+            loras=engine.loras,
         )

@@ -11,6 +11,7 @@ tokens in live mode; a model with a tokenizer of its own takes the same bytes as
 
 from __future__ import annotations
 
+import bisect
 import csv
 import hashlib
 import itertools
@@ -49,6 +50,8 @@ class TraceRequest:
     block_unit: int = TRACE_BLOCK_SIZE
     # Its tenant's cache salt (``with_tenants``), as the ingress would give it; None: unsalted.
     cache_salt: str | None = None
+    # The LoRA adapter it asks for (``with_loras``); None: the base model.
+    lora: str | None = None
 
 
 def block_tokens(hash_id: int, length: int = TRACE_BLOCK_SIZE) -> bytes:
@@ -264,6 +267,24 @@ def with_tenants(trace: Sequence[TraceRequest], tenants: int) -> list[TraceReque
         tenant = conversations.setdefault(conversation(r), len(conversations)) % tenants
         salted.append(replace(r, cache_salt=salts[tenant]))
     return salted
+
+
+def with_loras(trace: Sequence[TraceRequest], loras: int, zipf_s: float) -> list[TraceRequest]:
+    """``trace`` asking for ``loras`` LoRA adapters (``lora-0`` the most asked for): each
+    conversation (``conversation``) draws one, the k-th with weight 1/k**``zipf_s``, from a
+    seed of its own, so a conversation keeps its adapter and every run draws the same."""
+    if loras < 1 or zipf_s < 0:
+        raise ValueError("loras must be at least 1 and the Zipf exponent at least 0")
+    weights = [1 / k**zipf_s for k in range(1, loras + 1)]
+    total = sum(weights)
+    bounds = list(itertools.accumulate(w / total for w in weights))
+    drawn = []
+    for r in trace:
+        key = hashlib.sha256(repr(conversation(r)).encode()).digest()
+        u = int.from_bytes(key[:8], "little") / 2**64
+        rank = min(bisect.bisect_right(bounds, u), loras - 1)
+        drawn.append(replace(r, lora=f"lora-{rank}"))
+    return drawn
 
 
 def tenant_secret(tenant: int) -> bytes:

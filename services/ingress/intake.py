@@ -83,7 +83,7 @@ class Intake:
             "block_hashes": chain_block_hashes(prompt_ids, settings.block_size, salt_root(salt)),
             "sampling": sampling, "reply_to": settings.instance_id,
             "deadline": datetime.now(UTC) + timedelta(seconds=settings.request_timeout_s),
-            "tenant": tenant, "attempt": 0, "priority": "normal", "cache_salt": salt,
+            "tenant": tenant, "attempt": 0, "priority": "normal", "cache_salt": salt, "lora": None,
         })  # fmt: skip
 
     def _max_model_len(self, model: str) -> int | None:

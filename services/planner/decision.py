@@ -121,18 +121,20 @@ def inputs_of(event: RouteDecided) -> DecisionInputs:
         event.expected_output_tokens,
         spec.priority,
         spec.sampling.structured_output is not None,
+        spec.lora,
     )
     prefillers = event.prefill.candidates if event.prefill is not None else ()
     weighed = (*event.candidates, *prefillers)
     return DecisionInputs(
         request,
-        [_view_of(c) for c in event.candidates],
-        [_view_of(c) for c in prefillers],
+        [_view_of(c, spec.lora) for c in event.candidates],
+        [_view_of(c, spec.lora) for c in prefillers],
         frozenset(c.worker_id for c in weighed if c.kv_handoff),
     )
 
 
-def _view_of(candidate: RouteCandidate) -> WorkerView:
+def _view_of(candidate: RouteCandidate, lora: str | None) -> WorkerView:
+    """The worker as the decision saw it; of its adapters, only whether it held the request's."""
     return WorkerView(
         worker_id=candidate.worker_id,
         running=candidate.running,
@@ -149,6 +151,7 @@ def _view_of(candidate: RouteCandidate) -> WorkerView:
         rack=candidate.rack,
         step_cost=candidate.step_cost,
         kv_bytes_per_token=candidate.kv_bytes_per_token,
+        loras=frozenset({lora}) if candidate.lora_resident and lora is not None else frozenset(),
     )
 
 
@@ -229,6 +232,7 @@ def _route_candidate(
     queue_ms: float | None,
     prefill_ms: float | None,
 ) -> RouteCandidate:
+    lora = inputs.request.lora
     # Unvalidated (a fifth of a validation's time, every candidate of every decision): the view's
     # counts come from checked reports and registrations and the planner's own counters, and the
     # floats are made floats here, as validating would.
@@ -254,5 +258,6 @@ def _route_candidate(
             "rack": view.rack,
             "step_cost": view.step_cost,
             "kv_bytes_per_token": view.kv_bytes_per_token,
+            "lora_resident": None if lora is None else lora in view.loras,
         },
     )

@@ -141,6 +141,7 @@ class Planner:
             expected,
             spec.priority,
             spec.sampling.structured_output is not None,
+            spec.lora,
         )
         overlaps: dict[str, int] | None = None
         host_runs: dict[str, int] | None = None

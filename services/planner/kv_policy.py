@@ -89,6 +89,8 @@ class KvSettings:
     # see them) each further ms costs ``ttft_miss_weight`` more. Waiting on the KV's owner,
     # moving the KV and recomputing are weighed alike, so an urgent request moves or
     # recomputes for a gain a normal one would wait out.
+    # Loading a LoRA adapter that a worker does not hold, before the request's prefill (ms).
+    lora_load_ms: _Weight = 150.0
     high_priority_weight: _Weight = 2.0
     low_priority_weight: _Weight = 0.5
     ttft_target_ms: _Weight = 0.0
@@ -267,6 +269,8 @@ class KvAware:
         prefill_ms = self._prefill_ms(queued + uncached, worker) - queue_ms
         host_link = sized(self._host_link, worker.kv_bytes_per_token)
         prefill_ms += host_link.transfer_ms(host - move_blocks * bs)
+        if request.lora is not None and request.lora not in worker.loras:
+            prefill_ms += self.settings.lora_load_ms
         output = request.output_tokens
         # Decode steps slow down as the worker's KV fills (the perf model's decode term), and
         # this request's tokens will be generated at that pace: long answers weigh more.

@@ -45,6 +45,8 @@ class WorkerView:
     step_cost: StepCost | None = None
     # Bytes a token's KV takes there; 0: the policy's configured size.
     kv_bytes_per_token: int = 0
+    # The LoRA adapters resident there.
+    loras: frozenset[str] = frozenset()
 
     @property
     def load(self) -> int:
@@ -66,6 +68,9 @@ class RouteRequest:
     # Its answer must come from one engine from the first token on (a response_format: an
     # engine's grammar cannot go on from a token another engine sampled): no remote prefill.
     no_handoff: bool = False
+    # The LoRA adapter it runs with (None: the base model): a worker where it is not resident
+    # loads it first.
+    lora: str | None = None
 
     @property
     def output_tokens(self) -> int:

@@ -47,11 +47,10 @@ class SimEngine(ScheduledEngine):
         self._lora_of: dict[str, str] = {}
         self._loras: OrderedDict[str, None] = OrderedDict()
         self._max_loras, self._lora_load_ms = config.max_loras, config.lora_load_ms
-
-    @property
-    def loras(self) -> frozenset[str]:
-        """The LoRA adapters resident now."""
-        return frozenset(self._loras)
+        # The adapters resident now, as the planner's view of this worker reads them, and the
+        # loads so far.
+        self.loras: frozenset[str] = frozenset()
+        self.lora_loads = 0
 
     def add_request(self, request: EngineRequest) -> None:
         try:
@@ -105,9 +104,11 @@ class SimEngine(ScheduledEngine):
                 loras.move_to_end(lora)
                 continue
             load_ms += self._lora_load_ms
+            self.lora_loads += 1
             loras[lora] = None
             if len(loras) > self._max_loras:
                 loras.popitem(last=False)
+            self.loras = frozenset(loras)
         return load_ms
 
     def import_blocks(self, block_hashes: Sequence[int]) -> int:
