@@ -37,6 +37,7 @@ TERMS = (
     "waiting_prefill_tokens",
     "owns_session",
     "kv_handoff",
+    "lora_resident",
     "predicted_queue_ms",
     "predicted_prefill_ms",
     "cost",
@@ -46,6 +47,7 @@ _HEADINGS = {
     "waiting_prefill_tokens": "queued_tok",
     "owns_session": "owner",
     "kv_handoff": "handoff",
+    "lora_resident": "adapter",
     "predicted_queue_ms": "queue_ms",
     "predicted_prefill_ms": "prefill_ms",
 }
@@ -95,6 +97,7 @@ def explain(log: LogIndex, request_id: str) -> dict[str, Any]:
         spec = found.accepted.spec
         out["prompt_tokens"] = spec.prompt_length
         out["max_tokens"] = spec.sampling.max_tokens
+        out["model"], out["lora"] = spec.model, spec.lora
     if route is None:
         return out
     out |= {
@@ -270,6 +273,9 @@ def render(explained: dict[str, Any]) -> str:
         ]
     else:
         lines.append("  never routed")
+    if "model" in explained:
+        adapter = f", LoRA adapter {explained['lora']}" if explained["lora"] else ""
+        lines.append(f"  model     {explained['model']}{adapter}")
     lines += ["", "timeline"]
     for step in explained["timeline"]:
         details = ", ".join(

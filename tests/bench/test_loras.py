@@ -51,12 +51,16 @@ def test_zipf_draws_and_the_kv_policy_loads_fewer_adapters_sooner() -> None:
     assert aware["ttft"] < unaware["ttft"] and aware["ttft"] < 0.9 * rr["ttft"]
 
 
-def test_bench_takes_loras_offline_only(
-    small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bench_takes_loras(small_trace: Path, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     argv = ["bench", "--trace", str(small_trace), "--workers", "2", "--policy", "kv"]
     assert main([*argv, "--loras", "3", "--max-loras", "1", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["kv"]["lora_loads"] > 0
-    assert main([*argv, "--mode", "live", "--loras", "3"]) == 2
-    assert "--loras is offline only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--tenants", "--loras"])
+def test_offline_only_flags_are_refused_live(
+    flag: str, small_trace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "--trace", str(small_trace), "--mode", "live", flag, "2"]) == 2
+    assert f"{flag} is offline only" in capsys.readouterr().err

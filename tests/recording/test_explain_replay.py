@@ -114,6 +114,9 @@ def test_explain_shows_the_timeline_and_every_candidates_terms(
         chosen = [c for c in explained["candidates"] if c["chosen"]]
         assert [c["worker_id"] for c in chosen] == [explained["worker_id"]]
         assert len(explained["trace_id"]) == 32 and explained["policy"] == "kv"
+        # No adapter asked: none is weighed.
+        assert (explained["model"], explained["lora"]) == (MODEL, None)
+        assert all(c["lora_resident"] is None for c in explained["candidates"])
         prefill = explained["prefill"]
         assert prefill is not None and len(prefill["candidates"]) == 1
         if prefill["prefill_worker_id"] is not None:
@@ -123,6 +126,7 @@ def test_explain_shows_the_timeline_and_every_candidates_terms(
     assert main(["explain", request_id, *source]) == 0
     text = capsys.readouterr().out
     assert f"request {request_id}" in text and "decode candidates" in text and "cost" in text
+    assert f"  model     {MODEL}\n" in text and "adapter" in text
 
 
 def test_each_requests_events_name_one_trace(log: list[Recorded]) -> None:
