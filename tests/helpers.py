@@ -7,7 +7,15 @@ import inspect
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar, overload
 
-from schemas.events import KvBlocksStored, KvChanged, RequestSpec, RouteDecided, StoredRun
+from schemas.events import (
+    KvBlocksStored,
+    KvChanged,
+    RequestSpec,
+    Role,
+    RouteDecided,
+    StoredRun,
+    WorkerLoadReported,
+)
 from schemas.messages import WorkerRegistration
 
 T = TypeVar("T")
@@ -79,6 +87,22 @@ async def eventually(
         if asyncio.get_running_loop().time() >= deadline:
             raise AssertionError(f"{message} within {timeout}s; last value: {value!r}")
         await asyncio.sleep(interval)
+
+
+def load_report(
+    worker_id: str, running: int = 0, waiting: int = 0, role: Role = "both"
+) -> WorkerLoadReported:
+    """A worker's load report of ``running`` and ``waiting`` requests, its KV nearly empty."""
+    return WorkerLoadReported(
+        source=f"worker/{worker_id}",
+        worker_id=worker_id,
+        role=role,
+        running=running,
+        waiting=waiting,
+        waiting_prefill_tokens=0,
+        kv_blocks_used=0,
+        kv_blocks_total=10,
+    )
 
 
 def stored_blocks(events: Iterable[object], worker_id: str) -> list[int]:

@@ -16,14 +16,13 @@ from infra.bench.metrics import ReplayResult
 from infra.bench.offline import OfflineReplay
 from infra.bench.report import format_table, write_json
 from infra.bench.tiers import TierSettings, live_env, tier_settings
+from infra.bench.trace_draws import with_loras, with_tenants
 from infra.bench.traces import (
     TraceRequest,
     capped,
     load_trace,
     sample_conversations,
     with_block_unit,
-    with_loras,
-    with_tenants,
 )
 from infra.engine_env import engine_env
 from infra.progress import Progress

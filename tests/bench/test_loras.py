@@ -11,14 +11,12 @@ from pathlib import Path
 import pytest
 
 from infra.bench.offline import OfflineReplay
-from infra.bench.traces import conversation, load_trace, with_loras
+from infra.bench.trace_draws import with_loras
+from infra.bench.traces import conversation, load_trace
 from infra.cli import main
 from services.engine.sim import SimConfig
 from services.planner.kv_policy import KvSettings
 from services.planner.policy_registry import make_policy
-from tests.conftest import SHARED_TRACES
-
-MOONCAKE = SHARED_TRACES / "mooncake_conversation_trace.jsonl"
 
 
 def test_a_conversation_keeps_its_adapter_and_the_first_is_asked_most(small_trace: Path) -> None:
@@ -34,9 +32,8 @@ def test_a_conversation_keeps_its_adapter_and_the_first_is_asked_most(small_trac
         with_loras(trace, 0, 1.1)
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason="no Mooncake trace in ../shared/traces")
-def test_zipf_draws_and_the_kv_policy_loads_fewer_adapters_sooner() -> None:
-    trace = with_loras(load_trace(MOONCAKE)[:1500], 12, 1.1)
+def test_zipf_draws_and_the_kv_policy_loads_fewer_adapters_sooner(mooncake_trace: Path) -> None:
+    trace = with_loras(load_trace(mooncake_trace)[:1500], 12, 1.1)
     asked = Counter(r.lora for r in trace)
     assert asked.most_common(1)[0][0] == "lora-0" and len(asked) > 6
     config = SimConfig(max_loras=2, lora_load_ms=150.0)

@@ -14,7 +14,8 @@ import pytest
 
 from bus.api_keys import ApiKeyRecord
 from infra.bench.offline import OfflineReplay
-from infra.bench.traces import PromptFactory, load_trace, tenant_secret, with_tenants
+from infra.bench.trace_draws import tenant_secret, with_tenants
+from infra.bench.traces import PromptFactory, load_trace
 from infra.cli import main
 from services.engine.sim import SimConfig
 from services.planner.policy_registry import make_policy

@@ -155,3 +155,16 @@ async def served(app: ASGIApp, settings: IngressSettings | None = None) -> Async
     finally:
         server.should_exit = True
         await serving
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sample(metrics: IngressMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value

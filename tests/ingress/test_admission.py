@@ -8,44 +8,18 @@ import time
 
 import pytest
 
-from schemas.events import WorkerLoadReported
 from services.common.liveness import QUIET_S, Liveness
 from services.ingress.admission import Admission, AdmissionSettings, AdmissionTicket, Priority
 from services.ingress.errors import Overloaded
 from services.ingress.metrics import IngressMetrics
-from tests.helpers import registration
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import load_report, registration
+from tests.ingress.helpers import Clock, sample
 
 
 def make(clock: Clock | None = None, **settings: object) -> tuple[Admission, IngressMetrics]:
     metrics = IngressMetrics()
     admission = Admission(AdmissionSettings(**settings), metrics, clock or Clock())  # type: ignore[arg-type]
     return admission, metrics
-
-
-def load(worker_id: str, running: int, waiting: int = 0) -> WorkerLoadReported:
-    return WorkerLoadReported(
-        source=f"worker/{worker_id}",
-        worker_id=worker_id,
-        role="both",
-        running=running,
-        waiting=waiting,
-        waiting_prefill_tokens=0,
-        kv_blocks_used=0,
-        kv_blocks_total=10,
-    )
-
-
-def sample(metrics: IngressMetrics, name: str, **labels: str) -> float:
-    value = metrics.registry.get_sample_value(name, labels)
-    return 0.0 if value is None else value
 
 
 async def test_no_bound_until_a_worker_registers() -> None:
@@ -187,13 +161,13 @@ async def test_other_replicas_requests_count_from_the_load_reports() -> None:
     await admission.on_workers({"w0": registration("w0"), "w1": registration("w1")})
     assert admission.capacity == 8
     # Another replica's 5 requests are on the workers.
-    await admission.on_load(load("w0", running=3))
-    await admission.on_load(load("w1", running=1, waiting=1))
+    await admission.on_load(load_report("w0", running=3))
+    await admission.on_load(load_report("w1", running=1, waiting=1))
     tickets = [await admission.admit("normal") for _ in range(3)]
     with pytest.raises(Overloaded):
         await admission.admit("high")
     # A report from a worker no longer registered does not count.
-    await admission.on_load(load("gone", running=50))
+    await admission.on_load(load_report("gone", running=50))
     assert admission.in_cluster == 8
     for ticket in tickets:
         ticket.release()
@@ -205,7 +179,7 @@ async def test_its_own_requests_are_not_counted_twice_while_reports_lag() -> Non
     await admission.on_workers({"w0": registration("w0")})
     tickets: list[AdmissionTicket] = [await admission.admit("normal") for _ in range(4)]
     # The worker reports this replica's own four.
-    await admission.on_load(load("w0", running=4))
+    await admission.on_load(load_report("w0", running=4))
     assert admission.in_cluster == 4
     tickets.pop().release()
     tickets.pop().release()
@@ -215,7 +189,7 @@ async def test_its_own_requests_are_not_counted_twice_while_reports_lag() -> Non
     tickets.append(await admission.admit("normal"))
     # Past the lag, a report still showing four means one of another replica's.
     clock.now += 0.3
-    await admission.on_load(load("w0", running=4))
+    await admission.on_load(load_report("w0", running=4))
     assert admission.in_cluster == 4
     with pytest.raises(Overloaded):
         await admission.admit("normal")
@@ -257,7 +231,7 @@ async def test_an_ingress_that_is_behind_takes_no_new_request_until_it_catches_u
     waiting = asyncio.create_task(admission.admit("normal"))
     await asyncio.sleep(0)
     behind = False
-    await admission.on_load(load("w1", 0))  # the next report, or a release, lets it in
+    await admission.on_load(load_report("w1", 0))  # the next report, or a release, lets it in
     ticket = await waiting
     assert admission.in_cluster == 1
     ticket.release()

@@ -10,8 +10,8 @@ from services.ingress.admission import Admission, AdmissionSettings
 from services.ingress.errors import Overloaded
 from services.ingress.metrics import IngressMetrics
 from services.ingress.pool_admission import PooledAdmission
-from tests.helpers import registration
-from tests.ingress.test_admission import Clock, load, sample
+from tests.helpers import load_report, registration
+from tests.ingress.helpers import Clock, sample
 
 
 def _pools(metrics: IngressMetrics) -> PooledAdmission:
@@ -37,7 +37,7 @@ async def test_a_full_pool_sheds_its_own_while_another_admits() -> None:
     assert admission.in_cluster == sample(metrics, "laneway_ingress_admission_in_cluster") == 5
     # Beta's worker reports 4 running: this ingress's one and another ingress's 3. Beta's pool
     # has no room left; alpha's is no fuller.
-    await admission.on_load(load("b1", running=4))
+    await admission.on_load(load_report("b1", running=4))
     with pytest.raises(Overloaded):
         await admission.admit("normal", "beta")
     alpha.pop().release()

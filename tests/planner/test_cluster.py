@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from schemas.events import Role, WorkerLoadReported
+from schemas.events import Role
 from services.common.liveness import QUIET_S
 from services.planner.cluster import ClusterView
 from services.planner.policy import RouteRequest
-from tests.helpers import registration
+from tests.helpers import load_report, registration
 
 REQUEST = RouteRequest(request_id="r", prompt_tokens=32, block_hashes=(1, 2))
 
@@ -24,11 +24,7 @@ def view(roles: dict[str, Role]) -> tuple[ClusterView, list[float]]:
 
 
 def heard(cluster: ClusterView, worker_id: str, role: Role) -> None:
-    load = WorkerLoadReported(
-        source="t", worker_id=worker_id, role=role, running=0, waiting=0,
-        waiting_prefill_tokens=0, kv_blocks_used=0, kv_blocks_total=10,
-    )  # fmt: skip
-    cluster.report(load)
+    cluster.report(load_report(worker_id, role=role))
 
 
 def offered(cluster: ClusterView) -> tuple[list[str], list[str]]:

@@ -11,8 +11,10 @@ import pytest
 from schemas.messages import DEFAULT_MODEL
 from services.common.liveness import QUIET_S
 from services.planner.cluster import ClusterView
-from tests.helpers import registration
-from tests.planner.test_cluster import REQUEST, heard
+from services.planner.policy import RouteRequest
+from tests.helpers import load_report, registration
+
+REQUEST = RouteRequest(request_id="r", prompt_tokens=32, block_hashes=(1, 2))
 
 
 def pools(models: dict[str, str]) -> tuple[ClusterView, list[float]]:
@@ -39,7 +41,7 @@ def test_a_request_is_offered_its_models_workers_only() -> None:
 def test_a_silent_pool_is_not_offered_while_another_is_heard() -> None:
     cluster, now = pools({"a1": "alpha", "b1": "beta"})
     now[0] = QUIET_S + 1
-    heard(cluster, "b1", "both")
+    cluster.report(load_report("b1"))
     # alpha's one worker is silent, beta's is heard: no stall of the bus, alpha's worker is
     # down; a request routed there would wait for a migration.
     assert offered(cluster, "alpha") == []
