@@ -214,9 +214,8 @@ class OfflineReplay(ReplaySteps):
         cached = next(v.cached_blocks for v in inputs.decoders if v.worker_id == decision.worker_id)
         self._handoffs[i] = (w, whole, cached)
         one = SamplingParams(max_tokens=1, ignore_eos=True)
-        lora = request.lora
         prefill = EngineRequest(
-            request_id + PREFILL, whole.prompt_token_ids, one, hashes, root, lora
+            request_id + PREFILL, whole.prompt_token_ids, one, hashes, root, whole.lora
         )
         self._submit(now, self._index_of(remote), i, prefill)
 
