@@ -32,8 +32,9 @@ KEY_PREFIX = "lw-"
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 KEY_ID_PATTERN = r"^[0-9a-f]{16}$"
 
-Scope = Literal["inference", "metrics"]
-SCOPES: tuple[Scope, ...] = ("inference", "metrics")
+# admin: load and unload LoRA adapters (services.ingress.adapters).
+Scope = Literal["inference", "metrics", "admin"]
+SCOPES: tuple[Scope, ...] = ("inference", "metrics", "admin")
 # The ingress's admission priorities (services.ingress.admission), highest first.
 KeyPriority = Literal["high", "normal", "low"]
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from bus import readme
+from bus.adapters import ADAPTERS_PREFIX
 from bus.api_keys import KEYS_PREFIX
 from bus.channels import Channel, Consumer, Endpoint, QueryEndpoint
 from bus.credentials import inbox_prefix
@@ -257,6 +258,8 @@ def etcd_grants(identity: Identity) -> tuple[KeyGrant, ...]:
                 workers,
                 KeyGrant(PLANNERS_PREFIX, prefix=True, write=False),
                 KeyGrant(KEYS_PREFIX, prefix=True, write=False),
+                # The LoRA adapters loaded and unloaded through its API (admin keys only).
+                KeyGrant(ADAPTERS_PREFIX, prefix=True, write=True),
                 KeyGrant(claim_key(identity.user), prefix=False, write=True),
             )
         case "kv-indexer":

@@ -96,6 +96,14 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "engine holds: the model's max_position_embeddings and the KV pool; the sim's KV pool, "
         "num_gpu_blocks x block_size)",
     )
+    up.add_argument(
+        "--max-loras",
+        type=at_least(0),
+        default=0,
+        help="LoRA adapters each worker holds at once, loaded on demand (least recently used out "
+        "beyond; sim and vllm engines; default 0: none); adapters are loaded with POST "
+        "/v1/load_lora_adapter (docs/models.md)",
+    )
     cluster_args.add_perf_model_argument(up)
     up.add_argument("--speedup", type=positive, default=1.0, help="sim engine speed-up factor")
     up.add_argument("--state-dir", type=Path, default=Path(".state"), help="data and logs")
@@ -198,6 +206,7 @@ def _up(args: argparse.Namespace) -> int:
                 "LANEWAY_TRACE_EXPORTER": args.trace_exporter,
                 "LANEWAY_DISAGG": args.disagg,
                 "LANEWAY_AUTOSCALE": str(args.autoscale).lower(),
+                "LANEWAY_MAX_LORAS": str(args.max_loras),
                 **_engine_env(args.engine, args.model),
                 **_context_env(args.max_model_len),
             },

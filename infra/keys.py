@@ -29,6 +29,7 @@ from bus.api_keys import (
     TENANT_PATTERN,
     ApiKeyRecord,
     KeyPriority,
+    Scope,
     create_key,
     list_keys,
     revoke_key,
@@ -81,7 +82,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="append",
         choices=SCOPES,
         help="what the key may do, repeatable (default: inference; metrics: /metrics where "
-        "LANEWAY_METRICS_AUTH keys it)",
+        "LANEWAY_METRICS_AUTH keys it; admin: load and unload LoRA adapters)",
     )
     create.set_defaults(func=_create)
     listing = commands.add_parser("list", help="every key's id, tenant and limits (not the key)")
@@ -195,7 +196,9 @@ def startup_key(etcd_endpoints: str, state_dir: Path) -> str:
 
     async def make(etcd: aetcd.Client) -> str:
         await revoke_startup_keys(etcd)
-        return (await create_key(etcd, STARTUP_TENANT, startup=True))[1]
+        # The operator's own key: it loads the cluster's LoRA adapters too.
+        scopes: tuple[Scope, ...] = ("inference", "admin")
+        return (await create_key(etcd, STARTUP_TENANT, scopes=scopes, startup=True))[1]
 
     key = _in_thread(etcd_endpoints, make)
     path = state_dir / STARTUP_KEY_FILE

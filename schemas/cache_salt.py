@@ -9,6 +9,8 @@ hash (:func:`schemas.block_hash.salt_root`), so that requests share blocks only 
 - **A client's salt narrows.** A request's own ``cache_salt`` (vLLM's field of that name) is
   hashed with its group's salt: the same value from another group meets none of its blocks.
   With keys off there is no group, and requests without one share one cache, as before salts.
+- **Per LoRA adapter.** An adapter changes the KV of every token it runs on: a request with one
+  is salted again with the adapter's name, so it meets only blocks computed with that adapter.
 
 Pure functions: the ingress and the offline bench (``laneway bench --tenants``) call the same.
 """
@@ -36,4 +38,13 @@ def request_salt(group: str | None, client: str | None) -> str | None:
     if client is None:
         return group
     payload = b"laneway client salt\0" + (group or "").encode() + b"\0" + client.encode()
+    return hashlib.sha256(payload).hexdigest()[:SALT_CHARS]
+
+
+def adapter_salt(salt: str | None, lora: str | None) -> str | None:
+    """The salt of a request run with the LoRA adapter ``lora`` (None: the base model's,
+    ``salt`` unchanged), ``salt`` its salt without one."""
+    if lora is None:
+        return salt
+    payload = b"laneway lora\0" + (salt or "").encode() + b"\0" + lora.encode()
     return hashlib.sha256(payload).hexdigest()[:SALT_CHARS]

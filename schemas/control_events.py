@@ -3,11 +3,14 @@ moves between the pools, and each planner replica's settings."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, StringConstraints
 
 from schemas.envelope import Envelope, Frozen, Role
+
+# A LoRA adapter's name, as loaded through the API (services.ingress.adapters).
+LoraName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 
 
 class StepCost(Frozen):
@@ -39,6 +42,9 @@ class WorkerLoadReported(Envelope):
     step_cost: StepCost | None = Field(
         default=None,
         description="its steps' times as measured (engines on real hardware, once measured)",
+    )
+    loras: tuple[LoraName, ...] = Field(
+        default=(), max_length=1024, description="the LoRA adapters resident in its engine"
     )
 
 

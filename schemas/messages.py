@@ -84,6 +84,9 @@ class WorkerRegistration(Frozen):
         description="its engine gives each token's log probability and the most likely tokens "
         "at its position",
     )
+    max_loras: int = Field(
+        default=0, ge=0, description="LoRA adapters it holds at once (0: it serves none)"
+    )
     kv_bytes_per_token: int = Field(
         default=0,
         ge=0,

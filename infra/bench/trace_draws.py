@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from infra.bench.traces import TraceRequest, conversation
-from schemas.cache_salt import group_salt, request_salt
+from schemas.cache_salt import adapter_salt, group_salt, request_salt
 
 
 def with_tenants(trace: Sequence[TraceRequest], tenants: int) -> list[TraceRequest]:
@@ -34,7 +34,8 @@ def with_tenants(trace: Sequence[TraceRequest], tenants: int) -> list[TraceReque
 def with_loras(trace: Sequence[TraceRequest], loras: int, zipf_s: float) -> list[TraceRequest]:
     """``trace`` asking for ``loras`` LoRA adapters (``lora-0`` the most asked for): each
     conversation (``conversation``) draws one, the k-th with weight 1/k**``zipf_s``, from a
-    seed of its own, so a conversation keeps its adapter and every run draws the same."""
+    seed of its own, so a conversation keeps its adapter and every run draws the same. Each is
+    salted with its adapter as the ingress salts it (``schemas.cache_salt.adapter_salt``)."""
     if loras < 1 or zipf_s < 0:
         raise ValueError("loras must be at least 1 and the Zipf exponent at least 0")
     weights = [1 / k**zipf_s for k in range(1, loras + 1)]
@@ -45,7 +46,8 @@ def with_loras(trace: Sequence[TraceRequest], loras: int, zipf_s: float) -> list
         key = hashlib.sha256(repr(conversation(r)).encode()).digest()
         u = int.from_bytes(key[:8], "little") / 2**64
         rank = min(bisect.bisect_right(bounds, u), loras - 1)
-        drawn.append(replace(r, lora=f"lora-{rank}"))
+        lora = f"lora-{rank}"
+        drawn.append(replace(r, lora=lora, cache_salt=adapter_salt(r.cache_salt, lora)))
     return drawn
 
 

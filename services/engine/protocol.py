@@ -28,8 +28,10 @@ class EngineRequest:
     # salt_root), for the blocks the engine hashes itself (all of them where ``block_hashes``
     # is empty, the answer's always), so that they join the same salted chain.
     root_hash: int = ROOT_HASH
-    # The LoRA adapter it runs with (None: the base model).
+    # The LoRA adapter it runs with (None: the base model), and the folder an engine loads it
+    # from (a real engine's; the sim's adapters are modelled).
     lora: str | None = None
+    lora_path: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,8 @@ class EngineLoad:
     waiting_prefill_tokens: int
     kv_blocks_used: int
     kv_blocks_total: int
+    # The LoRA adapters resident, as the planner's view of the worker reads them.
+    loras: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -138,11 +142,23 @@ class EngineCapabilities:
     # hand-off of its prompts carries. Workers register it, and the planner prices moves with
     # it. 0: unknown (the planner's configured size stands in).
     kv_bytes_per_token: int = 0
+    # LoRA adapters it holds at once (``EngineRequest.lora``, loaded on demand, least recently
+    # used out beyond; ``EngineLoad.loras`` says which). 0: it serves none, and refuses a
+    # request with one (:func:`refuse_unsupported`). Workers register it, and the planner sends
+    # an adapter's requests only to workers that hold adapters.
+    max_loras: int = 0
 
 
-def refuse_unsupported(request: EngineRequest, engine: str) -> None:
+def refuse_unsupported(request: EngineRequest, engine: str, max_loras: int = 0) -> None:
     """ValueError for a request that asks for what only the vllm engine does: a response_format
-    (answered as free text it would break the client's parser) or log probabilities."""
+    (answered as free text it would break the client's parser) or log probabilities; or for a
+    LoRA adapter where the engine holds none (``max_loras``)."""
+    if request.lora is not None and not max_loras:
+        raise ValueError(
+            f"request {request.request_id} runs with the LoRA adapter {request.lora!r}, and this "
+            f"{engine} engine holds no adapters (the sim and vllm engines do, with "
+            "LANEWAY_MAX_LORAS set)"
+        )
     wanted = request.sampling.structured_output
     if wanted is not None:
         raise ValueError(

@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.tokenizer import Tokenizer
 from services.ingress.access_log import log_request
+from services.ingress.adapters import AdapterEndpoints, Adapters
 from services.ingress.admission import AdmissionSettings
 from services.ingress.auth import CACHE_SALT, TENANT, AuthGate, KeyBook, capped
 from services.ingress.body import read_json_body, request_headers
@@ -69,16 +70,21 @@ def create_app(
     keys: KeyBook | None = None,
     readiness: Readiness | None = None,
     worker_features: WorkerFeatures | None = None,
+    adapters: AdapterEndpoints | None = None,
 ) -> Starlette:
     """``worker_limit``: the context limit of the registered workers (none: only the settings');
     ``worker_features``: what they can do (none: the ingress refuses nothing for want of it);
+    ``adapters``: where LoRA adapters are loaded and unloaded (none: no adapters, and no such
+    endpoints);
     ``metrics``: where the app counts (none: a registry of its own, served at ``/metrics``);
     ``keys``: the API keys every request but ``/health`` must bring (none: no keys asked)."""
     metrics = metrics or IngressMetrics()
     # Without one given, no bound until a worker registers, and none registers with it.
     admission = admission or pooled(AdmissionSettings(), metrics)
-    intake = Intake(tokenizer, settings, worker_limit or WorkerContextLimit(), worker_features)
-    endpoints = _Endpoints(settings, metrics, readiness)
+    served = adapters.adapters if adapters is not None else Adapters()
+    limit = worker_limit or WorkerContextLimit()
+    intake = Intake(tokenizer, settings, limit, worker_features, served)
+    endpoints = _Endpoints(settings, metrics, readiness, served)
 
     def completion(
         name: str, parse: Callable[[bytes], ParsedRequest], response_format: type[Format]
@@ -104,6 +110,9 @@ def create_app(
         Route("/health", endpoints.health),
         Route("/metrics", endpoints.metrics),
     ]
+    if adapters is not None:
+        routes.append(Route("/v1/load_lora_adapter", adapters.load, methods=["POST"]))
+        routes.append(Route("/v1/unload_lora_adapter", adapters.unload, methods=["POST"]))
     middleware = []
     gated: dict[str, ASGIApp] = dict(completions)
     if keys is not None:
@@ -166,28 +175,44 @@ async def _answered(app: ASGIApp, scope: Scope, receive: Receive, send: Send) ->
 
 class _Endpoints:
     def __init__(
-        self, settings: IngressApiSettings, metrics: IngressMetrics, readiness: Readiness | None
+        self,
+        settings: IngressApiSettings,
+        metrics: IngressMetrics,
+        readiness: Readiness | None,
+        adapters: Adapters,
     ) -> None:
         created = int(time.time())
-        models = {
-            name: {"id": name, "object": "model", "created": created, "owned_by": "laneway"}
+        self._served = [
+            {"id": name, "object": "model", "created": created, "owned_by": "laneway"}
             for name in settings.served_model_names
-        }
-        self._models = orjson.dumps({"object": "list", "data": list(models.values())})
-        self._model = {name: orjson.dumps(model) for name, model in models.items()}
+        ]
+        self._adapters = adapters
+        # The list as last built, and the adapters' version it was built at.
+        self._built: tuple[int, bytes, dict[str, bytes]] | None = None
         self._metrics = metrics
         # None: an app with no cluster behind it to speak of (tests of the API alone).
         self._readiness = readiness
 
+    def _listing(self) -> tuple[bytes, dict[str, bytes]]:
+        """``/v1/models`` and each model's object, built again only after adapters changed."""
+        version = self._adapters.version
+        if self._built is None or self._built[0] != version:
+            entries = [*self._served, *self._adapters.model_entries()]
+            by_name = {entry["id"]: orjson.dumps(entry) for entry in entries}
+            listing = orjson.dumps({"object": "list", "data": entries})
+            self._built = (version, listing, by_name)
+        return self._built[1], self._built[2]
+
     async def models(self, request: Request) -> Response:
-        return Response(self._models, media_type=_JSON)
+        return Response(self._listing()[0], media_type=_JSON)
 
     async def model(self, request: Request) -> Response:
         """``GET /v1/models/{model}`` (the SDK's ``models.retrieve``)."""
         name = request.path_params["model"]
+        listing, by_name = self._listing()
         if not name:  # /v1/models/: the list, as before this route took the slash
-            return Response(self._models, media_type=_JSON)
-        body = self._model.get(name)
+            return Response(listing, media_type=_JSON)
+        body = by_name.get(name)
         if body is None:
             error = model_not_found(name[:MAX_MODEL_CHARS])
             log_request(request.scope, error.status)

@@ -1,6 +1,8 @@
 """API keys at the door: every request but ``/health`` (and ``/metrics``, unless keyed) needs
 ``Authorization: Bearer KEY`` naming a live key, as the OpenAI SDK sends it; the key's tenant
 is then held to its limits and written on the request (``scope[TENANT]``, then RequestSpec).
+Loading and unloading LoRA adapters needs a key with the ``admin`` scope: an adapter's path is
+read on every worker, and its name is served to every tenant.
 
 The keys live in etcd (``bus.api_keys``); the ingress keeps all of them in memory, fed by an etcd
 watch, so a request costs one SHA-256 and a dict look-up and a revocation takes effect as soon
@@ -28,6 +30,8 @@ TENANT = "laneway.tenant"
 CACHE_SALT = "laneway.cache_salt"
 """The ASGI scope's entry for the salt of the key's cache group (``ApiKeyRecord.cache_salt``)."""
 _MAX_PRIORITY = "laneway.max_priority"
+# vLLM's paths for loading and unloading LoRA adapters (services.ingress.adapters).
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 # A longer header is no key of ours; it is refused without hashing it.
 _MAX_AUTHORIZATION = 256
 
@@ -91,7 +95,7 @@ class AuthGate:
             else:
                 await self._app(scope, receive, send)
             return
-        await self._keyed(scope, receive, send, "inference")
+        await self._keyed(scope, receive, send, "admin" if path in ADMIN_PATHS else "inference")
 
     async def _keyed(self, scope: Scope, receive: Receive, send: Send, needs: KeyScope) -> None:
         record = self._record(scope)
@@ -108,7 +112,7 @@ class AuthGate:
             )
             await self._refuse(scope, send, error, record.tenant)
             return
-        if needs == "metrics":
+        if needs != "inference":  # the tenant's limits are on its inference
             await self._app(scope, receive, send)
             return
         gate = self._book.gate

@@ -8,10 +8,11 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 from schemas.block_hash import chain_block_hashes, salt_root
-from schemas.cache_salt import request_salt
+from schemas.cache_salt import adapter_salt, request_salt
 from schemas.events import RequestSpec, SamplingParams
 from schemas.trusted import trusted
 from services.common.tokenizer import Tokenizer
+from services.ingress.adapters import Adapters
 from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.errors import InvalidRequest, model_not_found
 from services.ingress.openai_models import ChatRequest, ParsedRequest
@@ -26,14 +27,17 @@ class Intake:
         settings: IngressApiSettings,
         worker_limit: WorkerContextLimit,
         features: WorkerFeatures | None = None,
+        adapters: Adapters | None = None,
     ) -> None:
         """``features``: what the registered workers can do (none: no worker known to lack
-        anything; their engines refuse what they cannot do)."""
+        anything; their engines refuse what they cannot do); ``adapters``: the LoRA adapters
+        loaded (none: no adapters)."""
         self._tokenizer = tokenizer
         self._settings = settings
         self._worker_limit = worker_limit
         self._features = features or WorkerFeatures()
         self._models = frozenset(settings.served_model_names)
+        self._adapters = adapters or Adapters()
 
     def spec(
         self, request: ParsedRequest, tenant: str | None = None, group_salt: str | None = None
@@ -41,16 +45,22 @@ class Intake:
         """``tenant``: whose API key the request came with, ``group_salt``: the salt of that
         key's cache group (both none: the API takes no keys)."""
         params = request.params
-        if params.model not in self._models:
-            raise model_not_found(params.model)
-        self._features.check_structured(params.model, params.structured_output)
-        self._features.check_logprobs(params.model, params.logprobs)
+        model, adapter = params.model, None
+        if model not in self._models:
+            # An adapter's requests are its base model's, which runs them with the adapter.
+            adapter = self._adapters.find(model)
+            if adapter is None or adapter.base_model not in self._models:
+                raise model_not_found(model)
+            model = adapter.base_model
+            self._features.check_adapters(model)
+        self._features.check_structured(model, params.structured_output)
+        self._features.check_logprobs(model, params.logprobs)
         prompt_ids = self._prompt_ids(request)
         prompt_len = len(prompt_ids)
         if not prompt_len:
             raise InvalidRequest("The prompt must contain at least one token.", "prompt")
         settings = self._settings
-        limit = self._max_model_len(params.model)
+        limit = self._max_model_len(model)
         max_tokens = params.max_tokens
         if max_tokens is None:
             room = settings.default_max_tokens if limit is None else limit - prompt_len
@@ -76,14 +86,17 @@ class Intake:
             "ignore_eos": params.ignore_eos, "offset": 0, "logprobs": params.logprobs,
             "structured_output": params.structured_output,
         })  # fmt: skip
-        salt = request_salt(group_salt, params.cache_salt)
+        lora = None if adapter is None else adapter.name
+        salt = adapter_salt(request_salt(group_salt, params.cache_salt), lora)
         return trusted(RequestSpec, {
-            "model": params.model, "prompt_token_ids": prompt_ids, "prompt_tokens": None,
+            "model": model, "prompt_token_ids": prompt_ids, "prompt_tokens": None,
             "block_size": settings.block_size,
             "block_hashes": chain_block_hashes(prompt_ids, settings.block_size, salt_root(salt)),
             "sampling": sampling, "reply_to": settings.instance_id,
             "deadline": datetime.now(UTC) + timedelta(seconds=settings.request_timeout_s),
-            "tenant": tenant, "attempt": 0, "priority": "normal", "cache_salt": salt, "lora": None,
+            "tenant": tenant, "attempt": 0, "priority": "normal", "cache_salt": salt,
+            "lora": lora,
+            "lora_path": None if adapter is None else adapter.path,
         })  # fmt: skip
 
     def _max_model_len(self, model: str) -> int | None:

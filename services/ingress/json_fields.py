@@ -5,9 +5,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from services.ingress.errors import InvalidRequest
 
 _EXACT_DOUBLE = 2.0**53
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise InvalidRequest(
+            "We could not parse the JSON body of your request. (HINT: This likely means you "
+            "aren't using your HTTP library correctly.)",
+            None,
+        ) from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("The request body must be a JSON object.", None)
+    return data
 
 
 def check_length(param: str, value: str, limit: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 from asyncio import FIRST_COMPLETED
@@ -15,6 +16,7 @@ import uvicorn
 from pydantic import Field
 from starlette.types import ASGIApp
 
+from bus.adapters import add_adapter, remove_adapter, watch_adapters
 from bus.api_keys import watch_keys
 from bus.client import Bus
 from bus.permissions import durable_step_downs, leader_step_downs
@@ -30,6 +32,7 @@ from services.common.hf_tokenizer import HfTokenizer
 from services.common.liveness import Liveness
 from services.common.tokenizer import ByteTokenizer, Tokenizer
 from services.ingress.acceptor import EagerAcceptServer
+from services.ingress.adapters import AdapterEndpoints, Adapters
 from services.ingress.admission import Admission, AdmissionSettings
 from services.ingress.api import create_app
 from services.ingress.auth import KeyBook
@@ -229,6 +232,10 @@ def main() -> None:
             asyncio.create_task(watch_workers(etcd, on_workers), name="worker-watch"),
             asyncio.create_task(readiness.watch_planners(etcd), name="planner-watch"),
         ]
+        adapters = Adapters()
+        watching.append(
+            asyncio.create_task(watch_adapters(etcd, adapters.on_adapters), name="adapter-watch")
+        )
         keys = KeyBook() if settings.api_auth else None
         if keys is not None:
             watching.append(asyncio.create_task(watch_keys(etcd, keys.on_keys), name="key-watch"))
@@ -248,6 +255,12 @@ def main() -> None:
             keys=keys,
             readiness=readiness,
             worker_features=features,
+            adapters=AdapterEndpoints(
+                adapters,
+                settings.served_model_names,
+                add=functools.partial(add_adapter, etcd),
+                remove=functools.partial(remove_adapter, etcd),
+            ),
         )
         # The API port has /metrics too; this port is the one every service has (probes).
         probes = MetricsServer(metrics.registry)
@@ -257,7 +270,11 @@ def main() -> None:
         probes.ready_when("listening", lambda: server.started)
         # Serving once this replica answers as the others do: its context limit and admission
         # known, and, where keys are asked for, the keys (else every request would get 503).
-        read = [workers_read.wait(), *([keys.wait_loaded()] if keys is not None else [])]
+        read = [
+            workers_read.wait(),
+            adapters.read.wait(),
+            *([keys.wait_loaded()] if keys is not None else []),
+        ]
         if await _until_all(stop, read):
             serving = asyncio.create_task(server.serve(sockets=[listener]))
             await stop.wait()

@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import orjson
-
 from schemas.cache_salt import MAX_CLIENT_SALT_CHARS
 from schemas.events import StructuredOutput
 from schemas.logprobs import MAX_TOP_LOGPROBS
@@ -22,6 +20,7 @@ from services.ingress.errors import InvalidRequest
 from services.ingress.json_fields import (
     check_length,
     integers,
+    json_object,
     optional_bool,
     optional_int,
     optional_number,
@@ -100,7 +99,7 @@ ParsedRequest = ChatRequest | CompletionRequest
 
 
 def parse_chat_request(body: bytes) -> ChatRequest:
-    data = _json_object(body)
+    data = json_object(body)
     messages = _messages(required(data, "messages"))
     _refuse_chat_features(data)
     logprobs = _chat_logprobs(data)
@@ -112,7 +111,7 @@ def parse_chat_request(body: bytes) -> ChatRequest:
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
-    data = _json_object(body)
+    data = json_object(body)
     prompt = _prompt(required(data, "prompt"))
     if data.get("echo"):
         raise InvalidRequest("'echo' is not supported.", "echo")
@@ -124,20 +123,6 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
         raise InvalidRequest("Only best_of=1 is supported.", "best_of")
     max_tokens = optional_int(data, "max_tokens", minimum=1)
     return CompletionRequest(prompt, _params(data, max_tokens, logprobs))
-
-
-def _json_object(body: bytes) -> dict[str, Any]:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise InvalidRequest(
-            "We could not parse the JSON body of your request. (HINT: This likely means you "
-            "aren't using your HTTP library correctly.)",
-            None,
-        ) from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("The request body must be a JSON object.", None)
-    return data
 
 
 def _params(data: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> Params:

@@ -17,12 +17,14 @@ class WorkerFeatures:
         # Per served model, the engines of its workers that do no structured outputs, and those
         # that do.
         self._structured: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
-        # The same for log probabilities.
+        # The same for log probabilities, and for LoRA adapters.
         self._logprobs: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+        self._adapters: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
 
     async def on_workers(self, workers: dict[str, WorkerRegistration]) -> None:
         self._structured = _engines(workers, lambda w: w.structured_outputs)
         self._logprobs = _engines(workers, lambda w: w.logprobs)
+        self._adapters = _engines(workers, lambda w: w.max_loras > 0)
 
     def check_structured(self, model: str, wanted: StructuredOutput | None) -> None:
         """InvalidRequest where ``wanted`` is asked of a model a worker of which lacks it. With
@@ -42,6 +44,18 @@ class WorkerFeatures:
         if top is not None:
             need = "logprobs need workers whose engine gives them"
             _refuse(self._logprobs, model, need, "logprobs")
+
+    def check_adapters(self, model: str) -> None:
+        """InvalidRequest where none of ``model``'s workers serves LoRA adapters; the planner
+        routes an adapter's requests only to those that do."""
+        lacking, able = self._adapters.get(model, (frozenset(), frozenset()))
+        if lacking and not able:
+            raise InvalidRequest(
+                f"Model '{model}' is served by workers that hold no LoRA adapters: start them "
+                "with --max-loras N (LANEWAY_MAX_LORAS) on an engine that serves adapters (sim, "
+                "vllm).",
+                "model",
+            )
 
 
 def _engines(

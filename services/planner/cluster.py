@@ -63,6 +63,9 @@ class ClusterView:
         self._in_flight: dict[str, int] = {}
         # Per worker, (when, prompt tokens) routed there that its last report may not include.
         self._unreported: dict[str, deque[tuple[float, int]]] = {}
+        # Per worker, the LoRA adapters routed there since its last report (when): resident by
+        # the time their requests run, though the report does not say so yet.
+        self._adapters_routed: dict[str, dict[str, float]] = {}
         # Models asked of workers that name none (see _pool_of), each warned of once.
         self._unnamed: set[str] = set()
 
@@ -78,6 +81,7 @@ class ClusterView:
             self._load.pop(worker_id, None)
             self._in_flight.pop(worker_id, None)
             self._unreported.pop(worker_id, None)
+            self._adapters_routed.pop(worker_id, None)
         return lost
 
     def report(self, load: WorkerLoadReported) -> None:
@@ -89,6 +93,10 @@ class ClusterView:
         reported_at = load.occurred_at.timestamp()
         while pending and pending[0][0] <= reported_at:
             pending.popleft()
+        routed = self._adapters_routed.get(load.worker_id)
+        if routed:
+            for lora in [lora for lora, at in routed.items() if at <= reported_at]:
+                del routed[lora]
 
     def quiet(self) -> set[str]:
         """Workers not heard from for ``QUIET_S``: their lease may still stand (a killed or
@@ -104,14 +112,19 @@ class ClusterView:
         prefill_tokens: int,
         now: float,
         prefill_worker: str | None = None,
+        lora: str | None = None,
     ) -> None:
         """``now``: wall-clock seconds, comparable with the reports' ``occurred_at``. The prompt
-        queues on ``prefill_worker`` when it prefills remotely, else on the decode worker."""
+        queues on ``prefill_worker`` when it prefills remotely, else on the decode worker; its
+        LoRA adapter ``lora`` is loaded on both."""
         self.finished(request_id)  # an earlier attempt's route, where it moved from
         self._routed[request_id] = route
         self._in_flight[route.worker_id] = self._in_flight.get(route.worker_id, 0) + 1
         queue = prefill_worker or route.worker_id
         self._unreported.setdefault(queue, deque()).append((now, prefill_tokens))
+        if lora is not None:
+            for worker_id in {route.worker_id, queue}:
+                self._adapters_routed.setdefault(worker_id, {})[lora] = now
 
     def is_routed(self, request_id: str, attempt: int = 0) -> bool:
         """This attempt of the request (or a later one) has its route already."""
@@ -143,18 +156,26 @@ class ClusterView:
         slots = {worker_id: reg.max_num_seqs for worker_id, reg in self.workers.items()}
         quiet = self.quiet()
         model = self._pool_of(model)
+        # Only workers that hold adapters run a request with one.
+        unable: set[str] = set()
+        if request.lora is not None:
+            unable = {w for w, reg in self.workers.items() if not reg.max_loras}
         serving = self.candidates(
-            cached_blocks, session_owner, host_blocks, leave_out=quiet, model=model
+            cached_blocks, session_owner, host_blocks, leave_out=quiet | unable, model=model
         )
         # When every server (every pool's) is silent the bus or this planner stalled, not all
         # the workers: routing to them then beats refusing. A silent prefill worker is simply
         # not used.
         if not serving and not self.candidates(leave_out=quiet):
-            serving = self.candidates(cached_blocks, session_owner, host_blocks, model=model)
+            serving = self.candidates(
+                cached_blocks, session_owner, host_blocks, leave_out=unable, model=model
+            )
         return DecisionInputs(
             request,
             with_room(serving, slots),
-            self.prefill_candidates(cached_blocks, host_blocks, leave_out=quiet, model=model),
+            self.prefill_candidates(
+                cached_blocks, host_blocks, leave_out=quiet | unable, model=model
+            ),
             frozenset(w for w, reg in self.workers.items() if reg.kv_handoff),
         )
 
@@ -247,6 +268,14 @@ class ClusterView:
                     rack=reg.rack,
                     step_cost=load.step_cost if load else None,
                     kv_bytes_per_token=reg.kv_bytes_per_token,
+                    loras=self._adapters_of(worker_id, load),
                 )
             )
         return views
+
+    def _adapters_of(self, worker_id: str, load: WorkerLoadReported | None) -> frozenset[str]:
+        reported = load.loras if load is not None else ()
+        routed = self._adapters_routed.get(worker_id)
+        if not routed:
+            return frozenset(reported)
+        return frozenset(reported).union(routed)

@@ -237,6 +237,7 @@ class Planner:
             decision.queued_tokens,
             time.time(),
             decision.prefill_worker_id,
+            spec.lora,
         )
 
     async def _bind_session(

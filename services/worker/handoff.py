@@ -189,7 +189,11 @@ class PrefillSide:
         job = PrefillJob(event.worker_id, hashes, span, event.session_id)
         one = event.spec.sampling.model_copy(update={"max_tokens": 1})
         root = salt_root(event.spec.cache_salt)
-        return job, EngineRequest(event.request_id, event.spec.prompt_token_ids, one, hashes, root)
+        spec = event.spec
+        request = EngineRequest(
+            event.request_id, spec.prompt_token_ids, one, hashes, root, spec.lora, spec.lora_path
+        )
+        return job, request
 
     async def done(self, request_id: str, job: PrefillJob, output: RequestOutput) -> None:
         """Runs between steps, so the prompt's blocks are still cached when they are exported."""

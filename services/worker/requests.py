@@ -130,6 +130,8 @@ class Requests:
             spec.sampling,
             self.block_hashes(spec),
             salt_root(spec.cache_salt),
+            spec.lora,
+            spec.lora_path,
         )
 
     def block_hashes(self, spec: RequestSpec) -> tuple[int, ...]:

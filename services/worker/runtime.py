@@ -113,6 +113,7 @@ class Worker:
             structured_outputs=engine.capabilities.structured_outputs,
             logprobs=engine.capabilities.logprobs,
             kv_bytes_per_token=engine.capabilities.kv_bytes_per_token,
+            max_loras=engine.capabilities.max_loras,
             draining=self._next_role is not None or self._handlers.draining,
             pid=os.getpid(),
             node=self._opt.node,

@@ -79,6 +79,11 @@ class WorkerSettings(ServiceSettings):
     perf_model: str = "dynamo-mocker"
     # Modelled time is divided by this: 10 runs the simulated GPU ten times faster.
     speedup: float = Field(default=1.0, gt=0)
+    # LoRA adapters held at once (vLLM's --max-loras), loaded on demand and least recently used
+    # out beyond; 0: none (an adapter's requests go to other workers). sim and vllm engines.
+    max_loras: int = Field(default=0, ge=0, le=1024)
+    # What the sim engine models an adapter's load to take, in ms.
+    sim_lora_load_ms: float = Field(default=150.0, ge=0)
     # False: behave like an engine that publishes no KV events (the indexer then predicts).
     kv_events: bool = True
     # A host-memory KV tier (blocks; 0: none), sim and torch engines: blocks the GPU evicts go
@@ -119,6 +124,11 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
     scheduling = settings.model_dump(include=_SCHEDULING)
     if settings.engine != "sim" and settings.model_dir is None:
         raise ValueError(f"the {settings.engine} engine needs LANEWAY_MODEL_DIR (a model folder)")
+    if settings.max_loras and settings.engine in ("torch", "trtllm"):
+        raise ValueError(
+            f"the {settings.engine} engine serves no LoRA adapters: leave LANEWAY_MAX_LORAS unset "
+            "(the sim and vllm engines serve them)"
+        )
     if settings.engine == "trtllm":
         assert settings.model_dir is not None
         from services.common.hf_tokenizer import HfTokenizer
@@ -147,6 +157,7 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
                 dtype=settings.dtype,
                 kv_cache_gib=settings.kv_cache_gib,
                 gpu_memory_utilization=settings.gpu_memory_utilization,
+                max_loras=settings.max_loras,
                 extra_args=settings.vllm_args,
             )
         )
@@ -172,6 +183,8 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, Tokenizer]:
         **scheduling,
         num_host_blocks=settings.host_kv_blocks,
         host_link_gb_s=settings.host_link_gb_s,
+        max_loras=settings.max_loras,
+        lora_load_ms=settings.sim_lora_load_ms,
     )
     return SimEngine(sim, perf_model(settings.perf_model)), ByteTokenizer()
 

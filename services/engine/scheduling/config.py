@@ -19,8 +19,9 @@ class SimConfig:
     host_link_latency_ms: float = 0.05
     # KV bytes of one token (Llama-3-8B-like bf16), what a load from host memory moves.
     kv_bytes_per_token: int = 131_072
-    # LoRA adapters resident at once (vLLM's --max-loras; least recently used out beyond), and
-    # what loading one that is not costs the step that first schedules a request of it.
+    # LoRA adapters resident at once (vLLM's --max-loras; least recently used out beyond; 0:
+    # requests with an adapter refused), and what loading one that is not costs the step that
+    # first schedules a request of it.
     max_loras: int = 2
     lora_load_ms: float = 150.0
 
@@ -30,5 +31,5 @@ class SimConfig:
                 raise ValueError(f"{name} must be positive")
         if self.num_host_blocks < 0 or self.host_link_gb_s <= 0:
             raise ValueError("num_host_blocks must be >= 0 and host_link_gb_s positive")
-        if self.max_loras < 1 or self.lora_load_ms < 0:
-            raise ValueError("max_loras must be positive and lora_load_ms >= 0")
+        if self.max_loras < 0 or self.lora_load_ms < 0:
+            raise ValueError("max_loras and lora_load_ms must be >= 0")

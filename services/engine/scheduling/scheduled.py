@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from services.engine.protocol import (
+    EngineCapabilities,
     EngineLoad,
     EngineRequest,
     RequestOutput,
@@ -24,6 +25,9 @@ from services.engine.scheduling.scheduler import Batch, Scheduler
 class ScheduledEngine:
     # The engine's name in refusals: LANEWAY_ENGINE's value.
     engine_kind: ClassVar[str]
+    capabilities: EngineCapabilities
+    # The LoRA adapters resident (the sim's; the torch engine holds none).
+    loras: frozenset[str] = frozenset()
 
     def __init__(self, config: SimConfig, pool: BlockPool, kv: KvCacheManager) -> None:
         self.block_size = config.block_size
@@ -39,7 +43,7 @@ class ScheduledEngine:
     def _new_request(self, request: EngineRequest) -> SimRequest:
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id} is already in the engine")
-        refuse_unsupported(request, self.engine_kind)
+        refuse_unsupported(request, self.engine_kind, self.capabilities.max_loras)
         req = SimRequest.from_engine_request(request, self.block_size)
         self._check(req)
         # The KV of every token but the last sampled one; a request that can never fit would be
@@ -123,7 +127,8 @@ class ScheduledEngine:
         return bool(self._requests)
 
     def load(self) -> EngineLoad:
-        return EngineLoad(*self.load_counts(), kv_blocks_total=self.kv_blocks_total)
+        counts = self.load_counts()
+        return EngineLoad(*counts, kv_blocks_total=self.kv_blocks_total, loras=self.loras)
 
     def load_counts(self) -> tuple[int, int, int, int]:
         """:meth:`load`'s running and waiting requests, waiting prefill tokens and KV blocks in

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 
 from services.common.kv_transfer import KvTransferModel
 from services.common.perf_model import PerfModel, perf_model
@@ -47,6 +48,7 @@ class SimEngine(ScheduledEngine):
         self._lora_of: dict[str, str] = {}
         self._loras: OrderedDict[str, None] = OrderedDict()
         self._max_loras, self._lora_load_ms = config.max_loras, config.lora_load_ms
+        self.capabilities = replace(SimEngine.capabilities, max_loras=config.max_loras)
         # The adapters resident now, as the planner's view of this worker reads them, and the
         # loads so far.
         self.loras: frozenset[str] = frozenset()
