@@ -21,5 +21,7 @@ class VllmEngineConfig:
     # what ``gpu_memory_utilization`` leaves after the weights).
     kv_cache_gib: float | None = None
     gpu_memory_utilization: float = 0.9
+    # LoRA adapters held at once (vLLM's --max-loras, with --enable-lora); 0: LoRA off.
+    max_loras: int = 0
     # Any other engine argument of vLLM's (``EngineArgs``), by name: it wins over the above.
     extra_args: dict[str, Any] = field(default_factory=dict)

@@ -35,6 +35,7 @@ from services.engine.protocol import (
     StepResult,
     checked_prompt,
 )
+from services.engine.vllm_engine.adapters import VllmAdapters
 from services.engine.vllm_engine.config import VllmEngineConfig
 
 _GIB = 1 << 30
@@ -94,6 +95,12 @@ class VllmEngine:
         }
         if config.kv_cache_gib is not None:
             arguments["kv_cache_memory_bytes"] = int(config.kv_cache_gib * _GIB)
+        if config.max_loras:
+            from services.engine.vllm_engine.lora_rows import mend_cpu_lora_rows
+
+            mend_cpu_lora_rows()
+            arguments = {"enable_lora": True, "max_loras": config.max_loras, **arguments}
+        self._adapters = VllmAdapters(config.max_loras)
         self._engine = LLMEngine.from_engine_args(EngineArgs(**arguments))
         # With multiprocessing off its client is an InprocClient, which holds the engine core.
         core = cast(Any, self._engine.engine_core).engine_core
@@ -114,6 +121,7 @@ class VllmEngine:
             structured_outputs=True,
             logprobs=True,
             kv_bytes_per_token=self._kv_bytes_per_token(core),
+            max_loras=config.max_loras,
         )
         self._sampling = _sampling_class()
         self._hashes = KvHashes(self.block_size)
@@ -141,8 +149,11 @@ class VllmEngine:
         inputs = self._prompt(prompt_token_ids=prompt)
         if request.root_hash != ROOT_HASH:
             inputs["cache_salt"] = _salt_of(request.root_hash)
+        adapter = self._adapters.request_of(request, self._engine)
         try:
-            self._engine.add_request(request_id, inputs, self._sampling(sampling))
+            self._engine.add_request(
+                request_id, inputs, self._sampling(sampling), lora_request=adapter
+            )
         except self._invalid as err:  # a schema its structured-output backend refuses
             raise ValueError(f"request {request_id}: {err}") from err
         self._started[request_id] = False
@@ -208,6 +219,7 @@ class VllmEngine:
             ),
             kv_blocks_used=max(0, self.kv_blocks_total - free),
             kv_blocks_total=self.kv_blocks_total,
+            loras=self._adapters.held(self._engine),
         )
 
     # -- KV hand-off (KvPortable) -----------------------------------------------------------
@@ -304,7 +316,8 @@ def _salt_of(root: int) -> str:
 
 
 def _root_of(extra_keys: tuple[Any, ...]) -> int:
-    for key in extra_keys:
+    # The salt comes last: a LoRA adapter's name, which may look like one, comes before it.
+    for key in reversed(extra_keys):
         if isinstance(key, str) and key.startswith("laneway:"):
             return int(key.removeprefix("laneway:"), 16)
     return ROOT_HASH
