@@ -44,7 +44,9 @@ class WorkerLoadReported(Envelope):
         description="its steps' times as measured (engines on real hardware, once measured)",
     )
     loras: tuple[LoraName, ...] = Field(
-        default=(), max_length=1024, description="the LoRA adapters resident in its engine"
+        default=(),
+        max_length=1024,
+        description="the LoRA adapters resident in its engine, least recently used first",
     )
 
 

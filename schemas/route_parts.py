@@ -53,6 +53,9 @@ class RouteCandidate(Frozen):
         description="the request's LoRA adapter was resident there (False: its load was "
         "predicted); None: the request has no adapter",
     )
+    lora_loads_ahead: int = Field(
+        default=0, ge=0, description="LoRA adapter loads the requests queued there make first"
+    )
 
 
 class TtftAlternative(Frozen):

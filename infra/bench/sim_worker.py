@@ -11,6 +11,7 @@ from infra.bench.metrics import WorkerRecord
 from schemas.events import Role
 from services.common.kv_index.index import PrefixIndex
 from services.engine.sim import SimEngine
+from services.planner.adapters import adapters_ahead
 from services.planner.policy import WorkerView
 
 
@@ -47,6 +48,9 @@ class SimWorker:
         engine = self.engine
         running, waiting, waiting_prefill_tokens, used = engine.load_counts()
         cached = overlaps.get(self.worker_id, 0)
+        loras, loads_ahead = adapters_ahead(
+            engine.held_loras, engine.coming_loras, engine.capabilities.max_loras
+        )
         return WorkerView(
             worker_id=self.worker_id,
             running=running,
@@ -59,5 +63,6 @@ class SimWorker:
             kv_capacity_tokens=engine.kv_blocks_total * engine.block_size,
             host_blocks=index.host_run(self.worker_id, hashes, cached) if hashes else 0,
             node=self.node,
-            loras=engine.loras,
+            loras=loras,
+            lora_loads_ahead=loads_ahead,
         )

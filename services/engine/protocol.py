@@ -86,8 +86,9 @@ class EngineLoad:
     waiting_prefill_tokens: int
     kv_blocks_used: int
     kv_blocks_total: int
-    # The LoRA adapters resident, as the planner's view of the worker reads them.
-    loras: frozenset[str] = frozenset()
+    # The LoRA adapters resident, least recently used first, as the planner's view of the
+    # worker reads them (services.planner.adapters).
+    loras: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from schemas.events import WorkerLoadReported
 from schemas.messages import DEFAULT_MODEL, WorkerRegistration
 from services.common.liveness import QUIET_S, Liveness
+from services.planner.adapters import adapters_ahead
 from services.planner.decision import DecisionInputs
 from services.planner.policy import RouteRequest, WorkerView
 from services.planner.routable import with_room
@@ -63,9 +64,9 @@ class ClusterView:
         self._in_flight: dict[str, int] = {}
         # Per worker, (when, prompt tokens) routed there that its last report may not include.
         self._unreported: dict[str, deque[tuple[float, int]]] = {}
-        # Per worker, the LoRA adapters routed there since its last report (when): resident by
-        # the time their requests run, though the report does not say so yet.
-        self._adapters_routed: dict[str, dict[str, float]] = {}
+        # Per worker, (when, LoRA adapter) routed there since its last report, in order: used,
+        # and loaded where not held, before a request routed now runs.
+        self._adapters_routed: dict[str, deque[tuple[float, str]]] = {}
         # Models asked of workers that name none (see _pool_of), each warned of once.
         self._unnamed: set[str] = set()
 
@@ -94,9 +95,8 @@ class ClusterView:
         while pending and pending[0][0] <= reported_at:
             pending.popleft()
         routed = self._adapters_routed.get(load.worker_id)
-        if routed:
-            for lora in [lora for lora, at in routed.items() if at <= reported_at]:
-                del routed[lora]
+        while routed and routed[0][0] <= reported_at:
+            routed.popleft()
 
     def quiet(self) -> set[str]:
         """Workers not heard from for ``QUIET_S``: their lease may still stand (a killed or
@@ -124,7 +124,7 @@ class ClusterView:
         self._unreported.setdefault(queue, deque()).append((now, prefill_tokens))
         if lora is not None:
             for worker_id in {route.worker_id, queue}:
-                self._adapters_routed.setdefault(worker_id, {})[lora] = now
+                self._adapters_routed.setdefault(worker_id, deque()).append((now, lora))
 
     def is_routed(self, request_id: str, attempt: int = 0) -> bool:
         """This attempt of the request (or a later one) has its route already."""
@@ -247,6 +247,9 @@ class ClusterView:
             if model is not None and reg.model != model:  # another pool's
                 continue
             load = self._load.get(worker_id)
+            coming = (lora for _, lora in self._adapters_routed.get(worker_id, ()))
+            held = load.loras if load is not None else ()
+            loras, loads_ahead = adapters_ahead(held, coming, reg.max_loras)
             unreported = sum(tokens for _, tokens in self._unreported.get(worker_id, ()))
             views.append(
                 WorkerView(
@@ -268,14 +271,8 @@ class ClusterView:
                     rack=reg.rack,
                     step_cost=load.step_cost if load else None,
                     kv_bytes_per_token=reg.kv_bytes_per_token,
-                    loras=self._adapters_of(worker_id, load),
+                    loras=loras,
+                    lora_loads_ahead=loads_ahead,
                 )
             )
         return views
-
-    def _adapters_of(self, worker_id: str, load: WorkerLoadReported | None) -> frozenset[str]:
-        reported = load.loras if load is not None else ()
-        routed = self._adapters_routed.get(worker_id)
-        if not routed:
-            return frozenset(reported)
-        return frozenset(reported).union(routed)

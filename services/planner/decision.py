@@ -152,6 +152,7 @@ def _view_of(candidate: RouteCandidate, lora: str | None) -> WorkerView:
         step_cost=candidate.step_cost,
         kv_bytes_per_token=candidate.kv_bytes_per_token,
         loras=frozenset({lora}) if candidate.lora_resident and lora is not None else frozenset(),
+        lora_loads_ahead=candidate.lora_loads_ahead,
     )
 
 
@@ -259,5 +260,6 @@ def _route_candidate(
             "step_cost": view.step_cost,
             "kv_bytes_per_token": view.kv_bytes_per_token,
             "lora_resident": None if lora is None else lora in view.loras,
+            "lora_loads_ahead": view.lora_loads_ahead,
         },
     )

@@ -265,8 +265,10 @@ class KvAware:
                 host += moved  # arrives before the request queues: like a host hit, not computed
         uncached = request.prompt_tokens - cached - host
         queued = worker.waiting_prefill_tokens
+        # The adapters the requests ahead load stall the steps that run them.
         queue_ms = self._prefill_ms(queued, worker)
-        prefill_ms = self._prefill_ms(queued + uncached, worker) - queue_ms
+        queue_ms += worker.lora_loads_ahead * self.settings.lora_load_ms
+        prefill_ms = self._prefill_ms(queued + uncached, worker) - self._prefill_ms(queued, worker)
         host_link = sized(self._host_link, worker.kv_bytes_per_token)
         prefill_ms += host_link.transfer_ms(host - move_blocks * bs)
         if request.lora is not None and request.lora not in worker.loras:

@@ -45,8 +45,10 @@ class WorkerView:
     step_cost: StepCost | None = None
     # Bytes a token's KV takes there; 0: the policy's configured size.
     kv_bytes_per_token: int = 0
-    # The LoRA adapters resident there.
+    # The LoRA adapters resident there by the time a request routed now runs, and the loads
+    # the requests ahead of it make first (services.planner.adapters).
     loras: frozenset[str] = frozenset()
+    lora_loads_ahead: int = 0
 
     @property
     def load(self) -> int:

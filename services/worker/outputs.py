@@ -239,6 +239,6 @@ class Outputs:
                 kv_blocks_total=load.kv_blocks_total,
                 busy_s=busy_s,
                 step_cost=step_cost,
-                loras=tuple(sorted(load.loras)),
+                loras=load.loras,
             ),
         )

@@ -37,7 +37,7 @@ def test_a_load_is_paid_once_while_the_adapter_stays_resident() -> None:
     base = served_ms(sim, "base", None)
     assert served_ms(sim, "a1", "a", prompt=2) == pytest.approx(base + LOAD_MS)
     assert served_ms(sim, "a2", "a", prompt=3) == pytest.approx(base)
-    assert sim.loras == {"a"}
+    assert sim.held_loras == ("a",)
 
 
 def test_the_least_recently_used_adapter_goes_beyond_max_loras() -> None:
@@ -45,10 +45,10 @@ def test_the_least_recently_used_adapter_goes_beyond_max_loras() -> None:
     base = served_ms(sim, "base", None)
     for i, lora in enumerate("abab"):
         served_ms(sim, f"warm-{i}", lora, prompt=10 + i)
-    assert sim.loras == {"a", "b"}
+    assert sim.held_loras == ("a", "b")  # least recently used first
     # c evicts a (b was used last), so a loads again; b is still resident.
     assert served_ms(sim, "c", "c", prompt=20) == pytest.approx(base + LOAD_MS)
-    assert sim.loras == {"b", "c"}
+    assert sim.held_loras == ("b", "c")
     assert served_ms(sim, "b-again", "b", prompt=21) == pytest.approx(base)
     assert served_ms(sim, "a-again", "a", prompt=22) == pytest.approx(base + LOAD_MS)
 
@@ -57,11 +57,15 @@ def test_a_step_pays_each_new_adapter_it_schedules() -> None:
     sim = engine(max_loras=4)
     for i, lora in enumerate("xy"):
         sim.add_request(replace(make_request(f"r{i}", [30 + i] * 8, max_tokens=1), lora=lora))
+    assert sim.coming_loras == ("x", "y")
     first = sim.step()
     assert first.duration_s * 1000 >= 2 * LOAD_MS
-    assert sim.loras == {"x", "y"}
+    assert sim.held_loras == ("x", "y") and sim.coming_loras == ()
 
 
-def test_max_loras_must_be_positive() -> None:
+def test_max_loras_may_not_be_negative_and_zero_refuses_adapters() -> None:
     with pytest.raises(ValueError, match="max_loras"):
-        SimConfig(max_loras=0)
+        SimConfig(max_loras=-1)
+    sim = engine(max_loras=0)
+    with pytest.raises(ValueError, match="holds no adapters"):
+        sim.add_request(replace(make_request("r", [1] * 8, max_tokens=1), lora="a"))

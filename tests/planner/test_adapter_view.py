@@ -1,12 +1,14 @@
 """LoRA adapters in the planner's view of its workers: a request with an adapter is offered only
-workers that hold adapters; what each holds is what it last reported, plus the adapters routed
-there since (loaded by the time their requests run), until a later report says otherwise."""
+workers that hold adapters; what each will hold when it runs is its last report's adapters,
+then those routed there since, each used in turn and the least recently used dropped beyond its
+max_loras, until a later report says otherwise; the loads those make are counted ahead of it."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
 from schemas.events import WorkerLoadReported
+from services.planner.adapters import adapters_ahead
 from services.planner.cluster import ClusterView, Routed
 from services.planner.policy import RouteRequest
 from tests.helpers import load_report, registration
@@ -24,6 +26,20 @@ def workers(max_loras: dict[str, int]) -> ClusterView:
 
 def held(cluster: ClusterView, request: RouteRequest = ADAPTER) -> dict[str, frozenset[str]]:
     return {v.worker_id: v.loras for v in cluster.decision_inputs(request, None, None).decoders}
+
+
+def loads_ahead(cluster: ClusterView) -> dict[str, int]:
+    views = cluster.decision_inputs(ADAPTER, None, None).decoders
+    return {v.worker_id: v.lora_loads_ahead for v in views}
+
+
+def test_adapters_ahead_follow_the_lru() -> None:
+    assert adapters_ahead(("a", "b"), (), 2) == (frozenset({"a", "b"}), 0)
+    # c evicts a (least recently used), then a loads again and evicts b.
+    assert adapters_ahead(("a", "b"), ("c", "a"), 2) == (frozenset({"c", "a"}), 2)
+    # b used first is the most recent: c evicts a instead.
+    assert adapters_ahead(("a", "b"), ("b", "c", "b"), 2) == (frozenset({"b", "c"}), 1)
+    assert adapters_ahead((), ("x", "x", "y"), 3) == (frozenset({"x", "y"}), 2)
 
 
 def report(worker_id: str, loras: tuple[str, ...], at: float) -> WorkerLoadReported:
@@ -47,11 +63,16 @@ def test_held_adapters_are_the_reports_and_the_routes_since() -> None:
     assert held(cluster) == {"w1": frozenset({"ad-1", "ad-2"}), "w2": frozenset()}
     cluster.routed("r", Routed("w2", "ingress", None), 32, now=101.0, lora="ad-3")
     assert held(cluster)["w2"] == {"ad-3"}
+    assert loads_ahead(cluster) == {"w1": 0, "w2": 1}
+    # Routed to w1, which holds two: ad-3 evicts ad-1, its least recently used.
+    cluster.routed("s", Routed("w1", "ingress", None), 32, now=101.0, lora="ad-3")
+    assert held(cluster)["w1"] == {"ad-2", "ad-3"}
     # A report from before the route leaves it; one after it replaces it.
     cluster.report(report("w2", (), at=100.5))
     assert held(cluster)["w2"] == {"ad-3"}
     cluster.report(report("w2", ("ad-4",), at=102.0))
     assert held(cluster)["w2"] == {"ad-4"}
+    assert loads_ahead(cluster)["w2"] == 0
 
 
 def test_a_remote_prefill_loads_the_adapter_on_both_workers() -> None:

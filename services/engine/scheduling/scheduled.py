@@ -26,8 +26,9 @@ class ScheduledEngine:
     # The engine's name in refusals: LANEWAY_ENGINE's value.
     engine_kind: ClassVar[str]
     capabilities: EngineCapabilities
-    # The LoRA adapters resident (the sim's; the torch engine holds none).
-    loras: frozenset[str] = frozenset()
+    # The LoRA adapters resident, least recently used first (the sim's; the torch engine
+    # holds none).
+    held_loras: tuple[str, ...] = ()
 
     def __init__(self, config: SimConfig, pool: BlockPool, kv: KvCacheManager) -> None:
         self.block_size = config.block_size
@@ -128,7 +129,7 @@ class ScheduledEngine:
 
     def load(self) -> EngineLoad:
         counts = self.load_counts()
-        return EngineLoad(*counts, kv_blocks_total=self.kv_blocks_total, loras=self.loras)
+        return EngineLoad(*counts, kv_blocks_total=self.kv_blocks_total, loras=self.held_loras)
 
     def load_counts(self) -> tuple[int, int, int, int]:
         """:meth:`load`'s running and waiting requests, waiting prefill tokens and KV blocks in

@@ -49,9 +49,7 @@ class SimEngine(ScheduledEngine):
         self._loras: OrderedDict[str, None] = OrderedDict()
         self._max_loras, self._lora_load_ms = config.max_loras, config.lora_load_ms
         self.capabilities = replace(SimEngine.capabilities, max_loras=config.max_loras)
-        # The adapters resident now, as the planner's view of this worker reads them, and the
-        # loads so far.
-        self.loras: frozenset[str] = frozenset()
+        # The adapter loads so far.
         self.lora_loads = 0
 
     def add_request(self, request: EngineRequest) -> None:
@@ -110,8 +108,13 @@ class SimEngine(ScheduledEngine):
             loras[lora] = None
             if len(loras) > self._max_loras:
                 loras.popitem(last=False)
-            self.loras = frozenset(loras)
+        self.held_loras = tuple(loras)
         return load_ms
+
+    @property
+    def coming_loras(self) -> tuple[str, ...]:
+        """The adapters of the requests queued and not yet run, in their order."""
+        return tuple(self._lora_of.values())
 
     def import_blocks(self, block_hashes: Sequence[int]) -> int:
         """Take a prompt's KV blocks handed over by a prefill worker into the prefix cache (as

@@ -12,6 +12,7 @@ for the worker's load reports, which the planner routes by.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from services.engine.protocol import EngineRequest
@@ -24,6 +25,9 @@ class VllmAdapters:
         # another adapter to vLLM, whose prefix cache keys blocks by both.
         self._ids: dict[tuple[str, str], int] = {}
         self._names: dict[int, str] = {}
+        # Adapter ids by their last request's arrival, least recent first: vLLM evicts the
+        # least recently used, and the planner predicts which goes by this order.
+        self._recent: OrderedDict[int, None] = OrderedDict()
 
     def request_of(self, request: EngineRequest, engine: Any) -> Any | None:
         """vLLM's ``LoRARequest`` for ``request`` (None: the base model), the adapter loaded;
@@ -42,6 +46,8 @@ class VllmAdapters:
 
         lora_id = self._ids.setdefault((name, path), len(self._ids) + 1)
         self._names[lora_id] = name
+        self._recent[lora_id] = None
+        self._recent.move_to_end(lora_id)
         adapter = LoRARequest(name, lora_id, path)
         if lora_id not in engine.list_loras():
             try:
@@ -55,8 +61,9 @@ class VllmAdapters:
                 ) from err
         return adapter
 
-    def held(self, engine: Any) -> frozenset[str]:
-        """The adapters resident in ``engine`` now."""
+    def held(self, engine: Any) -> tuple[str, ...]:
+        """The adapters resident in ``engine`` now, least recently used first."""
         if not self._max_loras:
-            return frozenset()
-        return frozenset(self._names[i] for i in engine.list_loras() if i in self._names)
+            return ()
+        resident = engine.list_loras()
+        return tuple(self._names[i] for i in self._recent if i in resident)
