@@ -153,6 +153,29 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction[argparse.ArgumentParser
     tiny.set_defaults(func=_make_tiny_model)
 
 
+def _add_make_tiny_lora(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    lora = sub.add_parser(
+        "make-tiny-lora", help="write a small seeded LoRA adapter for a make-tiny-model folder"
+    )
+    lora.add_argument("dir", type=Path, help="folder to write (created if missing)")
+    lora.add_argument("--base", type=Path, required=True, help="the make-tiny-model folder")
+    lora.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    lora.add_argument("--rank", type=int, default=8, help="the adapter's rank")
+    lora.set_defaults(func=_make_tiny_lora)
+
+
+def _make_tiny_lora(args: argparse.Namespace) -> int:
+    from services.engine.torch_engine.tiny_lora import make_tiny_lora
+
+    try:
+        make_tiny_lora(args.dir, args.base, seed=args.seed, rank=args.rank)
+    except (OSError, KeyError, ValueError) as exc:  # no base folder, not a tiny model's config
+        print(f"laneway make-tiny-lora: cannot write {args.dir}: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote a rank-{args.rank} LoRA adapter for {args.base} to {args.dir}")
+    return 0
+
+
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from services.engine.torch_engine.tiny import make_tiny_model
 
@@ -283,6 +306,7 @@ _COMMANDS: dict[str, str | Callable[..., None]] = {
     "serve": "infra.serve",
     "bench-engine": "infra.bench.engine_bench",
     "make-tiny-model": _add_make_tiny_model,
+    "make-tiny-lora": _add_make_tiny_lora,
     "bench": "infra.bench.run",
     "record": "infra.record_export",
     "explain": "infra.debug.explain",

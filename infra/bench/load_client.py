@@ -5,10 +5,11 @@ Dynamo's frontend, so their figures compare.
         --concurrency 32 --duration 20
 
 Closed loop: ``--concurrency`` streams, each sending its next request when the last ended, for
-``--duration`` seconds or until ``--requests`` have been sent. Every prompt is unique (random
-words of about ``--prompt-chars`` characters), so no two requests share a prefix past the chat
-template. Prints one JSON object: requests per second (those finished inside the window), TTFT,
-latency and inter-chunk gap percentiles in ms, and errors by kind.
+``--duration`` seconds or until ``--requests`` have been sent. ``--model a,b,c --zipf S``: each
+request asks for one of the models (LoRA adapters, say), the k-th with weight 1/k**S. Every
+prompt is unique (random words of about ``--prompt-chars`` characters), so no two requests share
+a prefix past the chat template. Prints one JSON object: requests per second (those finished
+inside the window), TTFT, latency and inter-chunk gap percentiles in ms, and errors by kind.
 
 TTFT is from sending to the first chunk carrying text, or to the first event of a stream that
 carries none (Dynamo's mocker streams only a role event and the finish: its tokens decode to no
@@ -80,6 +81,15 @@ class LoadSpec:
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     label: str = ""
+    # More models than ``model``: each request draws one, the k-th with weight 1/k**zipf_s.
+    models: tuple[str, ...] = ()
+    zipf_s: float = 0.0
+
+    def draw_model(self, rng: random.Random) -> str:
+        if not self.models:
+            return self.model
+        weights = [1 / k**self.zipf_s for k in range(1, len(self.models) + 1)]
+        return rng.choices(self.models, weights)[0]
 
 
 def chat_url(base_url: str) -> str:
@@ -186,7 +196,8 @@ def summarize(
     out: dict[str, Any] = {
         "label": spec.label,
         "url": chat_url(spec.base_url),
-        "model": spec.model,
+        "model": ",".join(spec.models) or spec.model,
+        "zipf_s": spec.zipf_s if spec.models else None,
         "concurrency": spec.concurrency,
         "new_connection": spec.new_connection,
         "max_tokens": spec.max_tokens,
@@ -205,13 +216,14 @@ def summarize(
     for name, values in (("ttft", ttft), ("lat", latency), ("itl", gaps)):
         for q in (50, 90, 95, 99):
             out[f"{name}_ms_p{q}"] = _ms(values, q)
+    out["ttft_ms_mean"] = round(sum(ttft) / len(ttft) * 1000, 3) if ttft else None
     out["lat_ms_max"] = round(max(latency) * 1000, 3) if latency else None
     return out
 
 
-def request_body(spec: LoadSpec, text: str) -> dict[str, Any]:
+def request_body(spec: LoadSpec, text: str, model: str | None = None) -> dict[str, Any]:
     return {
-        "model": spec.model,
+        "model": model or spec.model,
         "messages": [{"role": "user", "content": text}],
         "max_tokens": spec.max_tokens,
         "stream": True,
@@ -229,7 +241,7 @@ async def run_load(spec: LoadSpec) -> dict[str, Any]:
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def one() -> Sample:
-            body = request_body(spec, prompt(rng, spec.prompt_chars))
+            body = request_body(spec, prompt(rng, spec.prompt_chars), spec.draw_model(rng))
             return await stream_one(session, url, body, request_headers, spec.timeout_s)
 
         for _ in range(spec.warmup):
@@ -263,7 +275,9 @@ async def first_model(base_url: str, api_key: str | None) -> str:
 
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="with or without the trailing /v1")
-    parser.add_argument("--model", help="(default: the first of /v1/models)")
+    parser.add_argument(
+        "--model", help="(default: the first of /v1/models); several, comma-separated: a mix"
+    )
     parser.add_argument(
         "--api-key", default=os.environ.get("LANEWAY_API_KEY"), help="(default: $LANEWAY_API_KEY)"
     )
@@ -287,8 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     parser.add_argument("--extra", default="{}", help="JSON merged into each request's body")
     parser.add_argument("--label", default="")
+    parser.add_argument(
+        "--zipf", type=float, default=0.0, help="with several --model: their Zipf exponent"
+    )
     args = parser.parse_args(argv)
     model = args.model or asyncio.run(first_model(args.base_url, args.api_key))
+    models = tuple(model.split(",")) if "," in model else ()
     spec = LoadSpec(
         base_url=args.base_url,
         model=model,
@@ -304,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         extra=orjson.loads(args.extra),
         label=args.label,
+        models=models,
+        zipf_s=args.zipf,
     )
     print(orjson.dumps(asyncio.run(run_load(spec))).decode(), flush=True)
     return 0
