@@ -27,7 +27,7 @@ def with_tenants(trace: Sequence[TraceRequest], tenants: int) -> list[TraceReque
     salted = []
     for r in trace:
         tenant = conversations.setdefault(conversation(r), len(conversations)) % tenants
-        salted.append(replace(r, cache_salt=salts[tenant]))
+        salted.append(replace(r, cache_salt=adapter_salt(salts[tenant], r.lora)))
     return salted
 
 

@@ -24,6 +24,7 @@ from typing import Literal, overload
 
 from infra.recording import HEADER_KEY, Recorded, RecordingError, read_recording
 from schemas.block_hash import chain_block_hashes, salt_root
+from schemas.cache_salt import adapter_salt
 from schemas.events import RequestAccepted, RequestFinished
 
 TraceFormat = Literal["mooncake", "azure", "recording"]
@@ -48,7 +49,8 @@ class TraceRequest:
     block_unit: int = TRACE_BLOCK_SIZE
     # Its tenant's cache salt (``with_tenants``), as the ingress would give it; None: unsalted.
     cache_salt: str | None = None
-    # The LoRA adapter it asks for (``with_loras``); None: the base model.
+    # The LoRA adapter it asks for (the trace's own, a recording's or a Mooncake line's
+    # ``lora``, else ``with_loras``'s); None: the base model.
     lora: str | None = None
 
 
@@ -291,16 +293,18 @@ def recording_trace(
 
 def _trace(rows: Iterable[Row], speedup: float, limit: int | None) -> list[TraceRequest]:
     requests: list[TraceRequest] = []
-    for i, (arrival, inp, out, ids, unit) in enumerate(rows):
+    for i, (arrival, inp, out, ids, unit, lora) in enumerate(rows):
         if limit is not None and i >= limit:
             break
-        requests.append(TraceRequest(arrival / speedup, inp, max(1, out), ids, i, unit))
+        # Salted as the ingress salts an adapter's prompt: its blocks are its own.
+        salt = adapter_salt(None, lora)
+        requests.append(TraceRequest(arrival / speedup, inp, max(1, out), ids, i, unit, salt, lora))
     start = requests[0].arrival_s if requests else 0.0
     return [replace(r, arrival_s=r.arrival_s - start) for r in requests]
 
 
-# Arrival (seconds), prompt tokens, output tokens, block ids, tokens per block id.
-Row = tuple[float, int, int, tuple[int, ...], int]
+# Arrival (seconds), prompt tokens, output tokens, block ids, tokens per block id, LoRA adapter.
+Row = tuple[float, int, int, tuple[int, ...], int, str | None]
 
 
 def _recorded_rows(recorded: Iterable[Recorded]) -> Iterator[Row]:
@@ -327,7 +331,15 @@ def _recorded_rows(recorded: Iterable[Recorded]) -> Iterator[Row]:
             output.get(event.request_id or "", spec.sampling.max_tokens),
             tuple(blocks),
             spec.block_size,
+            spec.lora,
         )
+
+
+def _adapter(value: object) -> str | None:
+    """A Mooncake line's optional ``lora``: the adapter's name, as a request names it."""
+    if value is None or (isinstance(value, str) and 0 < len(value) <= 128):
+        return value
+    raise ValueError(f"lora {str(value)[:40]!r} is no adapter name")
 
 
 def _mooncake(path: Path) -> Iterator[Row]:
@@ -343,6 +355,7 @@ def _mooncake(path: Path) -> Iterator[Row]:
                     int(row["output_length"]),
                     tuple(int(h) for h in row.get("hash_ids", ())),
                     TRACE_BLOCK_SIZE,
+                    _adapter(row.get("lora")),
                 )
             except (KeyError, ValueError, TypeError) as err:
                 raise ValueError(f"{path}:{n}: not a Mooncake trace line ({err})") from None
@@ -359,6 +372,7 @@ def _azure(path: Path) -> Iterator[Row]:
                     int(row["GeneratedTokens"]),
                     (),
                     TRACE_BLOCK_SIZE,
+                    None,
                 )
             except (KeyError, ValueError, TypeError) as err:
                 raise ValueError(f"{path}:{n}: not an Azure trace row ({err})") from None

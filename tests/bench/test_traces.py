@@ -55,3 +55,21 @@ def test_a_bad_line_names_file_and_line(tmp_path: Path) -> None:
     path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n{"nope": 1}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         load_trace(path)
+
+
+def test_a_trace_line_may_name_its_adapter(tmp_path: Path) -> None:
+    path = tmp_path / "adapters.jsonl"
+    line = '{"timestamp": %d, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]%s}\n'
+    path.write_text(
+        line % (0, ', "lora": "sql"') + line % (10, ', "lora": "chat"') + line % (20, "")
+    )
+    trace = load_trace(path)
+    assert [r.lora for r in trace] == ["sql", "chat", None]
+    factory = PromptFactory(64)
+    hashes = [factory.block_hashes(r)[0] for r in trace]
+    # The same blocks, three caches: an adapter's prompt is salted as the ingress salts it.
+    assert len(set(hashes)) == 3
+    assert trace[2].cache_salt is None
+    path.write_text(line % (0, ', "lora": 7'))
+    with pytest.raises(ValueError, match="adapter"):
+        load_trace(path)
