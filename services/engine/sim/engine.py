@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import replace
 
 from services.common.kv_transfer import KvTransferModel
 from services.common.perf_model import PerfModel, perf_model
@@ -26,13 +25,6 @@ class SimEngine(ScheduledEngine):
     would take. ``perf`` overrides the perf model named in ``config``."""
 
     engine_kind = "sim"
-    capabilities = EngineCapabilities(
-        kv_handoff=True,
-        kv_events=True,
-        modelled_time=True,
-        whole_prompt_handoff=True,
-        decode_runs=True,
-    )
 
     def __init__(self, config: SimConfig, perf: PerfModel | None = None) -> None:
         pool = BlockPool(config.num_gpu_blocks, config.num_host_blocks)
@@ -48,7 +40,14 @@ class SimEngine(ScheduledEngine):
         self._lora_of: dict[str, str] = {}
         self._loras: OrderedDict[str, None] = OrderedDict()
         self._max_loras, self._lora_load_ms = config.max_loras, config.lora_load_ms
-        self.capabilities = replace(SimEngine.capabilities, max_loras=config.max_loras)
+        self.capabilities = EngineCapabilities(
+            kv_handoff=True,
+            kv_events=True,
+            modelled_time=True,
+            whole_prompt_handoff=True,
+            decode_runs=True,
+            max_loras=config.max_loras,
+        )
         # The adapter loads so far.
         self.lora_loads = 0
 
