@@ -268,11 +268,9 @@ def _pools(args: argparse.Namespace) -> dict[str, int]:
         return {}
     if args.workers is not None:
         raise SystemExit("laneway up: --pool NAME=N or --workers N, not both")
-    if args.prefill_workers or args.autoscale:
-        # The capacity loop would move one pool's workers to serve another's prefills.
-        raise SystemExit(
-            "laneway up: --prefill-workers and --autoscale serve one model, not --pool's"
-        )
+    if args.prefill_workers:
+        # Whose prefills they would serve is no one's to guess; --autoscale splits each pool's.
+        raise SystemExit("laneway up: --prefill-workers serves one model, not --pool's")
     pools = dict(args.pool)
     if len(pools) < len(args.pool):
         raise SystemExit("laneway up: each --pool NAME once")

@@ -1,7 +1,11 @@
 """The capacity loop, live: one planner replica at a time (an etcd election) watches TTFT and ITL
 of finished requests and the prefill pool's queue, asks the pure :class:`CapacityPlanner` what to
 do, and carries a move out: new roles in etcd (each worker watches its own), then a
-``RolesRebalanced`` event as the record of why."""
+``RolesRebalanced`` event as the record of why.
+
+Where workers serve several models (model pools), each model's workers are a cluster of their
+own to it: observed apart, with a planner of their own, and never moved to serve another's
+prefills."""
 
 from __future__ import annotations
 
@@ -44,8 +48,10 @@ class CapacityLoop:
         source: str,
         moves: Counter | None = None,
     ) -> None:
-        """``moves``: counts the workers moved, labelled by the pool they join."""
+        """``moves``: counts the workers moved, labelled by the pool they join. ``planner`` plans
+        for one model; a model pool beside it gets a planner of its own, of the same settings."""
         self._planner = planner
+        self._planners: dict[str, CapacityPlanner] = {}
         self._moves = moves
         self._cluster = cluster
         self._leadership = leadership
@@ -64,7 +70,8 @@ class CapacityLoop:
             await asyncio.sleep(interval)
             try:
                 if await self._leadership.start_if_absent():
-                    await self.step()
+                    for model in self.models():
+                        await self.step(model)
                 else:
                     self._forget_before(time.monotonic() - interval)
             except asyncio.CancelledError:
@@ -76,37 +83,51 @@ class CapacityLoop:
         while self._finished and self._finished[0][0] < since:
             self._finished.popleft()
 
-    def observe(self) -> Observation:
-        """The last interval's latencies and the pools as they stand."""
+    def models(self) -> list[str | None]:
+        """The model pools to plan for: None, the whole cluster, where its workers serve one."""
+        models = sorted({reg.model for reg in self._cluster.workers.values()})
+        return [None] if len(models) < 2 else list(models)
+
+    def observe(self, model: str | None = None) -> Observation:
+        """The last interval's latencies and the pools as they stand, of ``model``'s workers
+        (None: all)."""
         self._forget_before(time.monotonic() - self._planner.settings.interval_s)
-        done = [event for _, event in self._finished]
+        done = [event for _, event in self._finished if self._serves(event.worker_id, model)]
         gaps = LatencyHistogram()
         for event in done:
             gaps.merge(event.token_gaps)
-        prefill = self._pool("prefill")
+        prefill = self._pool("prefill", model)
         return observe_interval(
             [(e.ttft_ms, e.prefill_worker_id is not None) for e in done],
             gaps,
             sum(e.stalled_gaps for e in done),
             sum(w.waiting_prefill_tokens for w in prefill),
             len(prefill),
-            len(self._pool("decode")),
+            len(self._pool("decode", model)),
         )
 
-    def _pool(self, role: Role) -> list[WorkerView]:
+    def _serves(self, worker_id: str, model: str | None) -> bool:
+        reg = self._cluster.workers.get(worker_id)
+        return model is None or (reg is not None and reg.model == model)
+
+    def _pool(self, role: Role, model: str | None) -> list[WorkerView]:
         # Aggregated workers decode too: the loop may split them into a prefill pool.
         quiet = self._cluster.quiet()
         if role == "prefill":
-            return self._cluster.prefill_candidates(leave_out=quiet)
-        return self._cluster.candidates(leave_out=quiet)
+            return self._cluster.prefill_candidates(leave_out=quiet, model=model)
+        return self._cluster.candidates(leave_out=quiet, model=model)
 
-    async def step(self) -> RolesRebalanced | None:
-        decision = self._planner.decide(self.observe())
+    async def step(self, model: str | None = None) -> RolesRebalanced | None:
+        """One interval's decision for ``model``'s workers (None: the whole cluster's)."""
+        planner = self._planner
+        if model is not None:
+            planner = self._planners.setdefault(model, CapacityPlanner(planner.settings))
+        decision = planner.decide(self.observe(model))
         if decision.move is None:
             return None
         source: Role = "decode" if decision.move == "to_prefill" else "prefill"
         target: Role = "prefill" if source == "decode" else "decode"
-        moved = workers_to_move(self._pool(source), decision.workers)
+        moved = workers_to_move(self._pool(source, model), decision.workers)
         if not moved:
             return None
         await self._assign_roles(dict.fromkeys(moved, target))
@@ -116,7 +137,7 @@ class CapacityLoop:
                 RoleMove(worker_id=w, from_role=self._cluster.workers[w].role, to_role=target)
                 for w in moved
             ),
-            reason=decision.reason,
+            reason=decision.reason if model is None else f"{model}: {decision.reason}",
         )
         await self._publish(Subjects.roles_rebalanced, event)
         if self._moves is not None:

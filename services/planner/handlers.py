@@ -178,7 +178,7 @@ class Planner:
                 # worker's queue counts the prompt until its next load report.
                 self._book(event, bound, expected, session)
             decision = bound
-        self.metrics.decided(decision)
+        self.metrics.decided(decision, spec.model)
         if spec.attempt:
             self.metrics.migrations.inc()
         worker_id, remote = decision.worker_id, decision.prefill_worker_id

@@ -35,12 +35,14 @@ class _Pools(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
             "laneway_planner_workers",
-            "Registered workers by role (prefill, decode, both) as this planner sees them.",
-            labels=["role", "draining"],
+            "Registered workers by model, role (prefill, decode, both) and draining, as this "
+            "planner sees them.",
+            labels=["model", "role", "draining"],
         )
-        tally = Tally((w.role, str(w.draining).lower()) for w in self._cluster.workers.values())
-        for (role, draining), count in sorted(tally.items()):
-            family.add_metric([role, draining], count)
+        workers = self._cluster.workers.values()
+        tally = Tally((w.model, w.role, str(w.draining).lower()) for w in workers)
+        for labels, count in sorted(tally.items()):
+            family.add_metric(list(labels), count)
         yield family
 
 
@@ -50,9 +52,10 @@ class PlannerMetrics:
         count_drops_in(self.registry)
         self._decisions = Counter(
             "laneway_planner_decisions",
-            "Routing decisions by policy, reason (without its figures) and where the prompt is "
-            "prefilled (local: on the decode worker, remote: on a prefill worker).",
-            ["policy", "reason", "prefill"],
+            "Routing decisions by model, policy, reason (without its figures), where the prompt "
+            "is prefilled (local: on the decode worker, remote: on a prefill worker) and its "
+            "LoRA adapter (none, held: the worker held it, load: it loads it first).",
+            ["model", "policy", "reason", "prefill", "adapter"],
             registry=self.registry,
         )
         self.decision_seconds = Histogram(
@@ -114,6 +117,10 @@ class PlannerMetrics:
         )
         self.registry.register(_Pools(cluster))
 
-    def decided(self, decision: Decision) -> None:
+    def decided(self, decision: Decision, model: str) -> None:
         prefill = "local" if decision.prefill_worker_id is None else "remote"
-        self._decisions.labels(decision.policy, reason_label(decision.reason), prefill).inc()
+        chosen = (c for c in decision.candidates if c.worker_id == decision.worker_id)
+        resident = next((c.lora_resident for c in chosen), None)
+        adapter = "none" if resident is None else "held" if resident else "load"
+        reason = reason_label(decision.reason)
+        self._decisions.labels(model, decision.policy, reason, prefill, adapter).inc()

@@ -48,6 +48,11 @@ class WorkerMetrics:
             "Share of the engine's KV blocks in use, 0 to 1.",
             registry=self.registry,
         )
+        self._loras = Gauge(
+            "laneway_worker_lora_adapters",
+            "LoRA adapters resident in the engine.",
+            registry=self.registry,
+        )
         self._step = Histogram(
             "laneway_worker_step_seconds",
             "Engine steps, wall-clock seconds each (modelled time over the speed-up for sim).",
@@ -77,6 +82,7 @@ class WorkerMetrics:
         self._waiting_prefill.set(load.waiting_prefill_tokens)
         total = load.kv_blocks_total
         self._kv_usage.set(load.kv_blocks_used / total if total else 0.0)
+        self._loras.set(len(load.loras))
 
     def step(self, result: StepResult, seconds: float) -> None:
         """``seconds``: the wall time the result took, its steps' together."""

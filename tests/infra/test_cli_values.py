@@ -54,8 +54,7 @@ def test_a_bench_with_no_decode_worker_says_so(capsys: pytest.CaptureFixture[str
     ("argv", "complaint"),
     [
         (["--pool", "a=1", "--workers", "2"], "--pool NAME=N or --workers N, not both"),
-        (["--pool", "a=1", "--prefill-workers", "1"], "--autoscale serve one model"),
-        (["--pool", "a=1", "--autoscale"], "--autoscale serve one model"),
+        (["--pool", "a=1", "--prefill-workers", "1"], "--prefill-workers serves one model"),
         (["--pool", "a=1", "--pool", "a=2"], "each --pool NAME once"),
     ],
 )

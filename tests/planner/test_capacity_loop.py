@@ -169,3 +169,23 @@ async def test_an_aggregated_pool_with_slow_tokens_is_split() -> None:
     event = await loop.step()
     assert event is not None and assigned == {"a1": "prefill"}
     assert event.moves[0].from_role == "both"
+
+
+async def test_each_model_pool_is_planned_apart() -> None:
+    alpha = [worker(w, "both").model_copy(update={"model": "alpha"}) for w in ("a1", "a2")]
+    beta = [worker(w, "both").model_copy(update={"model": "beta"}) for w in ("b1", "b2")]
+    loop, _, assigned, published = make_loop([*alpha, *beta], itl_target_ms=10)
+    assert loop.models() == ["alpha", "beta"]
+    # alpha's tokens are slow (its d1 stand-in is a1), beta's are on target.
+    slow = finished(ttft_ms=90, e2e_ms=1090, tokens=21, stalled_gaps=4)
+    loop.on_finished(slow.model_copy(update={"worker_id": "a1"}))
+    loop.on_finished(
+        finished(ttft_ms=20, e2e_ms=120, tokens=21).model_copy(update={"worker_id": "b1"})
+    )
+    assert (loop.observe("alpha").decode_workers, loop.observe("beta").decode_workers) == (2, 2)
+    assert loop.observe("beta").itl_p95_ms == pytest.approx(5, rel=0.05)
+    assert await loop.step("beta") is None
+    event = await loop.step("alpha")
+    # Split within alpha: none of beta's workers is taken for alpha's prefills.
+    assert event is not None and assigned == {"a1": "prefill"}
+    assert published == [event] and event.reason.startswith("alpha: ")
