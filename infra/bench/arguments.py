@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from infra.arg_types import at_least, positive
+from infra.arg_types import at_least, pool, positive
 from infra.bench.tiers import add_tier_arguments
 from infra.cluster_args import add_disagg_argument, add_perf_model_argument, add_server_arguments
 from services.common.kv_transfer import KvTransferModel
@@ -178,6 +178,15 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument(
         "--max-output-tokens", type=at_least(1), help="cut output lengths to this many tokens"
+    )
+    bench.add_argument(
+        "--pool",
+        type=pool,
+        action="append",
+        metavar="NAME=N",
+        help="offline: N workers serving the model NAME (repeatable, instead of --workers); "
+        "each request goes to its model's workers: the model its trace line names, else one "
+        "dealt per conversation in proportion to the pools' workers",
     )
     tenants = "offline: the conversations dealt out to N tenants, each with its salted cache"
     bench.add_argument("--tenants", type=at_least(1), help=tenants)

@@ -73,7 +73,7 @@ class ReplayResult:
     decisions: Sequence[dict[str, Any]] = ()
 
     def ttft_ms(self) -> list[float]:
-        return [((r.times.first_s or 0.0) - r.arrival_s) * 1000 for r in self.records if r.done]
+        return _ttft_ms([r for r in self.records if r.done])
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:
@@ -88,6 +88,34 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def _ttft_ms(done: Sequence[RequestRecord]) -> list[float]:
+    return [((r.times.first_s or 0.0) - r.arrival_s) * 1000 for r in done]
+
+
+def _e2e_ms(done: Sequence[RequestRecord]) -> list[float]:
+    return [((r.times.last_s or 0.0) - r.arrival_s) * 1000 for r in done]
+
+
+def by_model(
+    requests: Sequence[RequestRecord], models: Sequence[str | None]
+) -> dict[str, dict[str, Any]]:
+    """Each model pool's requests (``models``: each request's), completed, TTFT and E2E."""
+    grouped: dict[str, list[RequestRecord]] = {}
+    for record, model in zip(requests, models, strict=True):
+        if model is not None:
+            grouped.setdefault(model, []).append(record)
+    report = {}
+    for model, records in sorted(grouped.items()):
+        done = [r for r in records if r.done]
+        report[model] = {
+            "requests": len(records),
+            "completed": len(done),
+            "ttft_ms": summary(_ttft_ms(done)),
+            "e2e_ms": summary(_e2e_ms(done)),
+        }
+    return report
+
+
 def build_report(
     requests: Sequence[RequestRecord],
     workers: dict[str, WorkerRecord],
@@ -95,8 +123,7 @@ def build_report(
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     done = [r for r in requests if r.done]
-    ttft = [((r.times.first_s or 0.0) - r.arrival_s) * 1000 for r in done]
-    e2e = [((r.times.last_s or 0.0) - r.arrival_s) * 1000 for r in done]
+    ttft, e2e = _ttft_ms(done), _e2e_ms(done)
     # Inter-token latency as vLLM's benchmark and Dynamo's replay count it: every gap between
     # consecutive tokens, pooled over requests. TPOT is the per-request view: a request's decode
     # time spread over its tokens after the first.

@@ -24,6 +24,7 @@ from infra.bench.metrics import (
     WorkerRecord,
     build_report,
     busy_timeline,
+    by_model,
 )
 from infra.bench.sim_worker import SimWorker
 from infra.bench.stepping import PREFILL, STEP_END, ReplaySteps
@@ -63,10 +64,16 @@ class OfflineReplay(ReplaySteps):
         disagg: DisaggSettings | None = None,
         autoscale: CapacitySettings | None = None,
         tiers: TierSettings | None = None,
+        pools: dict[str, int] | None = None,
     ) -> None:
         """``workers`` serve requests end to end (role ``both``), or decode only when
         ``prefill_workers`` (role ``prefill``) are added beside them. ``tiers``: the workers'
-        topology and the output lengths the planner is told (a host tier is in ``config``)."""
+        topology and the output lengths the planner is told (a host tier is in ``config``).
+        ``pools``: model name to workers, where they serve several models (``workers`` their
+        sum): each request goes to its model's (``TraceRequest.model``)."""
+        models = [name for name, count in (pools or {}).items() for _ in range(count)]
+        if models and (len(models) != workers or prefill_workers or autoscale):
+            raise ValueError("model pools take all the workers, none of them prefill only")
         self._policy = policy
         self._config = config
         self._prompts = PromptFactory(config.block_size)
@@ -86,10 +93,12 @@ class OfflineReplay(ReplaySteps):
                 WorkerRecord(),
                 "decode" if prefill_workers else "both",
                 place(prefill_workers + i),
+                model=models[i] if models else None,
             )
             for i in range(workers)
         ]
         self._host_tier = config.num_host_blocks > 0
+        self._pooled = bool(models)
         lengths = OutputLengths(self._tiers, config.num_gpu_blocks * config.block_size)
         super().__init__(trace, pool, lengths, watch_gaps=autoscale is not None)
         self._kv_moves = 0
@@ -162,6 +171,8 @@ class OfflineReplay(ReplaySteps):
         report["lora_loads"] = sum(w.engine.lora_loads for w in self._workers)
         report["kv_tiers"] = self._tiers.report()
         report["output_length"] = self._lengths.report()
+        if self._pooled:
+            report["models"] = by_model(self._records, [r.model for r in self._trace])
         if self._capacity is not None:
             report["roles_timeline"] = self._roles_timeline
         decisions = [d.record(i.request.request_id) for i, d in self.decisions or ()]
@@ -169,6 +180,8 @@ class OfflineReplay(ReplaySteps):
 
     def _arrive(self, now: float, i: int) -> None:
         request = self._trace[i]
+        # A trace may name models (a recording's do) where the workers serve one.
+        model = request.model if self._pooled else None
         hashes = self._hashes.of(i)
         request_id = f"r{i}"
         max_tokens, expected = self._lengths.route(i, request.input_length, request.output_length)
@@ -183,10 +196,10 @@ class OfflineReplay(ReplaySteps):
         inputs = DecisionInputs(
             route,
             with_room(
-                [w.view(overlaps, self._index, tiered) for w in self._pool("decode")],
+                [w.view(overlaps, self._index, tiered) for w in self._pool("decode", model)],
                 self._max_num_seqs,
             ),
-            [w.view(overlaps, self._index, tiered) for w in self._pool("prefill")],
+            [w.view(overlaps, self._index, tiered) for w in self._pool("prefill", model)],
             self._handoff,
         )
         decision = decide(self._policy, self._disagg, inputs)
@@ -219,11 +232,16 @@ class OfflineReplay(ReplaySteps):
         )
         self._submit(now, self._index_of(remote), i, prefill)
 
-    def _pool(self, role: Role) -> list[SimWorker]:
-        """The workers the planner may send new work of ``role``: not the draining ones."""
+    def _pool(self, role: Role, model: str | None = None) -> list[SimWorker]:
+        """The workers the planner may send new work of ``role``: not the draining ones, and of
+        ``model``'s pool where one is given (None: all)."""
         prefill = role == "prefill"
         return [
-            w for w in self._workers if (w.role == "prefill") == prefill and w.next_role is None
+            w
+            for w in self._workers
+            if (w.role == "prefill") == prefill
+            and w.next_role is None
+            and (model is None or w.model == model)
         ]
 
     def _accept(self, i: int, worker_id: str) -> int:

@@ -16,7 +16,7 @@ from infra.bench.metrics import ReplayResult
 from infra.bench.offline import OfflineReplay
 from infra.bench.report import format_table, write_json
 from infra.bench.tiers import TierSettings, live_env, tier_settings
-from infra.bench.trace_draws import with_loras, with_tenants
+from infra.bench.trace_draws import with_loras, with_models, with_tenants
 from infra.bench.traces import (
     TraceRequest,
     capped,
@@ -100,6 +100,7 @@ def _offline(
         disagg=disagg,
         autoscale=autoscale,
         tiers=tiers,
+        pools=dict(args.pool or ()) or None,
     )
     if args.decisions:
         replay.decisions = []
@@ -232,6 +233,8 @@ def _slice(args: argparse.Namespace) -> list[TraceRequest]:
 
 def _pools(args: argparse.Namespace) -> tuple[int, int]:
     """Prefill and decode workers."""
+    if args.pool:
+        return 0, sum(count for _, count in args.pool)
     prefill = args.prefill_workers
     decode = args.decode_workers if args.decode_workers is not None else args.workers - prefill
     return prefill, decode
@@ -246,10 +249,18 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    for offline_only in ("tenants", "loras"):
+    for offline_only in ("tenants", "loras", "pool"):
         if getattr(args, offline_only) is not None and args.mode == "live":
             print(f"laneway bench: --{offline_only} is offline only", file=sys.stderr)
             return 2
+    pools = dict(args.pool or ())
+    if args.pool and (len(pools) < len(args.pool) or args.prefill_workers or args.autoscale):
+        print(
+            "laneway bench: each --pool NAME once, and none beside --prefill-workers or "
+            "--autoscale (offline, those plan one model)",
+            file=sys.stderr,
+        )
+        return 2
     refused = _refused_with_engine(args)
     if refused:
         print(f"laneway bench: {refused}", file=sys.stderr)
@@ -272,6 +283,8 @@ def main(args: argparse.Namespace) -> int:
             trace = with_tenants(trace, args.tenants)
         if args.loras is not None:
             trace = with_loras(trace, args.loras, args.lora_zipf)
+        if pools:
+            trace = with_models(trace, pools)
     except ValueError as e:
         print(f"laneway bench: {e}", file=sys.stderr)
         return 2

@@ -39,6 +39,8 @@ class SimWorker:
     # Since when it has served in `role`, and its busy seconds since.
     role_since: float = 0.0
     busy_in_role: float = 0.0
+    # The model it serves (model pools); None: the one model of the replay.
+    model: str | None = None
 
     def view(
         self, overlaps: dict[str, int], index: PrefixIndex, hashes: Sequence[int] = ()

@@ -1,6 +1,7 @@
-"""Who asks for a trace's requests, drawn for a replay (`laneway bench --tenants`, `--loras`):
-tenants whose keys salt their cache, and the LoRA adapters conversations ask for. Each is drawn
-per conversation (:func:`infra.bench.traces.conversation`) and the same every run."""
+"""Who asks for a trace's requests, drawn for a replay (`laneway bench --tenants`, `--loras`,
+`--pool`): tenants whose keys salt their cache, the LoRA adapters and the models conversations
+ask for. Each is drawn per conversation (:func:`infra.bench.traces.conversation`) and the same
+every run."""
 
 from __future__ import annotations
 
@@ -43,12 +44,33 @@ def with_loras(trace: Sequence[TraceRequest], loras: int, zipf_s: float) -> list
     bounds = list(itertools.accumulate(w / total for w in weights))
     drawn = []
     for r in trace:
-        key = hashlib.sha256(repr(conversation(r)).encode()).digest()
-        u = int.from_bytes(key[:8], "little") / 2**64
-        rank = min(bisect.bisect_right(bounds, u), loras - 1)
+        rank = min(bisect.bisect_right(bounds, _uniform(b"", conversation(r))), loras - 1)
         lora = f"lora-{rank}"
         drawn.append(replace(r, lora=lora, cache_salt=adapter_salt(r.cache_salt, lora)))
     return drawn
+
+
+def with_models(trace: Sequence[TraceRequest], pools: dict[str, int]) -> list[TraceRequest]:
+    """``trace`` served by model pools (name: workers): a request naming a model keeps it (one
+    no pool serves is refused, ValueError), the others' conversations each draw one, a pool with
+    more workers as much more often."""
+    names = list(pools)
+    bounds = list(itertools.accumulate(pools[n] / sum(pools.values()) for n in names))
+    drawn = []
+    for r in trace:
+        if r.model is None:
+            u = _uniform(b"model", conversation(r))
+            r = replace(r, model=names[min(bisect.bisect_right(bounds, u), len(names) - 1)])
+        elif r.model not in pools:
+            raise ValueError(f"the trace asks for model {r.model!r}, which no --pool serves")
+        drawn.append(r)
+    return drawn
+
+
+def _uniform(what: bytes, key: tuple[int, ...]) -> float:
+    """A number in [0, 1) fixed by ``what`` and a conversation."""
+    digest = hashlib.sha256(what + repr(key).encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64
 
 
 def tenant_secret(tenant: int) -> bytes:

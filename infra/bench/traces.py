@@ -52,6 +52,9 @@ class TraceRequest:
     # The LoRA adapter it asks for (the trace's own, a recording's or a Mooncake line's
     # ``lora``, else ``with_loras``'s); None: the base model.
     lora: str | None = None
+    # The model it asks for (a recording's, a Mooncake line's ``model``, else ``with_models``'s);
+    # None: the one model every worker serves.
+    model: str | None = None
 
 
 def block_tokens(hash_id: int, length: int = TRACE_BLOCK_SIZE) -> bytes:
@@ -293,18 +296,20 @@ def recording_trace(
 
 def _trace(rows: Iterable[Row], speedup: float, limit: int | None) -> list[TraceRequest]:
     requests: list[TraceRequest] = []
-    for i, (arrival, inp, out, ids, unit, lora) in enumerate(rows):
+    for i, (arrival, inp, out, ids, unit, lora, model) in enumerate(rows):
         if limit is not None and i >= limit:
             break
         # Salted as the ingress salts an adapter's prompt: its blocks are its own.
         salt = adapter_salt(None, lora)
-        requests.append(TraceRequest(arrival / speedup, inp, max(1, out), ids, i, unit, salt, lora))
+        request = TraceRequest(arrival / speedup, inp, max(1, out), ids, i, unit, salt, lora, model)
+        requests.append(request)
     start = requests[0].arrival_s if requests else 0.0
     return [replace(r, arrival_s=r.arrival_s - start) for r in requests]
 
 
-# Arrival (seconds), prompt tokens, output tokens, block ids, tokens per block id, LoRA adapter.
-Row = tuple[float, int, int, tuple[int, ...], int, str | None]
+# Arrival (seconds), prompt tokens, output tokens, block ids, tokens per block id, LoRA adapter,
+# model.
+Row = tuple[float, int, int, tuple[int, ...], int, str | None, str | None]
 
 
 def _recorded_rows(recorded: Iterable[Recorded]) -> Iterator[Row]:
@@ -332,14 +337,15 @@ def _recorded_rows(recorded: Iterable[Recorded]) -> Iterator[Row]:
             tuple(blocks),
             spec.block_size,
             spec.lora,
+            spec.model,
         )
 
 
-def _adapter(value: object) -> str | None:
-    """A Mooncake line's optional ``lora``: the adapter's name, as a request names it."""
+def _name(value: object, what: str) -> str | None:
+    """A Mooncake line's optional ``lora`` or ``model``: a name, as a request names it."""
     if value is None or (isinstance(value, str) and 0 < len(value) <= 128):
         return value
-    raise ValueError(f"lora {str(value)[:40]!r} is no adapter name")
+    raise ValueError(f"{str(value)[:40]!r} is no {what} name")
 
 
 def _mooncake(path: Path) -> Iterator[Row]:
@@ -355,7 +361,8 @@ def _mooncake(path: Path) -> Iterator[Row]:
                     int(row["output_length"]),
                     tuple(int(h) for h in row.get("hash_ids", ())),
                     TRACE_BLOCK_SIZE,
-                    _adapter(row.get("lora")),
+                    _name(row.get("lora"), "adapter"),
+                    _name(row.get("model"), "model"),
                 )
             except (KeyError, ValueError, TypeError) as err:
                 raise ValueError(f"{path}:{n}: not a Mooncake trace line ({err})") from None
@@ -372,6 +379,7 @@ def _azure(path: Path) -> Iterator[Row]:
                     int(row["GeneratedTokens"]),
                     (),
                     TRACE_BLOCK_SIZE,
+                    None,
                     None,
                 )
             except (KeyError, ValueError, TypeError) as err:
