@@ -311,6 +311,7 @@ _COMMANDS: dict[str, str | Callable[..., None]] = {
     "replay": "infra.debug.replay",
     "status": "infra.status",
     "keys": "infra.keys",
+    "usage": "infra.usage",
     "bus": "infra.bus_provision",
 }
 

@@ -13,13 +13,13 @@ from pathlib import Path
 from bus.settings import ServiceSettings
 from infra.recording import RecordingError, Window, read_log, write_recording
 
-_RELATIVE = re.compile(r"^-(\d+(?:\.\d+)?)([smhd]?)$")
+RELATIVE_TIME = re.compile(r"^-(\d+(?:\.\d+)?)([smhd]?)$")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def parse_time(text: str, now: datetime | None = None) -> datetime:
     """An ISO 8601 time (UTC unless it says otherwise) or one relative to now: ``-5m``, ``-2h``."""
-    relative = _RELATIVE.match(text.strip())
+    relative = RELATIVE_TIME.match(text.strip())
     if relative:
         ago = float(relative.group(1)) * _UNIT_S[relative.group(2)]
         return (now or datetime.now(UTC)) - timedelta(seconds=ago)
@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="write a time window of the log (requests, routes, KV, load, control) to a file",
     )
     # `--since -5m` is a value, not an option: argparse takes what matches this for a number.
-    export._negative_number_matcher = _RELATIVE
+    export._negative_number_matcher = RELATIVE_TIME
     export.add_argument(
         "--nats-url",
         default=ServiceSettings().nats_url,

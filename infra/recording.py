@@ -212,11 +212,15 @@ def _message(path: Path, n: int, line: bytes) -> Recorded:
 
 
 async def read_log(
-    nats_url: str, since: datetime | None = None, until: datetime | None = None
+    nats_url: str,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    outcomes_only: bool = False,
 ) -> list[Recorded]:
     """Every message the streams hold from ``since`` to ``until``, each stream up to where it
     ended when the read began (a busy cluster cannot keep the read going), and the planners'
-    ``PlannerConfigured`` from before ``since``."""
+    ``PlannerConfigured`` from before ``since``; ``outcomes_only``: the requests' terminal events
+    and tokens alone (the outcomes stream)."""
     # NATS (and the aiohttp it brings) only here: an offline replay reads recordings from files.
     import nats
     from nats.errors import Error as NatsError
@@ -244,7 +248,8 @@ async def read_log(
     try:
         out: list[Recorded] = []
         # In the order a reader folds them: the requests, then what was decided and what followed.
-        for stream in (REQUESTS, ROUTES, OUTCOMES, KV, LOAD, CONTROL):
+        streams = (OUTCOMES,) if outcomes_only else (REQUESTS, ROUTES, OUTCOMES, KV, LOAD, CONTROL)
+        for stream in streams:
             # A planner records its settings once, when it starts: a window that begins later
             # takes them from before it, or its decisions could not be made again.
             start = None if stream is CONTROL else since

@@ -23,6 +23,16 @@ def attempt_field() -> Any:
     )
 
 
+# A terminal event's tenant and model: whom its tokens are charged to, and for what (`laneway
+# usage`); None in an event from before they were carried.
+def tenant_field() -> Any:
+    return Field(default=None, max_length=64, description="the request's tenant (None: no keys)")
+
+
+def model_field() -> Any:
+    return Field(default=None, max_length=256, description="the model that served it")
+
+
 def new_id() -> str:
     """A 32-hex-digit identifier, safe to use as a NATS subject token."""
     # Every event takes one: 128 random bits as uuid4's 122, a quarter of its cost.

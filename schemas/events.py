@@ -32,7 +32,9 @@ from schemas.envelope import (
     TokenIds,
     TraceContext,
     attempt_field,
+    model_field,
     new_id,
+    tenant_field,
     utc_now,
 )
 from schemas.kv_events import (
@@ -205,6 +207,8 @@ class RequestFinished(Envelope):
     prefill_worker_id: str | None = Field(
         default=None, description="the worker whose KV hand-off it decoded from, if any"
     )
+    tenant: str | None = tenant_field()
+    model: str | None = model_field()
 
 
 FailureCode = Literal[
@@ -240,6 +244,10 @@ class RequestCancelled(Envelope):
     attempt: int = attempt_field()
     reason: str
     completion_tokens: int = Field(default=0, ge=0, description="tokens generated before the stop")
+    prompt_tokens: int = Field(default=0, ge=0, description="its prompt, where it was computed")
+    cached_tokens: int = Field(default=0, ge=0, description="of those, served from KV cache")
+    tenant: str | None = tenant_field()
+    model: str | None = model_field()
 
 
 Event = Annotated[

@@ -235,6 +235,7 @@ class Exchange:
                 usage.prompt_tokens,
                 usage.cached_tokens,
                 usage.completion_tokens,
+                self._spec.tenant,
             )
             return 200
         raise RuntimeError("the gateway's events ended without a terminal event")

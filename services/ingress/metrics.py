@@ -107,20 +107,20 @@ class IngressMetrics:
         )
         self._prompt_tokens = Counter(
             "laneway_ingress_prompt_tokens",
-            "Prompt tokens of completed requests.",
-            ["model"],
+            "Prompt tokens of completed requests, by model and tenant ('-': no keys taken).",
+            ["model", "tenant"],
             registry=self.registry,
         )
         self._cached_tokens = Counter(
             "laneway_ingress_cached_prompt_tokens",
             "Prompt tokens of completed requests that were served from a KV cache.",
-            ["model"],
+            ["model", "tenant"],
             registry=self.registry,
         )
         self._completion_tokens = Counter(
             "laneway_ingress_completion_tokens",
             "Generated tokens of completed requests.",
-            ["model"],
+            ["model", "tenant"],
             registry=self.registry,
         )
         # Each request's labelled series, looked up once: labels() validates and locks per call.
@@ -148,14 +148,16 @@ class IngressMetrics:
         prompt: int,
         cached: int,
         completion: int,
+        tenant: str | None = None,
     ) -> None:
         self._child(self._e2e, endpoint, model).observe(seconds)
         if ttft_s is not None and completion > 1:
             itl = (seconds - ttft_s) / (completion - 1)
             self._child(self._itl, endpoint, model).observe(itl)
-        self._child(self._prompt_tokens, model).inc(prompt)
-        self._child(self._cached_tokens, model).inc(cached)
-        self._child(self._completion_tokens, model).inc(completion)
+        charged = tenant or "-"
+        self._child(self._prompt_tokens, model, charged).inc(prompt)
+        self._child(self._cached_tokens, model, charged).inc(cached)
+        self._child(self._completion_tokens, model, charged).inc(completion)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -48,6 +48,8 @@ def without_worker(
         usage=Usage(prompt_tokens=len(spec.prompt_token_ids), completion_tokens=delivered),
         ttft_ms=0.0,
         e2e_ms=0.0,
+        tenant=spec.tenant,
+        model=spec.model,
     )
 
 

@@ -221,6 +221,7 @@ class Requests:
             self._outputs.worker_id,
             state.prefilled_by,
             state.spec.attempt,
+            (state.spec.tenant, state.spec.model),
         )
         state.span.set_attribute("laneway.completion_tokens", state.stream.emitted)
         state.span.end()
@@ -228,11 +229,19 @@ class Requests:
 
     async def cancelled(self, request_id: str, reason: str) -> None:
         state = self._end(request_id, "laneway.cancelled", reason)
-        emitted = state.stream.emitted
+        stream = state.stream
+        # Charged what was computed: its prompt once it produced a token, and those tokens.
+        computed = stream.emitted > 0
         self._terminal(
             state,
             RequestCancelled(
-                **self._about(request_id, state), reason=reason, completion_tokens=emitted
+                **self._about(request_id, state),
+                reason=reason,
+                completion_tokens=stream.emitted,
+                prompt_tokens=stream.prompt_tokens if computed else 0,
+                cached_tokens=stream.cached_tokens if computed else 0,
+                tenant=state.spec.tenant,
+                model=state.spec.model,
             ),
         )
 

@@ -134,8 +134,9 @@ class RequestStream:
         worker_id: str,
         prefill_worker_id: str | None = None,
         attempt: int = 0,
+        charged: tuple[str | None, str | None] = (None, None),
     ) -> RequestFinished:
-        """The terminal event of a finished stream."""
+        """The terminal event of a finished stream; ``charged``: its tenant and model."""
         assert self.finish_reason is not None and self.finished_at is not None
         end = self.finished_at
         return RequestFinished(
@@ -156,6 +157,8 @@ class RequestStream:
             stalled_gaps=self.stalled_gaps,
             prefill_worker_id=prefill_worker_id,
             attempt=attempt,
+            tenant=charged[0],
+            model=charged[1],
         )
 
 

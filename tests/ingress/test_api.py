@@ -519,7 +519,7 @@ async def test_metrics() -> None:
     assert 'laneway_ingress_requests_total{endpoint="chat_completions",status="200"} 2.0' in lines
     assert 'laneway_ingress_requests_total{endpoint="completions",status="400"} 1.0' in lines
     assert "laneway_ingress_requests_in_flight 0.0" in lines
-    assert f'laneway_ingress_completion_tokens_total{{model="{MODEL}"}} 10.0' in lines
+    assert f'laneway_ingress_completion_tokens_total{{model="{MODEL}",tenant="-"}} 10.0' in lines
     chat = f'endpoint="chat_completions",model="{MODEL}"'
     assert f"laneway_ingress_ttft_seconds_count{{{chat}}} 2.0" in lines
     assert f"laneway_ingress_e2e_latency_seconds_count{{{chat}}} 2.0" in lines
