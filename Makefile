@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help run test test-pure test-slow chaos lint typecheck check gpu-check clean native bench-live bench-lora bench-dynamo profile hops probe-streams probe-itl bench-sim
+.PHONY: help run test test-pure test-slow chaos lint typecheck check gpu-check clean native bench-live bench-lora bench-overhead bench-dynamo profile hops probe-streams probe-itl bench-sim
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -69,6 +69,9 @@ gpu-check: $(STAMP) ## on a machine with a GPU: torch engine on CUDA (and Tensor
 # The live path's load shapes (issue 14): seq 300, c32 and c128 for 20 s, 8 tokens each.
 bench-live: $(STAMP) ## start laneway up --workers 4 --speedup 1000, run seq/c32/c128 against it, print the table
 	$(BIN)/python -m benchmarks.bench_live
+
+bench-overhead: $(STAMP) ## what Laneway adds to vLLM: its own OpenAI server and laneway up --engine vllm --workers 1 in turns, c=1 and c=8
+	$(BIN)/python -m benchmarks.overhead
 
 bench-lora: $(STAMP) ## LoRA adapters live: 12 loaded through the API, 300 requests Zipf(1.1), kv against round robin
 	$(BIN)/python -m benchmarks.lora_live
