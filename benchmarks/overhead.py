@@ -2,7 +2,8 @@
 (:mod:`benchmarks.vllm_server`), then by `laneway up --engine vllm --workers 1`, taking turns in
 one run, measured by the same streaming client (:mod:`infra.bench.load_client`) at c=1 and c=8:
 TTFT p50, ITL p50 and requests per second, and Laneway's ratios to vLLM's, medians over the
-rounds. Both run vLLM with the same settings: block size 32, eager mode, a 1 GiB KV cache.
+rounds. Both run vLLM with the same settings: bfloat16 (vLLM's choice for this float32 checkpoint
+on a CPU; a Laneway worker's default is float32), block size 32, eager mode, a 1 GiB KV cache.
 
     python -m benchmarks.overhead [--rounds 3 --max-tokens 64]   (make bench-overhead)
 """
@@ -31,6 +32,7 @@ from infra.ports import free_port
 from services.engine.torch_engine.tiny import make_tiny_model
 
 KV_CACHE_GIB = 1
+DTYPE = "bfloat16"
 FIELDS = ("ttft_ms_p50", "itl_ms_p50", "rps")
 _START_S = 240.0
 
@@ -41,7 +43,7 @@ def vllm_alone(model: Path) -> Iterator[str]:
     port = free_port()
     command = [
         sys.executable, "-m", "benchmarks.vllm_server", "--model", str(model),
-        "--port", str(port), "--block-size", "32", "--enforce-eager",
+        "--port", str(port), "--dtype", DTYPE, "--block-size", "32", "--enforce-eager",
         "--kv-cache-memory-bytes", str(KV_CACHE_GIB << 30), "--disable-log-stats",
     ]  # fmt: skip
     with tempfile.TemporaryFile() as log:
@@ -75,6 +77,7 @@ def laneway(model: Path) -> Iterator[tuple[str, str | None]]:
     env = {
         "LANEWAY_KV_CACHE_GIB": str(KV_CACHE_GIB),
         "LANEWAY_BLOCK_SIZE": "32",
+        "LANEWAY_DTYPE": DTYPE,
         "LANEWAY_VLLM_ARGS": json.dumps({"enforce_eager": True}),
     }
     with laneway_up(workers=1, speedup=1.0, extra_args=extra, env=env) as up:
