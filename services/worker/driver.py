@@ -28,14 +28,11 @@ class EngineDriver:
         speedup: float,
         run_s: float = 0.0,
         runs_allowed: Callable[[], bool] = lambda: True,
-        thread: ThreadPoolExecutor | None = None,
     ) -> None:
         """``run_s``: plain decode steps that together take at most this long (wall seconds)
         are done at once where the engine can (:class:`DecodeRuns`) and ``runs_allowed()``
         says so, their wait and their outputs one: a modelled engine at a high speed-up spends
-        most of a step on the step's own bookkeeping. 0: one step at a time. ``thread``: the
-        one thread a real engine's steps run on (None: one of its own), the one it was built
-        on where it computes with OpenMP (see :func:`services.worker.settings.build_engine`)."""
+        most of a step on the step's own bookkeeping. 0: one step at a time."""
         self.engine = engine
         self._speedup = speedup
         self._runs = decode_runs(engine) if run_s > 0 else None
@@ -54,7 +51,7 @@ class EngineDriver:
         self._thread = (
             None
             if engine.capabilities.modelled_time
-            else thread or ThreadPoolExecutor(1, thread_name_prefix="engine")
+            else ThreadPoolExecutor(1, thread_name_prefix="engine")
         )
         # The engine, if its KV can move to another engine (disaggregation).
         self.portable = kv_portable(engine)

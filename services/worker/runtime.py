@@ -9,7 +9,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry
 
@@ -43,14 +42,8 @@ log = logging.getLogger(__name__)
 
 class Worker:
     def __init__(
-        self,
-        bus: Bus,
-        engine: Engine,
-        tokenizer: Tokenizer,
-        options: WorkerOptions,
-        engine_thread: ThreadPoolExecutor | None = None,
+        self, bus: Bus, engine: Engine, tokenizer: Tokenizer, options: WorkerOptions
     ) -> None:
-        """``engine_thread``: the thread ``engine`` was built on, where its steps run."""
         self._bus = bus
         self._opt = options
         self._background = Background()
@@ -61,7 +54,6 @@ class Worker:
             options.speedup,
             options.token_interval_s,
             lambda: self._requests.runs_allowed(),
-            engine_thread,
         )
         self.metrics = WorkerMetrics(lambda: self._driver.busy_s)
         # A simulated engine's step times are its perf model's, which the planner has already.
@@ -273,19 +265,8 @@ def worker_main(default_role: Role) -> None:
         bus = await Bus.connect(settings.nats_url, f"worker-{settings.worker_id}")
         await bus.provision(settings.stream_replicas, settings.bus_provisioned)
         etcd = connect_etcd(settings.etcd_endpoints)
-        # Built on the thread its steps will run on: vLLM's and torch's CPU kernels compute on
-        # the OpenMP threads of the thread that first ran them, and a vLLM engine built on one
-        # thread and stepped on another took 1.9 times as long a step (docs/performance.md).
-        # Off the event loop too, which answers probes while a model loads. Not TensorRT-LLM's,
-        # which computes on the GPU and may set signal handlers, which only the main thread can.
-        engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
-        if settings.engine == "trtllm":
-            engine, tokenizer = build_engine(settings)
-        else:
-            loop = asyncio.get_running_loop()
-            engine, tokenizer = await loop.run_in_executor(engine_thread, build_engine, settings)
-        options = worker_options(settings, engine)
-        worker = Worker(bus, engine, tokenizer, options, engine_thread)
+        engine, tokenizer = build_engine(settings)
+        worker = Worker(bus, engine, tokenizer, worker_options(settings, engine))
         metrics.registry = worker.metrics.registry
         metrics.ready_when("bus", lambda: bus.nc.is_connected)
         metrics.ready_when("lease and engine", lambda: worker.serving)
