@@ -247,9 +247,11 @@ class ClusterView:
             if model is not None and reg.model != model:  # another pool's
                 continue
             load = self._load.get(worker_id)
-            coming = (lora for _, lora in self._adapters_routed.get(worker_id, ()))
-            held = load.loras if load is not None else ()
-            loras, loads_ahead = adapters_ahead(held, coming, reg.max_loras)
+            loras, loads_ahead = frozenset[str](), 0
+            if reg.max_loras:
+                coming = (lora for _, lora in self._adapters_routed.get(worker_id, ()))
+                held = load.loras if load is not None else ()
+                loras, loads_ahead = adapters_ahead(held, coming, reg.max_loras)
             unreported = sum(tokens for _, tokens in self._unreported.get(worker_id, ()))
             views.append(
                 WorkerView(
