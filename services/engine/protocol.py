@@ -150,16 +150,21 @@ class EngineCapabilities:
     max_loras: int = 0
 
 
-def refuse_unsupported(request: EngineRequest, engine: str, max_loras: int = 0) -> None:
-    """ValueError for a request that asks for what only the vllm engine does: a response_format
-    (answered as free text it would break the client's parser) or log probabilities; or for a
-    LoRA adapter where the engine holds none (``max_loras``)."""
+def refuse_adapter(request: EngineRequest, engine: str, max_loras: int) -> None:
+    """ValueError for a request with a LoRA adapter where the engine holds none."""
     if request.lora is not None and not max_loras:
         raise ValueError(
             f"request {request.request_id} runs with the LoRA adapter {request.lora!r}, and this "
             f"{engine} engine holds no adapters (the sim and vllm engines do, with "
             "LANEWAY_MAX_LORAS set)"
         )
+
+
+def refuse_unsupported(request: EngineRequest, engine: str, max_loras: int = 0) -> None:
+    """ValueError for a request that asks for what only the vllm engine does: a response_format
+    (answered as free text it would break the client's parser) or log probabilities; or for a
+    LoRA adapter where the engine holds none (``max_loras``)."""
+    refuse_adapter(request, engine, max_loras)
     wanted = request.sampling.structured_output
     if wanted is not None:
         raise ValueError(

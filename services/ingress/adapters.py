@@ -4,8 +4,8 @@ and ``POST /v1/unload_lora_adapter`` (``lora_name``). A request names an adapter
 ``model``; ``/v1/models`` lists them with ``parent`` set to their base model.
 
 The ingress only records an adapter (in etcd, :mod:`bus.adapters`, so that every replica serves
-it): workers load it on demand from its path, the first time a request for it is scheduled there
-(a real engine's error then fails that request with its reason). So a path is not checked here,
+it): workers load it on demand from its path, before the first request for it runs there (a real
+engine's error then fails that request with its reason). So a path is not checked here,
 where the workers' file systems are not to be seen; a key with the ``admin`` scope is needed
 where the API takes keys.
 """
@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from bus.adapters import ADAPTER_NAME_PATTERN, MAX_PATH_CHARS, AdapterRecord
 from services.ingress.access_log import log_request
+from services.ingress.body import read_json_body, request_headers
 from services.ingress.errors import ApiError, InvalidRequest
 from services.ingress.json_fields import check_length, json_object, required, type_error
 from services.ingress.openai_models import MAX_MODEL_CHARS
@@ -96,7 +97,7 @@ class AdapterEndpoints:
 
     async def load(self, request: Request) -> Response:
         try:
-            data = await _body(request)
+            data = await _json(request)
             name = _name(data)
             if name in self._models:
                 raise InvalidRequest(f"'{name}' is a served model's name.", "lora_name")
@@ -112,7 +113,7 @@ class AdapterEndpoints:
 
     async def unload(self, request: Request) -> Response:
         try:
-            data = await _body(request)
+            data = await _json(request)
             name = _string(data, "lora_name", MAX_MODEL_CHARS)
             if not await self._remove(name):
                 raise ApiError(
@@ -169,12 +170,8 @@ def _string(data: dict[str, Any], name: str, limit: int) -> str:
     return value
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > _MAX_BODY_BYTES:
-            raise ApiError(413, f"The request body is over {_MAX_BODY_BYTES} bytes.")
+async def _json(request: Request) -> dict[str, Any]:
+    body = await read_json_body(request_headers(request.scope), request.receive, _MAX_BODY_BYTES)
     return json_object(body)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from services.engine.protocol import EngineRequest
+from services.engine.protocol import EngineRequest, refuse_adapter
 
 
 class VllmAdapters:
@@ -35,11 +35,7 @@ class VllmAdapters:
         name, path = request.lora, request.lora_path
         if name is None:
             return None
-        if not self._max_loras:
-            raise ValueError(
-                f"request {request.request_id} runs with the LoRA adapter {name!r}, and this vllm "
-                "engine holds no adapters (LANEWAY_MAX_LORAS is 0)"
-            )
+        refuse_adapter(request, "vllm", self._max_loras)
         if path is None:
             raise ValueError(f"request {request.request_id}: the LoRA adapter {name!r} has no path")
         from vllm.lora.request import LoRARequest
