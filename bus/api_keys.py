@@ -47,6 +47,15 @@ class ApiKeyRecord(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the key, hex")
     rate_per_s: float | None = Field(default=None, gt=0, description="requests per second")
     max_concurrency: int | None = Field(default=None, ge=1, description="requests at once")
+    weight: float = Field(
+        default=1.0, gt=0, le=1000, description="its share of the cluster under contention"
+    )
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="prompt and completion tokens a minute"
+    )
+    tokens_per_day: int | None = Field(
+        default=None, ge=1, description="prompt and completion tokens a day"
+    )
     scopes: tuple[Scope, ...] = Field(default=("inference",), min_length=1)
     max_priority: KeyPriority = Field(
         default="normal", description="the highest admission priority its requests get"
@@ -98,6 +107,9 @@ async def create_key(
     *,
     rate_per_s: float | None = None,
     max_concurrency: int | None = None,
+    weight: float = 1.0,
+    tokens_per_minute: int | None = None,
+    tokens_per_day: int | None = None,
     scopes: tuple[Scope, ...] = ("inference",),
     max_priority: KeyPriority = "normal",
     startup: bool = False,
@@ -118,6 +130,9 @@ async def create_key(
         sha256=key_hash(key),
         rate_per_s=rate_per_s,
         max_concurrency=max_concurrency,
+        weight=weight,
+        tokens_per_minute=tokens_per_minute,
+        tokens_per_day=tokens_per_day,
         scopes=scopes,
         max_priority=max_priority,
         startup=startup,

@@ -58,6 +58,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     create.add_argument("--rate", type=float, help="the tenant's requests per second")
     create.add_argument("--max-concurrency", type=int, help="the tenant's requests at once")
     create.add_argument(
+        "--weight",
+        type=float,
+        default=1.0,
+        help="the tenant's share of the cluster when tenants contend for it, against the "
+        "others' weights (default 1)",
+    )
+    create.add_argument(
+        "--tokens-per-minute",
+        type=int,
+        metavar="N",
+        help="the tenant's prompt plus completion tokens a minute",
+    )
+    create.add_argument("--tokens-per-day", type=int, metavar="N", help="the same, over a day")
+    create.add_argument(
         "--max-priority",
         choices=get_args(KeyPriority),
         default="normal",
@@ -116,6 +130,14 @@ def _create(args: argparse.Namespace) -> int:
         return _fail("--rate must be a positive number (leave it out for any rate)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         return _fail("--max-concurrency must be at least 1")
+    if not 0 < args.weight <= 1000:
+        return _fail("--weight must be above 0 and at most 1000")
+    for flag, value in (
+        ("--tokens-per-minute", args.tokens_per_minute),
+        ("--tokens-per-day", args.tokens_per_day),
+    ):
+        if value is not None and value < 1:
+            return _fail(f"{flag} must be at least 1")
     record, key = _run(
         args,
         lambda etcd: create_key(
@@ -123,6 +145,9 @@ def _create(args: argparse.Namespace) -> int:
             args.tenant,
             rate_per_s=args.rate,
             max_concurrency=args.max_concurrency,
+            weight=args.weight,
+            tokens_per_minute=args.tokens_per_minute,
+            tokens_per_day=args.tokens_per_day,
             scopes=tuple(dict.fromkeys(args.scope or ["inference"])),
             max_priority=args.max_priority,
             expires_in_s=args.expires_in,
@@ -246,7 +271,12 @@ def _duration(text: str) -> float:
 def _limits(record: ApiKeyRecord) -> str:
     rate = "any rate" if record.rate_per_s is None else f"{record.rate_per_s:g}/s"
     at_once = "any" if record.max_concurrency is None else str(record.max_concurrency)
-    return f"{rate}, {at_once} at once"
+    limits = [rate, f"{at_once} at once", f"weight {record.weight:g}"]
+    if record.tokens_per_minute is not None:
+        limits.append(f"{record.tokens_per_minute} tokens/min")
+    if record.tokens_per_day is not None:
+        limits.append(f"{record.tokens_per_day} tokens/day")
+    return ", ".join(limits)
 
 
 def _fail(message: str) -> int:

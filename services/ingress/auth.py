@@ -29,6 +29,8 @@ TENANT = "laneway.tenant"
 """The ASGI scope's entry for the tenant of an authenticated request."""
 CACHE_SALT = "laneway.cache_salt"
 """The ASGI scope's entry for the salt of the key's cache group (``ApiKeyRecord.cache_salt``)."""
+TENANT_WEIGHT = "laneway.tenant_weight"
+"""The ASGI scope's entry for the key's ``weight``: its tenant's share in admission."""
 _MAX_PRIORITY = "laneway.max_priority"
 # vLLM's paths for loading and unloading LoRA adapters (services.ingress.adapters).
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
@@ -125,6 +127,7 @@ class AuthGate:
         scope[TENANT] = record.tenant
         scope[CACHE_SALT] = self._book.cache_salt(record)
         scope[_MAX_PRIORITY] = record.max_priority
+        scope[TENANT_WEIGHT] = record.weight
         try:
             await self._app(scope, receive, send)
         finally:
