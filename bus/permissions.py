@@ -42,6 +42,7 @@ from bus.registry import (
     role_key,
 )
 from bus.sessions import SESSIONS_PREFIX
+from bus.tenancy import TENANCY_PREFIX
 from bus.topology import (
     CHANNELS,
     ENDPOINTS,
@@ -260,6 +261,8 @@ def etcd_grants(identity: Identity) -> tuple[KeyGrant, ...]:
                 KeyGrant(KEYS_PREFIX, prefix=True, write=False),
                 # The LoRA adapters loaded and unloaded through its API (admin keys only).
                 KeyGrant(ADAPTERS_PREFIX, prefix=True, write=True),
+                # Each tenant's requests held by each replica: its limits hold cluster-wide.
+                KeyGrant(TENANCY_PREFIX, prefix=True, write=True),
                 KeyGrant(claim_key(identity.user), prefix=False, write=True),
             )
         case "kv-indexer":

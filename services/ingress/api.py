@@ -28,7 +28,7 @@ from services.common.tokenizer import Tokenizer
 from services.ingress.access_log import log_request
 from services.ingress.adapters import AdapterEndpoints, Adapters
 from services.ingress.admission import AdmissionSettings
-from services.ingress.auth import CACHE_SALT, TENANT, AuthGate, KeyBook, capped
+from services.ingress.auth import CACHE_SALT, TENANT, USED_TOKENS, AuthGate, KeyBook, capped
 from services.ingress.body import read_json_body, request_headers
 from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.errors import ApiError, internal_error, model_not_found
@@ -243,6 +243,7 @@ class _CompletionEndpoint:
         received = time.perf_counter()
         headers = request_headers(scope)
         parsed: ParsedRequest | None = None
+        exchange: Exchange | None = None
         try:
             parsed = self.parse(await read_json_body(headers, receive, self.max_body_bytes))
             session = session_id(headers.get(b"x-session-id"), parsed.params.user)
@@ -265,6 +266,9 @@ class _CompletionEndpoint:
             self._done(scope, await exchange.run(receive, send), received, parsed, exchange)
         finally:
             ticket.release()
+            if exchange is not None:
+                # Charged to the tenant's token quotas by the key check when the request leaves.
+                scope[USED_TOKENS] = exchange.used_tokens()
 
     def _done(
         self,

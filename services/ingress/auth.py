@@ -22,13 +22,17 @@ from schemas.events import utc_now
 from services.ingress.access_log import log_request
 from services.ingress.admission import PRIORITIES, Priority
 from services.ingress.errors import ApiError
-from services.ingress.limits import TenantGate, TenantLimits
+from services.ingress.limits import TenantLimits
 from services.ingress.responses import JSON_HEADERS, Headers, send_json
+from services.ingress.shared_limits import TenantGate
 
 TENANT = "laneway.tenant"
 """The ASGI scope's entry for the tenant of an authenticated request."""
 CACHE_SALT = "laneway.cache_salt"
 """The ASGI scope's entry for the salt of the key's cache group (``ApiKeyRecord.cache_salt``)."""
+USED_TOKENS = "laneway.used_tokens"
+"""The ASGI scope's entry for the prompt and completion tokens a request used (set as it ends),
+charged to its tenant's token quotas."""
 TENANT_WEIGHT = "laneway.tenant_weight"
 """The ASGI scope's entry for the key's ``weight``: its tenant's share in admission."""
 _MAX_PRIORITY = "laneway.max_priority"
@@ -54,7 +58,12 @@ class KeyBook:
         self._salts = {record.sha256: record.cache_salt() for record in records}
         newest = sorted(records, key=lambda record: record.created_at)
         self.gate.set_limits(
-            {r.tenant: TenantLimits(r.rate_per_s, r.max_concurrency) for r in newest}
+            {
+                r.tenant: TenantLimits(
+                    r.rate_per_s, r.max_concurrency, r.tokens_per_minute, r.tokens_per_day
+                )
+                for r in newest
+            }
         )
         self._loaded.set()
 
@@ -118,7 +127,7 @@ class AuthGate:
             await self._app(scope, receive, send)
             return
         gate = self._book.gate
-        wait_s = gate.enter(record.tenant)
+        wait_s = await gate.enter(record.tenant)
         if wait_s is not None:
             await self._refuse(
                 scope, send, _limited(record.tenant), record.tenant, retry_after=wait_s
@@ -131,7 +140,7 @@ class AuthGate:
         try:
             await self._app(scope, receive, send)
         finally:
-            gate.leave(record.tenant)
+            gate.leave(record.tenant, scope.get(USED_TOKENS, 0))
 
     async def _refuse(
         self,
@@ -190,7 +199,7 @@ def capped(scope: Scope, priority: Priority) -> Priority:
 def _limited(tenant: str) -> ApiError:
     return ApiError(
         429,
-        f"Tenant '{tenant}' is over its request rate or concurrency limit; retry later.",
+        f"Tenant '{tenant}' is over its request rate, concurrency or token limit; retry later.",
         code="rate_limit_exceeded",
         type="rate_limit_error",
     )

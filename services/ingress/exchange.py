@@ -140,6 +140,7 @@ class Exchange:
         """Seconds from receipt to the first generated token, once it came."""
         self.usage: Usage | None = None
         """The finished request's token counts."""
+        self._generated = 0  # tokens delivered so far (a stream cut before its end)
         self._ended = False  # the gateway delivered the terminal event
 
     async def run(self, receive: Receive, send: Send) -> int:
@@ -199,6 +200,7 @@ class Exchange:
         logprobs: list[TokenLogprob] | None = None if self._params.logprobs is None else []
         async for event in events:
             if isinstance(event, TokensGenerated):
+                self._generated += len(event.token_ids)
                 if self.ttft_s is None:
                     self.ttft_s = self._elapsed()
                     self._metrics.first_token(self._endpoint.name, self._params.model, self.ttft_s)
@@ -239,6 +241,16 @@ class Exchange:
             )
             return 200
         raise RuntimeError("the gateway's events ended without a terminal event")
+
+    def used_tokens(self) -> int:
+        """Prompt and completion tokens to charge the tenant: the finished request's usage, or
+        for one cut or failed after its first token, its prompt and the tokens it got; nothing
+        for one that never produced a token (as `laneway usage` counts them)."""
+        if self.usage is not None:
+            return self.usage.prompt_tokens + self.usage.completion_tokens
+        if self._generated == 0:
+            return 0
+        return self._spec.prompt_length + self._generated
 
     async def _stream(self, send: Send, body: bytes, *, more: bool) -> None:
         """Write stream events, committing to a 200 stream first if this is its first write (the

@@ -1,16 +1,29 @@
-"""Per-tenant request limits of one ingress process: a request rate (a token bucket holding one
-second's worth, so a tenant may burst that much) and a count of requests in flight.
+"""Per-tenant limits, as plain arithmetic over what each ingress replica holds: requests in flight,
+recent admissions (the request rate) and the tokens charged in the last minute and day.
 
-Each ingress replica keeps its own counts: behind N replicas a tenant gets up to N times its
-limits, which the README says.
+A tenant's limits hold for the whole cluster: each replica keeps its own :class:`Holdings` of each
+tenant, shares them through etcd (:mod:`services.ingress.shared_limits`), and a request is
+admitted only if the sum over every replica's holdings, with it added, stays within the limits.
+
+The rate is a sliding window: at most ``slots`` admissions in any ``window_s``, where ``slots`` is
+one second's worth (at least one) and ``window_s = slots / rate``. So a tenant may burst one
+second's worth, as a token bucket of that depth would let it, and averages its rate. Admissions
+are kept in tenths of a second, so a replica's record stays small at any rate.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+# Admissions and token charges are kept per tenth of a second, per second and per hour.
+_TICK_S = 0.1
+MINUTE_S = 60.0
+DAY_S = 86_400.0
+_HOUR_S = 3_600.0
+# Each token record's bucket width and window.
+_BUCKETS = {"minute": (1.0, MINUTE_S), "day": (_HOUR_S, DAY_S)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,74 +32,203 @@ class TenantLimits:
     """Requests a second; None: no limit."""
     max_concurrency: int | None = None
     """Requests in flight at once; None: no limit."""
+    tokens_per_minute: int | None = None
+    """Prompt plus completion tokens in any minute; None: no limit."""
+    tokens_per_day: int | None = None
+    """The same over any day (kept per hour: a charge leaves the day on the hour)."""
+
+    @property
+    def exclusive(self) -> bool:
+        """Whether an admission must be claimed against the other replicas' at once (in flight
+        and rate); token quotas are charged after the fact and need no claim."""
+        return self.rate_per_s is not None or self.max_concurrency is not None
+
+    @property
+    def any(self) -> bool:
+        return (
+            self.exclusive
+            or self.tokens_per_minute is not None
+            or (self.tokens_per_day is not None)
+        )
+
+    @property
+    def rate_slots(self) -> int:
+        assert self.rate_per_s is not None
+        return max(1, int(self.rate_per_s))
+
+    @property
+    def rate_window_s(self) -> float:
+        assert self.rate_per_s is not None
+        return self.rate_slots / self.rate_per_s
+
+    def share(self, replicas: int) -> TenantLimits:
+        """One replica's part of the limits when it cannot see the others': a 1/``replicas``
+        share, never unlimited and at least one request (a limit below the replica count then
+        lets each replica that one)."""
+        if replicas <= 1:
+            return self
+
+        def part(limit: int | None) -> int | None:
+            return None if limit is None else max(1, limit // replicas)
+
+        rate = None if self.rate_per_s is None else self.rate_per_s / replicas
+        return TenantLimits(
+            rate,
+            part(self.max_concurrency),
+            part(self.tokens_per_minute),
+            part(self.tokens_per_day),
+        )
 
 
-_UNLIMITED = TenantLimits()
+@dataclass(slots=True)
+class Holdings:
+    """What one replica holds of one tenant; its record in etcd is :meth:`to_json`'s."""
+
+    running: int = 0
+    admitted: dict[int, int] = field(default_factory=dict)
+    """Admissions per tenth of a second (wall clock), for the rate."""
+    minute: dict[int, int] = field(default_factory=dict)
+    """Tokens charged per second."""
+    day: dict[int, int] = field(default_factory=dict)
+    """Tokens charged per hour."""
+
+    def admit(self, now: float) -> None:
+        self.running += 1
+        tick = int(now / _TICK_S)
+        self.admitted[tick] = self.admitted.get(tick, 0) + 1
+
+    def leave(self) -> None:
+        self.running = max(0, self.running - 1)
+
+    def charge(self, tokens: int, now: float) -> None:
+        if tokens <= 0:
+            return
+        second, hour = int(now), int(now / _HOUR_S)
+        self.minute[second] = self.minute.get(second, 0) + tokens
+        self.day[hour] = self.day.get(hour, 0) + tokens
+
+    def prune(self, now: float, rate_window_s: float = MINUTE_S) -> None:
+        """Forget what no window can count any more."""
+        oldest_tick = int((now - rate_window_s) / _TICK_S)
+        self.admitted = {t: n for t, n in self.admitted.items() if t >= oldest_tick}
+        self.minute = {s: n for s, n in self.minute.items() if s + 1 > now - MINUTE_S}
+        self.day = {h: n for h, n in self.day.items() if (h + 1) * _HOUR_S > now - DAY_S}
+
+    @property
+    def empty(self) -> bool:
+        return not (self.running or self.admitted or self.minute or self.day)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "running": self.running,
+            "admitted": _pairs(self.admitted),
+            "minute": _pairs(self.minute),
+            "day": _pairs(self.day),
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> Holdings:
+        """A replica's record as etcd holds it; ValueError for anything else."""
+        if not isinstance(data, dict) or not isinstance(data.get("running", 0), int):
+            raise ValueError("not a replica's holdings")
+        return cls(
+            max(0, data.get("running", 0)),
+            _unpairs(data.get("admitted", [])),
+            _unpairs(data.get("minute", [])),
+            _unpairs(data.get("day", [])),
+        )
+
+    def copy(self) -> Holdings:
+        return replace(
+            self, admitted=dict(self.admitted), minute=dict(self.minute), day=dict(self.day)
+        )
 
 
-class TokenBucket:
-    __slots__ = ("_clock", "_last", "_tokens", "burst", "rate")
-
-    def __init__(self, rate: float, clock: Callable[[], float]) -> None:
-        self.rate = rate
-        self.burst = max(1.0, rate)
-        self._clock = clock
-        self._tokens = self.burst
-        self._last = clock()
-
-    def take(self) -> float:
-        """0.0 if a request may go now (and it is counted); else seconds until one may."""
-        now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
-        self._last = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return 0.0
-        return (1.0 - self._tokens) / self.rate
+def _pairs(counts: dict[int, int]) -> list[list[int]]:
+    return [[k, v] for k, v in sorted(counts.items())]
 
 
-class TenantGate:
-    """Admits or refuses each tenant's next request; ``leave`` must follow every admission."""
+def _unpairs(data: object) -> dict[int, int]:
+    if not isinstance(data, list):
+        raise ValueError("not a list of [time, count] pairs")
+    counts: dict[int, int] = {}
+    for pair in data:
+        if not (
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in pair)
+        ):
+            raise ValueError("not a [time, count] pair")
+        counts[pair[0]] = counts.get(pair[0], 0) + max(0, pair[1])
+    return counts
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._limits: dict[str, TenantLimits] = {}
-        self._buckets: dict[str, TokenBucket] = {}
-        self._in_flight: dict[str, int] = {}
 
-    def set_limits(self, limits: dict[str, TenantLimits]) -> None:
-        """The limits now in force; a tenant whose rate is unchanged keeps its bucket's state
-        (a key added or revoked elsewhere must not refill anyone's bucket)."""
-        self._limits = limits
-        kept = {}
-        for tenant, limit in limits.items():
-            bucket = self._buckets.get(tenant)
-            if limit.rate_per_s is not None:
-                if bucket is None or bucket.rate != limit.rate_per_s:
-                    bucket = TokenBucket(limit.rate_per_s, self._clock)
-                kept[tenant] = bucket
-        self._buckets = kept
+def refusal(
+    limits: TenantLimits, held: Iterable[Holdings], now: float, prompt_tokens: int = 0
+) -> int | None:
+    """None if one more request fits within ``limits`` beside every replica's ``held``; else the
+    whole seconds until one may (``Retry-After``). ``prompt_tokens``: the request's, counted
+    against the token quotas with what is charged already."""
+    held = list(held)
+    waits: list[float] = []
+    running = sum(h.running for h in held)
+    if limits.max_concurrency is not None and running >= limits.max_concurrency:
+        # When one ends is not known; a second is what a client should wait at least.
+        waits.append(1.0)
+    if limits.rate_per_s is not None:
+        waits.append(_rate_wait(limits, held, now))
+    quotas = ((limits.tokens_per_minute, "minute"), (limits.tokens_per_day, "day"))
+    for quota, kept in quotas:
+        if quota is not None:
+            width, window = _BUCKETS[kept]
+            charged = _merged((getattr(h, kept) for h in held), width, window, now)
+            waits.append(_quota_wait(charged, quota, prompt_tokens, now, width, window))
+    wait = max(waits, default=0.0)
+    return None if wait <= 0.0 else max(1, math.ceil(wait))
 
-    def enter(self, tenant: str) -> int | None:
-        """None: admitted. Else refused, with the whole seconds to wait (``Retry-After``)."""
-        limit = self._limits.get(tenant, _UNLIMITED)
-        running = self._in_flight.get(tenant, 0)
-        if limit.max_concurrency is not None and running >= limit.max_concurrency:
-            # When one ends is not known; a second is what a client should wait at least.
-            return 1
-        bucket = self._buckets.get(tenant)
-        wait = bucket.take() if bucket is not None else 0.0
-        if wait > 0.0:
-            return max(1, math.ceil(wait))
-        self._in_flight[tenant] = running + 1
-        return None
 
-    def leave(self, tenant: str) -> None:
-        running = self._in_flight.get(tenant, 0) - 1
-        if running > 0:
-            self._in_flight[tenant] = running
-        else:
-            self._in_flight.pop(tenant, None)
+def _rate_wait(limits: TenantLimits, held: list[Holdings], now: float) -> float:
+    window = limits.rate_window_s
+    ticks = _merged((h.admitted for h in held), _TICK_S, window, now)
+    over = sum(ticks.values()) - limits.rate_slots + 1
+    if over <= 0:
+        return 0.0
+    # The window must lose ``over`` admissions (no more than it holds): wait until the tick
+    # holding the last of them leaves it.
+    return _until_gone(ticks, over, _TICK_S) + window - now
 
-    def in_flight(self, tenant: str) -> int:
-        return self._in_flight.get(tenant, 0)
+
+def _quota_wait(
+    charged: dict[int, int], quota: int, prompt_tokens: int, now: float, width: float, window: float
+) -> float:
+    """Seconds until ``prompt_tokens`` more (at least one) fit under ``quota`` beside
+    ``charged`` (tokens by their bucket of ``width`` seconds)."""
+    over = sum(charged.values()) + max(1, prompt_tokens) - quota
+    if over <= 0:
+        return 0.0
+    if prompt_tokens > quota:
+        return window  # never fits; the client is told to wait the window out, not loop
+    # As many as are over (no more than are charged: the request alone fits) must leave it.
+    return _until_gone(charged, over, width) + window - now
+
+
+def _until_gone(counts: dict[int, int], many: int, width: float) -> float:
+    """When the bucket holding the ``many``-th oldest count ends (``many`` <= all counts)."""
+    gone = 0
+    for bucket in sorted(counts):
+        gone += counts[bucket]
+        if gone >= many:
+            break
+    return (bucket + 1) * width
+
+
+def _merged(
+    counts: Iterable[dict[int, int]], width: float, window: float, now: float
+) -> dict[int, int]:
+    """The buckets (of ``width`` seconds) still in the ``window`` before ``now``, summed."""
+    merged: dict[int, int] = {}
+    for each in counts:
+        for bucket, n in each.items():
+            if (bucket + 1) * width > now - window:
+                merged[bucket] = merged.get(bucket, 0) + n
+    return merged

@@ -45,6 +45,7 @@ from services.ingress.migration import MIGRATION_LIMIT
 from services.ingress.nats_gateway import NatsGateway
 from services.ingress.pool_admission import PooledAdmission
 from services.ingress.settings import IngressApiSettings
+from services.ingress.shared_limits import TenantGate
 from services.ingress.worker_features import WorkerFeatures
 
 # The API settings' defaults, written once there.
@@ -236,9 +237,11 @@ def main() -> None:
         watching.append(
             asyncio.create_task(watch_adapters(etcd, adapters.on_adapters), name="adapter-watch")
         )
-        keys = KeyBook() if settings.api_auth else None
+        keys = KeyBook(TenantGate(settings.instance_id, etcd)) if settings.api_auth else None
         if keys is not None:
             watching.append(asyncio.create_task(watch_keys(etcd, keys.on_keys), name="key-watch"))
+            # The tenants' limits, shared with the other replicas through etcd.
+            watching.append(asyncio.create_task(keys.gate.run(), name="tenant-limits"))
 
         async def on_load(report: WorkerLoadReported) -> None:
             liveness.reported(report.worker_id)
@@ -285,6 +288,8 @@ def main() -> None:
             if server.server_state.tasks:
                 await asyncio.wait(server.server_state.tasks, timeout=_ENDING_S)
         listener.close()
+        if keys is not None:
+            await keys.gate.close()
         await probes.close()
         for task in watching:
             task.cancel()

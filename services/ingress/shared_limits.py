@@ -1,0 +1,261 @@
+"""Tenant limits held for the whole cluster, whatever the number of ingress replicas.
+
+Each replica writes what it holds of each limited tenant (:class:`~services.ingress.limits.
+Holdings`) to etcd under ``/laneway/tenancy/<tenant>/<replica>``, on a lease of its own, so a
+replica that dies gives its requests back within the lease's TTL. To admit a request of a tenant
+with a concurrency or rate limit, a replica reads the tenant's records, checks the sum with the
+request added, and writes its own record in a transaction that holds only if no record of that
+tenant changed since the read: two replicas cannot both take the last slot. Token quotas are
+charged after the fact (a request's tokens are known at its end), so they are read, never
+claimed, and a burst may pass a quota by what is in flight when it is reached.
+
+etcd away (a claim unanswered within ``claim_timeout_s``, or refused): each replica holds each
+tenant to its share, the limits divided by the replicas last seen (``TenantLimits.share``), over
+what it holds itself, and logs so once; never unlimited. A probe every ``ttl_s / 3`` seconds finds
+etcd back, writes what the replica holds, and the shared limits hold again.
+
+Where there is no etcd (tests, one process), the limits hold over this replica's own requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+
+import aetcd
+from aetcd.utils import prefix_range_end
+
+from bus.registry import UNREACHABLE
+from bus.tenancy import REPLICAS_PREFIX, tenant_prefix
+from services.ingress.limits import MINUTE_S, Holdings, TenantLimits, refusal
+
+log = logging.getLogger(__name__)
+
+_UNLIMITED = TenantLimits()
+# Claims lost to other replicas' before a request is told to retry in a second.
+_TRIES = 4
+_AWAY = (TimeoutError, *UNREACHABLE, aetcd.exceptions.ClientError)
+
+
+class TenantGate:
+    """Admits or refuses each tenant's next request; ``leave`` must follow every admission."""
+
+    def __init__(
+        self,
+        replica: str = "local",
+        store: aetcd.Client | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        claim_timeout_s: float = 0.5,
+        ttl_s: int = 10,
+    ) -> None:
+        self._replica = replica
+        self._store = store
+        self._clock = clock
+        self._claim_timeout_s = claim_timeout_s
+        self._ttl_s = ttl_s
+        self._limits: dict[str, TenantLimits] = {}
+        self._own: dict[str, Holdings] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._lease: aetcd.Lease | None = None
+        self._dirty: set[str] = set()
+        self._flush = asyncio.Event()
+        self._away = store is None
+        self._replicas = 1
+
+    def set_limits(self, limits: dict[str, TenantLimits]) -> None:
+        self._limits = limits
+
+    def in_flight(self, tenant: str) -> int:
+        """This replica's requests of ``tenant``."""
+        own = self._own.get(tenant)
+        return 0 if own is None else own.running
+
+    @property
+    def shared(self) -> bool:
+        """Whether the limits now hold over every replica's requests (etcd reached)."""
+        return not self._away
+
+    async def enter(self, tenant: str, prompt_tokens: int = 0) -> int | None:
+        """None: admitted. Else refused, with the whole seconds to wait (``Retry-After``)."""
+        limits = self._limits.get(tenant, _UNLIMITED)
+        own = self._own.setdefault(tenant, Holdings())
+        if limits.any and self._away:
+            wait = refusal(limits.share(self._replicas), [own], self._clock(), prompt_tokens)
+            if wait is not None:
+                return wait
+            self._changed(tenant)
+        elif limits.any:
+            try:
+                async with asyncio.timeout(self._claim_timeout_s):
+                    return await self._claim(tenant, limits, own, prompt_tokens)
+            except _AWAY as exc:
+                self._went_away(exc)
+                return await self.enter(tenant, prompt_tokens)
+        own.admit(self._clock())
+        return None
+
+    def leave(self, tenant: str, tokens: int = 0) -> None:
+        """A request of ``tenant`` ended, having used ``tokens`` (prompt and completion)."""
+        own = self._own.get(tenant)
+        if own is None:
+            return
+        own.leave()
+        own.charge(tokens, self._clock())
+        if self._limits.get(tenant, _UNLIMITED).any:
+            self._changed(tenant)
+        elif own.running == 0:
+            del self._own[tenant]  # an unlimited tenant's holdings are never shared
+
+    async def _claim(
+        self, tenant: str, limits: TenantLimits, own: Holdings, prompt_tokens: int
+    ) -> int | None:
+        assert self._store is not None
+        store, key, prefix = self._store, self._key(tenant), tenant_prefix(tenant)
+        async with self._locks.setdefault(tenant, asyncio.Lock()):
+            for _ in range(_TRIES):
+                found = await store.get_prefix(prefix)
+                others = [_parsed(kv.value) for kv in found if kv.key != key]
+                now = self._clock()
+                wait = refusal(limits, [*others, own], now, prompt_tokens)
+                if wait is not None:
+                    return wait
+                if not limits.exclusive:  # token quotas only: written with the next flush
+                    own.admit(now)
+                    self._changed(tenant)
+                    return None
+                claimed = own.copy()
+                claimed.admit(now)
+                claimed.prune(now, _window(limits))
+                tx = store.transactions
+                won, _ = await store.transaction(
+                    compare=[
+                        tx.mod(prefix, range_end=prefix_range_end(prefix))
+                        < found.header.revision + 1
+                    ],
+                    success=[tx.put(key, _encoded(claimed), lease=await self._leased())],
+                    failure=[],
+                )
+                if won:
+                    # ``own`` itself, not the copy: a request may have left meanwhile.
+                    own.admit(now)
+                    return None
+            return 1
+
+    def _changed(self, tenant: str) -> None:
+        self._dirty.add(tenant)
+        if not self._away:  # else written once the probe finds etcd back
+            self._flush.set()
+
+    def _key(self, tenant: str) -> bytes:
+        return tenant_prefix(tenant) + self._replica.encode()
+
+    async def _leased(self) -> aetcd.Lease:
+        if self._lease is None:
+            assert self._store is not None
+            self._lease = await self._store.lease(self._ttl_s)
+        return self._lease
+
+    def _went_away(self, exc: BaseException) -> None:
+        if not self._away:
+            self._away = True
+            log.warning(
+                "etcd unreachable (%s): tenant limits now hold per ingress replica, each its "
+                "1/%d share, until it is back",
+                type(exc).__name__,
+                self._replicas,
+            )
+        # Whatever is held now is written once etcd is back.
+        self._dirty.update(self._limited())
+
+    async def run(self) -> None:
+        """Keep this replica's records in etcd, written as they change and on a lease kept
+        alive; find etcd back when it was away. Forever (nothing to do without etcd)."""
+        if self._store is None:
+            await asyncio.Event().wait()
+        tended = -float(self._ttl_s)
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._ttl_s / 3):
+                    await self._flush.wait()
+            self._flush.clear()
+            try:
+                async with asyncio.timeout(max(1.0, self._claim_timeout_s)):
+                    if self._away or time.monotonic() - tended >= self._ttl_s / 3:
+                        await self._tend()
+                        tended = time.monotonic()
+                    await self._write_dirty()
+            except _AWAY as exc:
+                self._went_away(exc)
+                continue
+            if self._away:
+                self._away = False
+                log.warning("etcd reachable again: tenant limits hold across the cluster again")
+
+    async def _tend(self) -> None:
+        """Keep the lease alive (or take a new one, writing everything held again, if it lapsed
+        while etcd was away) and this replica's mark, and count the replicas."""
+        assert self._store is not None
+        if self._lease is not None:
+            reply = await self._lease.refresh()
+            if reply.TTL <= 0:
+                self._lease = None
+                self._dirty.update(self._limited())
+        lease = await self._leased()
+        await self._store.put(REPLICAS_PREFIX + self._replica.encode(), b"{}", lease=lease)
+        replicas = await self._store.get_prefix(REPLICAS_PREFIX, keys_only=True)
+        self._replicas = max(1, len(list(replicas)))
+
+    async def _write_dirty(self) -> None:
+        lease = await self._leased()
+        while self._dirty:
+            tenant = self._dirty.pop()
+            try:
+                await self._write(tenant, lease)
+            except BaseException:
+                self._dirty.add(tenant)
+                raise
+
+    def _limited(self) -> list[str]:
+        return [t for t in self._own if self._limits.get(t, _UNLIMITED).any]
+
+    async def _write(self, tenant: str, lease: aetcd.Lease) -> None:
+        assert self._store is not None
+        own = self._own.get(tenant)
+        async with self._locks.setdefault(tenant, asyncio.Lock()):
+            if own is not None:
+                own.prune(self._clock(), _window(self._limits.get(tenant, _UNLIMITED)))
+            if own is None or own.empty:
+                self._own.pop(tenant, None)
+                await self._store.delete(self._key(tenant))
+            else:
+                await self._store.put(self._key(tenant), _encoded(own), lease=lease)
+
+    async def close(self) -> None:
+        """Give back what this replica holds at once, not at its lease's end."""
+        if self._lease is not None and not self._away:
+            with contextlib.suppress(*_AWAY):
+                async with asyncio.timeout(1.0):
+                    await self._lease.revoke()
+
+
+def _window(limits: TenantLimits) -> float:
+    return limits.rate_window_s if limits.rate_per_s is not None else MINUTE_S
+
+
+def _encoded(holdings: Holdings) -> bytes:
+    return json.dumps(holdings.to_json(), separators=(",", ":")).encode()
+
+
+def _parsed(value: bytes) -> Holdings:
+    """Another replica's record; one that does not parse counts as nothing, not as a refusal of
+    every request (only ingress replicas may write there)."""
+    try:
+        return Holdings.from_json(json.loads(value))
+    except ValueError:
+        log.warning("a tenant record in etcd does not parse; counted as empty")
+        return Holdings()
