@@ -28,7 +28,15 @@ from services.common.tokenizer import Tokenizer
 from services.ingress.access_log import log_request
 from services.ingress.adapters import AdapterEndpoints, Adapters
 from services.ingress.admission import AdmissionSettings
-from services.ingress.auth import CACHE_SALT, TENANT, USED_TOKENS, AuthGate, KeyBook, capped
+from services.ingress.auth import (
+    CACHE_SALT,
+    TENANT,
+    USED_TOKENS,
+    AuthGate,
+    KeyBook,
+    capped,
+    check_prompt_quota,
+)
 from services.ingress.body import read_json_body, request_headers
 from services.ingress.context_limit import WorkerContextLimit
 from services.ingress.errors import ApiError, internal_error, model_not_found
@@ -248,6 +256,7 @@ class _CompletionEndpoint:
             parsed = self.parse(await read_json_body(headers, receive, self.max_body_bytes))
             session = session_id(headers.get(b"x-session-id"), parsed.params.user)
             spec = self.intake.spec(parsed, scope.get(TENANT), scope.get(CACHE_SALT))
+            check_prompt_quota(scope, spec.prompt_length)
             # Last: a request the cluster could not take anyway is refused for that, not shed.
             # No higher than the key allows: a tenant cannot shed others by asking.
             asked = request_priority(headers.get(b"x-laneway-priority"), parsed.params.priority)

@@ -12,6 +12,7 @@ as the watch delivers it (milliseconds).
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -33,6 +34,9 @@ CACHE_SALT = "laneway.cache_salt"
 USED_TOKENS = "laneway.used_tokens"
 """The ASGI scope's entry for the prompt and completion tokens a request used (set as it ends),
 charged to its tenant's token quotas."""
+PROMPT_QUOTA = "laneway.prompt_quota"
+"""The ASGI scope's entry for a check of the request's prompt against its tenant's token quotas
+(``TenantGate.over_quota``): None if it fits, else the seconds to wait."""
 TENANT_WEIGHT = "laneway.tenant_weight"
 """The ASGI scope's entry for the key's ``weight``: its tenant's share in admission."""
 _MAX_PRIORITY = "laneway.max_priority"
@@ -137,6 +141,7 @@ class AuthGate:
         scope[CACHE_SALT] = self._book.cache_salt(record)
         scope[_MAX_PRIORITY] = record.max_priority
         scope[TENANT_WEIGHT] = record.weight
+        scope[PROMPT_QUOTA] = functools.partial(gate.over_quota, record.tenant)
         try:
             await self._app(scope, receive, send)
         finally:
@@ -194,6 +199,16 @@ def capped(scope: Scope, priority: Priority) -> Priority:
     if highest is None:
         return priority
     return max(priority, highest, key=PRIORITIES.index)  # later in PRIORITIES: lower
+
+
+def check_prompt_quota(scope: Scope, prompt_tokens: int) -> None:
+    """Raise the tenant's 429 if the request's prompt would pass its token quotas."""
+    check = scope.get(PROMPT_QUOTA)
+    wait_s = None if check is None else check(prompt_tokens)
+    if wait_s is not None:
+        error = _limited(scope.get(TENANT, ""))
+        error.headers.append((b"retry-after", str(wait_s).encode()))
+        raise error
 
 
 def _limited(tenant: str) -> ApiError:

@@ -60,6 +60,8 @@ class TenantGate:
         self._ttl_s = ttl_s
         self._limits: dict[str, TenantLimits] = {}
         self._own: dict[str, Holdings] = {}
+        # The other replicas' records of each tenant as last read (by its last admission).
+        self._others: dict[str, list[Holdings]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._lease: aetcd.Lease | None = None
         self._dirty: set[str] = set()
@@ -99,6 +101,23 @@ class TenantGate:
         own.admit(self._clock())
         return None
 
+    def over_quota(self, tenant: str, prompt_tokens: int) -> int | None:
+        """For a request already admitted, once its prompt is known: None if the prompt fits the
+        tenant's token quotas beside what is charged, as last read at its admission (no second
+        round trip); else the whole seconds until it would."""
+        limits = self._limits.get(tenant, _UNLIMITED)
+        if limits.tokens_per_minute is None and limits.tokens_per_day is None:
+            return None
+        quotas = TenantLimits(
+            tokens_per_minute=limits.tokens_per_minute, tokens_per_day=limits.tokens_per_day
+        )
+        if self._away:
+            quotas, others = quotas.share(self._replicas), []
+        else:
+            others = self._others.get(tenant, [])
+        own = self._own.get(tenant, Holdings())
+        return refusal(quotas, [*others, own], self._clock(), prompt_tokens)
+
     def leave(self, tenant: str, tokens: int = 0) -> None:
         """A request of ``tenant`` ended, having used ``tokens`` (prompt and completion)."""
         own = self._own.get(tenant)
@@ -120,6 +139,7 @@ class TenantGate:
             for _ in range(_TRIES):
                 found = await store.get_prefix(prefix)
                 others = [_parsed(kv.value) for kv in found if kv.key != key]
+                self._others[tenant] = others
                 now = self._clock()
                 wait = refusal(limits, [*others, own], now, prompt_tokens)
                 if wait is not None:

@@ -173,6 +173,23 @@ async def test_concurrency_slot_is_given_back_when_a_request_ends() -> None:
         assert book.gate.in_flight("acme") == 0
 
 
+async def test_a_prompt_that_would_pass_the_token_quota_is_429_and_charges_nothing() -> None:
+    async with api(record(KEY, "acme", tokens_per_minute=200)) as (client, _, book):
+        body = chat_body(messages=[{"role": "user", "content": "far too long " * 20}])
+        reply = await client.post("/v1/chat/completions", json=body, headers=bearer(KEY))
+        assert reply.status_code == 429
+        assert reply.json()["error"]["code"] == "rate_limit_exceeded"
+        assert reply.headers["retry-after"] == "60"  # it never fits: wait the minute out
+        assert book.gate.in_flight("acme") == 0
+        # A short one fits, and is charged what it used.
+        reply = await client.post("/v1/chat/completions", json=chat_body(), headers=bearer(KEY))
+        assert reply.status_code == 200
+        used = reply.json()["usage"]["total_tokens"]
+        assert 0 < used < 200
+        assert book.gate.over_quota("acme", 200 - used) is None
+        assert book.gate.over_quota("acme", 201 - used) is not None
+
+
 async def test_tenant_limits_are_those_of_its_newest_key() -> None:
     old = record(KEY, "acme", max_concurrency=1)
     new = record("lw-rotated", "acme", max_concurrency=5)
