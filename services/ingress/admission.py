@@ -10,6 +10,14 @@ their time to first token, near zero instead of near ``max_wait_s``. A newcomer 
 queue full sheds the oldest waiter of a lower priority, if any, instead of itself: low priority
 is shed first, high waits first.
 
+With API keys, room is shared by weighted fair share among the tenants asking for it
+(:mod:`services.ingress.fair_share`): within a priority the tenant using least of its share gets
+room first, a tenant over its share gets none that is held back for a tenant below it, and a
+full queue sheds the waiter of the tenant most over its share before a newcomer below it. A
+request for which room is held back waits for it up to ``share_wait_s`` (1 s) instead of
+``max_wait_s``: the next request of this replica's to end frees it. Without keys there is one
+tenant and none of this changes anything.
+
 Several ingress replicas share the cluster: each counts its own requests exactly, and the
 others' from the workers' load reports (running + waiting: every replica's requests) less the
 most of its own that the reports can show: its highest count over the ``report_lag_s`` before
@@ -31,6 +39,7 @@ it) adds no room, unless none is live: the planner then routes to them all the s
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -41,12 +50,15 @@ from schemas.events import WorkerLoadReported
 from schemas.messages import WorkerRegistration
 from services.common.liveness import Liveness
 from services.ingress.errors import Overloaded
+from services.ingress.fair_share import FairShare, Peak, Tenant
 from services.ingress.metrics import IngressMetrics
 
 Priority = Literal["high", "normal", "low"]
 # Best first: a waiter's rank is its index here.
 PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")
 ShedReason = Literal["queue_full", "wait_timeout", "displaced"]
+# Free room where no bound is known: more than any queue could ask for.
+_UNBOUNDED = sys.maxsize
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,47 +77,29 @@ class AdmissionSettings:
     """How stale a worker's load report may be, as seen here (its busy interval and transit)."""
     report_ttl_s: float = 5.0
     """A worker's report older than this no longer counts (a worker that went quiet)."""
+    share_wait_s: float = 1.0
+    """Longest a request waits for room held back for its tenant, below its share (no longer
+    than the ``Retry-After`` a shed request would be told to wait)."""
+    share_window_s: float = 1.0
+    """How long a tenant counts as active after its last request here, and over which its
+    demand is the most it held and queued at once (services.ingress.fair_share)."""
 
     def __post_init__(self) -> None:
         if min(self.queue_per_worker, self.max_queue) < 0 or self.retry_after_s < 1:
             raise ValueError("admission queues must be >= 0 and retry_after_s >= 1")
         if self.max_in_flight is not None and self.max_in_flight < 1:
             raise ValueError("max_in_flight must be positive")
-        if min(self.max_wait_s, self.report_lag_s, self.report_ttl_s) < 0:
+        times = (self.max_wait_s, self.share_wait_s, self.share_window_s)
+        if min(*times, self.report_lag_s, self.report_ttl_s) < 0:
             raise ValueError("admission times must be >= 0")
 
 
-class _Peak:
-    """The highest value a count took over the last ``window_s`` seconds (a monotonic deque:
-    each sample is larger than every later one)."""
-
-    __slots__ = ("_clock", "_samples", "_window_s")
-
-    def __init__(self, window_s: float, clock: Callable[[], float]) -> None:
-        self._window_s = window_s
-        self._clock = clock
-        self._samples: deque[tuple[float, int]] = deque()
-
-    def record(self, value: int) -> None:
-        samples = self._samples
-        while samples and samples[-1][1] <= value:
-            samples.pop()
-        samples.append((self._clock(), value))
-
-    def peak(self, now_value: int) -> int:
-        horizon = self._clock() - self._window_s
-        samples = self._samples
-        # The newest sample stays: it is the current value until the next change.
-        while len(samples) > 1 and samples[0][0] < horizon:
-            samples.popleft()
-        return max(now_value, samples[0][1]) if samples else now_value
-
-
 class _Waiter:
-    __slots__ = ("future", "priority")
+    __slots__ = ("future", "priority", "tenant")
 
-    def __init__(self, priority: Priority) -> None:
+    def __init__(self, priority: Priority, tenant: Tenant) -> None:
         self.priority = priority
+        self.tenant = tenant
         self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
 
@@ -127,12 +121,14 @@ class Admission:
         self._metrics = metrics
         self._clock = clock
         self._own = 0
-        self._own_peak = _Peak(settings.report_lag_s, clock)
+        self._own_peak = Peak(settings.report_lag_s, clock)
+        self._fair = FairShare(settings.share_window_s, clock)
         self._worker_slots: dict[str, int] = {}
         # worker id → its last report: requests it holds, when it came, and the most of this
         # replica's own requests it can count.
         self._reports: dict[str, tuple[int, float, int]] = {}
-        self._waiting: dict[Priority, deque[_Waiter]] = {p: deque() for p in PRIORITIES}
+        # Per priority, each tenant's waiters, oldest first (a tenant with none has no entry).
+        self._waiting: dict[Priority, dict[Tenant, deque[_Waiter]]] = {p: {} for p in PRIORITIES}
 
     @property
     def capacity(self) -> int | None:
@@ -166,7 +162,7 @@ class Admission:
 
     @property
     def queued(self) -> int:
-        return sum(len(q) for q in self._waiting.values())
+        return sum(len(q) for queues in self._waiting.values() for q in queues.values())
 
     async def on_workers(self, workers: dict[str, WorkerRegistration]) -> None:
         queue = self._settings.queue_per_worker
@@ -184,17 +180,30 @@ class Admission:
         self._reports[report.worker_id] = (held, self._clock(), self._own_peak.peak(self._own))
         self._wake()
 
-    def _add_own(self, delta: int) -> None:
+    def _add_own(self, delta: int, tenant: Tenant) -> None:
         self._own += delta
         self._own_peak.record(self._own)
+        self._fair.count(tenant, held=delta)
 
-    async def admit(self, priority: Priority) -> AdmissionTicket:
-        """Room for one request, at once or after a short wait; raises Overloaded (429) if none."""
-        if not self._ahead(PRIORITIES.index(priority)) and self._has_room():
-            return self._admitted(priority)
-        waiter = self._enqueue(priority)
+    async def admit(
+        self, priority: Priority, tenant: Tenant = None, weight: float = 1.0
+    ) -> AdmissionTicket:
+        """Room for one request of ``tenant`` (of ``weight``: its share), at once or after a
+        short wait; raises Overloaded (429) if none."""
+        self._fair.arrived(tenant, weight)
+        if not self._ahead(PRIORITIES.index(priority)) and self._has_room(tenant):
+            return self._admitted(priority, tenant)
+        waiter = self._enqueue(priority, tenant)
+        # Waiters of a tenant over its share may be kept from room this one may take.
+        self._wake()
+        _, others, capacity = self._room()
+        wait_s = self._settings.max_wait_s
+        if self._fair.held_back_for(tenant, others, capacity):
+            # The next room this replica's requests leave is held back for it, and comes
+            # sooner than the client would return if shed.
+            wait_s = max(wait_s, self._settings.share_wait_s)
         try:
-            async with asyncio.timeout(self._settings.max_wait_s):
+            async with asyncio.timeout(wait_s):
                 await waiter.future
         except TimeoutError:
             # Still queued, or taken off it (displaced) only once the timeout had cancelled it.
@@ -206,67 +215,111 @@ class Admission:
         except asyncio.CancelledError:
             if not self._remove(waiter) and _granted(waiter):
                 # Handed room just as the client left: give it to the next.
-                self.release()
+                self.release(tenant)
             raise
-        return self._ticket(priority)
+        return self._ticket(priority, tenant)
 
-    def _has_room(self) -> bool:
+    def _room(self) -> tuple[int, int, int]:
+        """The free room in the pool (none while this replica is behind), the other replicas'
+        requests in it, and its capacity; unbounded, room for anything."""
         if self._pressure is not None and self._pressure():
-            return False
+            return 0, 0, 0
         capacity = self.capacity
-        return capacity is None or self.in_cluster < capacity
+        if capacity is None:
+            return _UNBOUNDED, 0, 0
+        in_cluster = self.in_cluster
+        return capacity - in_cluster, in_cluster - self._own, capacity
+
+    def _has_room(self, tenant: Tenant) -> bool:
+        free, others, capacity = self._room()
+        return free > 0 and self._fair.may_take(tenant, free, others, capacity)
 
     def _ahead(self, rank: int) -> bool:
         return any(self._waiting[p] for p in PRIORITIES[: rank + 1])
 
-    def _admitted(self, priority: Priority) -> AdmissionTicket:
-        self._add_own(1)
-        return self._ticket(priority)
+    def _admitted(self, priority: Priority, tenant: Tenant) -> AdmissionTicket:
+        self._add_own(1, tenant)
+        return self._ticket(priority, tenant)
 
-    def _ticket(self, priority: Priority) -> AdmissionTicket:
+    def _ticket(self, priority: Priority, tenant: Tenant) -> AdmissionTicket:
         self._metrics.admitted.labels(priority).inc()
-        return AdmissionTicket(self)
+        return AdmissionTicket(self, tenant)
 
-    def _enqueue(self, priority: Priority) -> _Waiter:
+    def _enqueue(self, priority: Priority, tenant: Tenant) -> _Waiter:
         if self.queued >= self._settings.max_queue:
-            rank = PRIORITIES.index(priority)
-            lower = next((p for p in reversed(PRIORITIES[rank + 1 :]) if self._waiting[p]), None)
-            if lower is None:
+            self._displace(priority, tenant)
+        waiter = _Waiter(priority, tenant)
+        self._waiting[priority].setdefault(tenant, deque()).append(waiter)
+        self._fair.count(tenant, queued=1)
+        return waiter
+
+    def _displace(self, priority: Priority, tenant: Tenant) -> None:
+        """Make a place in the full queue for a newcomer: shed the oldest waiter of the lowest
+        priority below its own, of the tenant there using most of its share; with none below,
+        of its own priority, if a tenant uses more of its share than the newcomer's; else shed
+        the newcomer (low priority is shed first, a tenant over its share next)."""
+        rank = PRIORITIES.index(priority)
+        lower = next((p for p in reversed(PRIORITIES[rank + 1 :]) if self._waiting[p]), None)
+        _, others, capacity = self._room()
+        if lower is not None:
+            over = self._fair.most_over(self._waiting[lower], others, capacity)
+        else:
+            lower = priority
+            # The newcomer's tenant first: on a tie it is the newcomer that goes.
+            over = self._fair.most_over([tenant, *self._waiting[priority]], others, capacity)
+            if over == tenant:
                 raise self._shed("queue_full", priority)
-            # The oldest of that priority: the one closest to being shed anyway.
-            displaced = self._waiting[lower].popleft()
-            if not displaced.future.done():  # else its wait ran out just now: it leaves as shed
-                displaced.future.set_exception(self._shed("displaced", lower))
-        waiter = _Waiter(priority)
-        self._waiting[priority].append(waiter)
+        # The oldest: the one closest to being shed anyway.
+        displaced = self._pop(lower, over, newest=False)
+        if not displaced.future.done():  # else its wait ran out just now: it leaves as shed
+            displaced.future.set_exception(self._shed("displaced", lower))
+
+    def _pop(self, priority: Priority, tenant: Tenant, newest: bool) -> _Waiter:
+        queues = self._waiting[priority]
+        queue = queues[tenant]
+        waiter = queue.pop() if newest else queue.popleft()
+        if not queue:
+            del queues[tenant]
+        self._fair.count(tenant, queued=-1)
         return waiter
 
     def _remove(self, waiter: _Waiter) -> bool:
         """Take a waiter off the queue; False if it was already taken (given room or shed)."""
-        queue = self._waiting[waiter.priority]
-        try:
-            queue.remove(waiter)
-        except ValueError:
+        queues = self._waiting[waiter.priority]
+        queue = queues.get(waiter.tenant)
+        if queue is None or waiter not in queue:
             return False
+        queue.remove(waiter)
+        if not queue:
+            del queues[waiter.tenant]
+        self._fair.count(waiter.tenant, queued=-1)
         return True
 
     def _wake(self) -> None:
-        """Give the room there is to the waiters, best priority first, then newest."""
+        """Give the room there is to the waiters: best priority first, then the tenant using
+        least of its share that may take room (services.ingress.fair_share), then its newest."""
         for priority in PRIORITIES:
-            queue = self._waiting[priority]
-            while queue and self._has_room():
-                waiter = queue.pop()
+            queues = self._waiting[priority]
+            while queues:
+                free, others, capacity = self._room()
+                if free <= 0:
+                    return
+                try:
+                    tenant = self._fair.first(queues, free, others, capacity)
+                except LookupError:
+                    break  # a worse priority may hold a waiter of a tenant that may
+                waiter = self._pop(priority, tenant, newest=True)
                 if waiter.future.done():
                     continue  # its wait ran out just now (not yet resumed): it leaves as shed
-                self._add_own(1)
+                self._add_own(1, tenant)
                 waiter.future.set_result(None)
 
     def _shed(self, reason: ShedReason, priority: Priority) -> Overloaded:
         self._metrics.shed.labels(reason, priority).inc()
         return Overloaded(self._settings.retry_after_s)
 
-    def release(self) -> None:
-        self._add_own(-1)
+    def release(self, tenant: Tenant = None) -> None:
+        self._add_own(-1, tenant)
         self._wake()
 
 
@@ -278,12 +331,13 @@ def _granted(waiter: _Waiter) -> bool:
 class AdmissionTicket:
     """One admitted request's room in the cluster, given back exactly once."""
 
-    __slots__ = ("_admission",)
+    __slots__ = ("_admission", "_tenant")
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, tenant: Tenant) -> None:
         self._admission: Admission | None = admission
+        self._tenant = tenant
 
     def release(self) -> None:
         if self._admission is not None:
-            self._admission.release()
+            self._admission.release(self._tenant)
             self._admission = None

@@ -31,6 +31,7 @@ from services.ingress.admission import AdmissionSettings
 from services.ingress.auth import (
     CACHE_SALT,
     TENANT,
+    TENANT_WEIGHT,
     USED_TOKENS,
     AuthGate,
     KeyBook,
@@ -261,7 +262,8 @@ class _CompletionEndpoint:
             # No higher than the key allows: a tenant cannot shed others by asking.
             asked = request_priority(headers.get(b"x-laneway-priority"), parsed.params.priority)
             priority = capped(scope, asked)
-            ticket = await self.admission.admit(priority, spec.model)
+            tenant, weight = scope.get(TENANT), scope.get(TENANT_WEIGHT, 1.0)
+            ticket = await self.admission.admit(priority, spec.model, tenant, weight)
         except ClientDisconnect:
             self._done(scope, CLIENT_CLOSED_STATUS, received, parsed)
             return

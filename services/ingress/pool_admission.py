@@ -14,6 +14,7 @@ from collections.abc import Callable
 from schemas.events import WorkerLoadReported
 from schemas.messages import WorkerRegistration
 from services.ingress.admission import Admission, AdmissionSettings, AdmissionTicket, Priority
+from services.ingress.fair_share import Tenant
 from services.ingress.metrics import IngressMetrics
 
 
@@ -63,10 +64,13 @@ class PooledAdmission:
         if model is not None:  # else not registered (yet): its next report counts
             await self._pools[model].on_load(report)
 
-    async def admit(self, priority: Priority, model: str) -> AdmissionTicket:
-        """Room for one request of ``model``, at once or after a short wait; raises Overloaded
-        (429) if its pool has none."""
-        return await self._of(model).admit(priority)
+    async def admit(
+        self, priority: Priority, model: str, tenant: Tenant = None, weight: float = 1.0
+    ) -> AdmissionTicket:
+        """Room for one request of ``model`` (of ``tenant``, whose share is ``weight``), at once
+        or after a short wait; raises Overloaded (429) if its pool has none. Each pool shares
+        its own room among the tenants asking for it."""
+        return await self._of(model).admit(priority, tenant, weight)
 
 
 def pooled(settings: AdmissionSettings, metrics: IngressMetrics) -> PooledAdmission:
