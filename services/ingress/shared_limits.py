@@ -24,7 +24,9 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import aetcd
 from aetcd.utils import prefix_range_end
@@ -62,6 +64,8 @@ class TenantGate:
         self._own: dict[str, Holdings] = {}
         # The other replicas' records of each tenant as last read (by its last admission).
         self._others: dict[str, list[Holdings]] = {}
+        # Each tenant's records as this replica's last write left them, and at which revision.
+        self._views: dict[str, _View] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._lease: aetcd.Lease | None = None
         self._dirty: set[str] = set()
@@ -135,15 +139,25 @@ class TenantGate:
     ) -> int | None:
         assert self._store is not None
         store, key, prefix = self._store, self._key(tenant), tenant_prefix(tenant)
+        tx = store.transactions
+        records = tx.get(prefix, prefix_range_end(prefix))
         async with self._locks.setdefault(tenant, asyncio.Lock()):
+            # The records as this replica's last write left them: one round trip, the claim's,
+            # while no other replica wrote since. Taken once: stale after any change.
+            view, fresh = self._views.pop(tenant, None), False
             for _ in range(_TRIES):
-                found = await store.get_prefix(prefix)
-                others = [_parsed(kv.value) for kv in found if kv.key != key]
-                self._others[tenant] = others
+                if view is None:
+                    found = await store.get_prefix(prefix)
+                    view = _View.of(((kv.value, kv) for kv in found), key, found.header.revision)
+                    fresh = True
+                self._others[tenant] = view.others
                 now = self._clock()
-                wait = refusal(limits, [*others, own], now, prompt_tokens)
+                wait = refusal(limits, [*view.others, own], now, prompt_tokens)
                 if wait is not None:
-                    return wait
+                    if fresh:
+                        return wait
+                    view = None  # refused on an old view: read it afresh first
+                    continue
                 if not limits.exclusive:  # token quotas only: written with the next flush
                     own.admit(now)
                     self._changed(tenant)
@@ -151,20 +165,25 @@ class TenantGate:
                 claimed = own.copy()
                 claimed.admit(now)
                 claimed.prune(now, _window(limits))
-                tx = store.transactions
-                won, _ = await store.transaction(
+                won, replies = await store.transaction(
                     compare=[
-                        tx.mod(prefix, range_end=prefix_range_end(prefix))
-                        < found.header.revision + 1
+                        tx.mod(prefix, range_end=prefix_range_end(prefix)) < view.revision + 1
                     ],
-                    success=[tx.put(key, _encoded(claimed), lease=await self._leased())],
-                    failure=[],
+                    success=[tx.put(key, _encoded(claimed), lease=await self._leased()), records],
+                    failure=[records],
                 )
+                # Either way the reply holds the records as they are now.
+                view, fresh = _View.replied(replies[-1], key), True
                 if won:
                     # ``own`` itself, not the copy: a request may have left meanwhile.
                     own.admit(now)
+                    self._keep_view(tenant, view)
                     return None
             return 1
+
+    def _keep_view(self, tenant: str, view: _View | None) -> None:
+        if view is not None:
+            self._views[tenant] = view
 
     def _changed(self, tenant: str) -> None:
         self._dirty.add(tenant)
@@ -249,11 +268,18 @@ class TenantGate:
         async with self._locks.setdefault(tenant, asyncio.Lock()):
             if own is not None:
                 own.prune(self._clock(), _window(self._limits.get(tenant, _UNLIMITED)))
+            key, prefix = self._key(tenant), tenant_prefix(tenant)
+            tx = self._store.transactions
             if own is None or own.empty:
                 self._own.pop(tenant, None)
-                await self._store.delete(self._key(tenant))
+                write = tx.delete(key)
             else:
-                await self._store.put(self._key(tenant), _encoded(own), lease=lease)
+                write = tx.put(key, _encoded(own), lease=lease)
+            # With the records as they are after it: the next claim's view.
+            _, replies = await self._store.transaction(
+                compare=[], success=[write, tx.get(prefix, prefix_range_end(prefix))], failure=[]
+            )
+            self._keep_view(tenant, _View.replied(replies[-1], key))
 
     async def close(self) -> None:
         """Give back what this replica holds at once, not at its lease's end."""
@@ -261,6 +287,25 @@ class TenantGate:
             with contextlib.suppress(*_AWAY):
                 async with asyncio.timeout(1.0):
                     await self._lease.revoke()
+
+
+@dataclass(frozen=True, slots=True)
+class _View:
+    """The other replicas' records of a tenant as of an etcd revision."""
+
+    others: list[Holdings]
+    revision: int
+
+    @classmethod
+    def of(cls, records: Iterable[tuple[bytes, Any]], key: bytes, revision: int) -> _View:
+        return cls([_parsed(value) for value, meta in records if meta.key != key], revision)
+
+    @classmethod
+    def replied(cls, records: list[tuple[bytes, Any]], key: bytes) -> _View | None:
+        """From a transaction's read; None where it read nothing (no revision to go by)."""
+        if not records:
+            return None
+        return cls.of(records, key, records[0][1].header.revision)
 
 
 def _window(limits: TenantLimits) -> float:
