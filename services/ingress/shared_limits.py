@@ -223,11 +223,11 @@ class TenantGate:
                     await self._flush.wait()
             self._flush.clear()
             try:
-                async with asyncio.timeout(max(1.0, self._claim_timeout_s)):
-                    if self._away or time.monotonic() - tended >= self._ttl_s / 3:
+                if self._away or time.monotonic() - tended >= self._ttl_s / 3:
+                    async with asyncio.timeout(self._call_timeout_s):
                         await self._tend()
-                        tended = time.monotonic()
-                    await self._write_dirty()
+                    tended = time.monotonic()
+                await self._write_dirty()
             except _AWAY as exc:
                 self._went_away(exc)
                 continue
@@ -250,14 +250,23 @@ class TenantGate:
         self._replicas = max(1, len(list(replicas)))
 
     async def _write_dirty(self) -> None:
-        lease = await self._leased()
+        if not self._dirty:
+            return
+        async with asyncio.timeout(self._call_timeout_s):
+            lease = await self._leased()
         while self._dirty:
             tenant = self._dirty.pop()
             try:
-                await self._write(tenant, lease)
+                # Each its own bound: many tenants' records are no sign of etcd away.
+                async with asyncio.timeout(self._call_timeout_s):
+                    await self._write(tenant, lease)
             except BaseException:
                 self._dirty.add(tenant)
                 raise
+
+    @property
+    def _call_timeout_s(self) -> float:
+        return max(1.0, self._claim_timeout_s)
 
     def _limited(self) -> list[str]:
         return [t for t in self._own if self._limits.get(t, _UNLIMITED).any]
