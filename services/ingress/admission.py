@@ -13,10 +13,11 @@ is shed first, high waits first.
 With API keys, room is shared by weighted fair share among the tenants asking for it
 (:mod:`services.ingress.fair_share`): within a priority the tenant using least of its share gets
 room first, a tenant over its share gets none that is held back for a tenant below it, and a
-full queue sheds the waiter of the tenant most over its share before a newcomer below it. A
-request for which room is held back waits for it up to ``share_wait_s`` (1 s) instead of
-``max_wait_s``: the next request of this replica's to end frees it. Without keys there is one
-tenant and none of this changes anything.
+full queue sheds the waiter of the tenant most over its share before a newcomer below it. While
+tenants contend, this is fair queuing: each tenant's waiters keep their order and wait up to
+``share_wait_s`` (1 s) instead of ``max_wait_s``, so a tenant far over its share waits its own
+queue out while one within it finds room at once or at the next release. Without keys there is
+one tenant and none of this changes anything.
 
 Several ingress replicas share the cluster: each counts its own requests exactly, and the
 others' from the workers' load reports (running + waiting: every replica's requests) less the
@@ -78,8 +79,8 @@ class AdmissionSettings:
     report_ttl_s: float = 5.0
     """A worker's report older than this no longer counts (a worker that went quiet)."""
     share_wait_s: float = 1.0
-    """Longest a request waits for room held back for its tenant, below its share (no longer
-    than the ``Retry-After`` a shed request would be told to wait)."""
+    """Longest a request waits for room while tenants contend (no longer than the
+    ``Retry-After`` a shed request would be told to wait)."""
     share_window_s: float = 1.0
     """How long a tenant counts as active after its last request here, and over which its
     demand is the most it held and queued at once (services.ingress.fair_share)."""
@@ -196,11 +197,12 @@ class Admission:
         waiter = self._enqueue(priority, tenant)
         # Waiters of a tenant over its share may be kept from room this one may take.
         self._wake()
-        _, others, capacity = self._room()
         wait_s = self._settings.max_wait_s
-        if self._fair.held_back_for(tenant, others, capacity):
-            # The next room this replica's requests leave is held back for it, and comes
-            # sooner than the client would return if shed.
+        if self._fair.contended():
+            # Tenants contend: each waits its turn in its tenant's queue, as in fair queuing,
+            # no longer than a shed client would be told to (Retry-After). A tenant within its
+            # share finds room held back for it and waits little; one far over it waits its
+            # own queue out, or is shed at the end of it.
             wait_s = max(wait_s, self._settings.share_wait_s)
         try:
             async with asyncio.timeout(wait_s):
@@ -297,7 +299,7 @@ class Admission:
 
     def _wake(self) -> None:
         """Give the room there is to the waiters: best priority first, then the tenant using
-        least of its share that may take room (services.ingress.fair_share), then its newest."""
+        least of its share that may take room (services.ingress.fair_share), then its newest (its oldest while tenants contend)."""
         for priority in PRIORITIES:
             queues = self._waiting[priority]
             while queues:
@@ -308,7 +310,9 @@ class Admission:
                     tenant = self._fair.first(queues, free, others, capacity)
                 except LookupError:
                     break  # a worse priority may hold a waiter of a tenant that may
-                waiter = self._pop(priority, tenant, newest=True)
+                # One tenant: the newest, whose wait is shortest (the oldest are about to be shed
+                # anyway). Tenants contending: each tenant's queue in its order.
+                waiter = self._pop(priority, tenant, newest=not self._fair.contended())
                 if waiter.future.done():
                     continue  # its wait ran out just now (not yet resumed): it leaves as shed
                 self._add_own(1, tenant)

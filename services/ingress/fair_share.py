@@ -102,10 +102,9 @@ class FairShare:
         replicas' requests in the pool."""
         return _may_take(self._standings(others, capacity), tenant, free)
 
-    def held_back_for(self, tenant: Tenant, others: int, capacity: int) -> bool:
-        """Whether room is held back for ``tenant``: it is below its share and its demand."""
-        standing = self._standings(others, capacity).get(tenant)
-        return standing is not None and standing.reserve > 0
+    def contended(self) -> bool:
+        """Whether more than one tenant is active: shares then hold."""
+        return len(self._demands()) > 1
 
     def first(self, tenants: Iterable[Tenant], free: int, others: int, capacity: int) -> Tenant:
         """Of the tenants waiting, the one using least of its share that may take room; raises
@@ -121,7 +120,8 @@ class FairShare:
         standing = self._standings(others, capacity)
         return max(tenants, key=lambda t: standing[t].usage)
 
-    def _standings(self, others: int, capacity: int) -> dict[Tenant, _Standing]:
+    def _demands(self) -> dict[Tenant, int]:
+        """The active tenants' demands (forgetting the tenants no longer active)."""
         demands: dict[Tenant, int] = {}
         for tenant, state in list(self._tenants.items()):
             demand = state.demand.peak(state.held + state.queued)
@@ -129,6 +129,10 @@ class FairShare:
                 demands[tenant] = demand
             else:  # nothing here for a whole window: no longer active
                 del self._tenants[tenant]
+        return demands
+
+    def _standings(self, others: int, capacity: int) -> dict[Tenant, _Standing]:
+        demands = self._demands()
         if len(demands) < 2:
             return {t: _Standing(0.0, 0.0) for t in demands}
         weights = sum(self._tenants[t].weight for t in demands)

@@ -1,7 +1,8 @@
 """Fair share under overload (issue 41): two ingress replicas, API keys on, 2 sim workers of
 ``max_num_seqs`` 2 (dynamo-mocker timing). A heavy tenant runs 40 closed-loop lanes of streamed
 chat requests, a light tenant 2, at equal weights: the light tenant, within its share, is served
-(at least 95% of its requests) and no later than the heavy one, whose excess is what is shed.
+(at least 95% of its requests) with a TTFT p95 at most half the heavy one's, whose excess
+waits its turn in its own queue or is shed.
 
 ``LANEWAY_FAIR_SHARE_S=30 .venv/bin/pytest tests/e2e/test_fair_share.py -s`` runs the 30 s
 scenario of docs/api.md and prints its figures."""
@@ -103,8 +104,7 @@ async def test_a_light_tenant_within_its_share_is_served_beside_a_heavy_one(
     assert light["completed"] >= 0.95 * light["sent"], (light, heavy)
     light_p95, heavy_p95 = light["ttft_p95_ms"], heavy["ttft_p95_ms"]
     assert isinstance(light_p95, float) and isinstance(heavy_p95, float), (light, heavy)
-    # Issue 41 asks for at most half the heavy tenant's; 0.70 of it is what holds over 30 s
-    # (docs/api.md), the light tenant's own requests waiting for the room held back for them.
-    assert light_p95 <= heavy_p95, (light, heavy)
+    # Within its share, the light tenant is not slowed by the heavy one's queue (issue 41).
+    assert light_p95 <= 0.5 * heavy_p95, (light, heavy)
     # The rest of the room is the heavy tenant's: fairness left no capacity idle.
     assert isinstance(heavy["completed"], int) and heavy["completed"] >= light["completed"]

@@ -103,23 +103,33 @@ async def test_the_tenant_using_least_of_its_share_is_woken_first() -> None:
         ticket.release()
 
 
-async def test_a_request_whose_room_is_held_back_waits_for_it_past_max_wait() -> None:
+async def test_contending_tenants_wait_their_turn_past_max_wait_each_queue_in_order() -> None:
     admission = make(Clock(), max_in_flight=2, max_wait_s=0.01, share_wait_s=5.0)
-    light = await admission.admit("normal", "light")
-    light.release()
-    # Heavy took both rooms before the light tenant was seen (another replica's view, say).
-    heavy = [await admission.admit("normal", "heavy") for _ in range(1)]
-    heavy.append(await admission.admit("normal", "heavy2"))
-    waiting = asyncio.create_task(admission.admit("normal", "light"))
-    await asyncio.sleep(0.05)  # past max_wait_s: it still waits, its room held back
-    assert not waiting.done()
-    with pytest.raises(Overloaded):  # over its share: shed at max_wait_s
-        await admission.admit("normal", "heavy")
-    heavy.pop(0).release()
-    light = await waiting
-    for ticket in [light, *heavy]:
+    held = [await admission.admit("normal", t) for t in ("light", "heavy")]
+    first = asyncio.create_task(admission.admit("normal", "heavy"))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(admission.admit("normal", "heavy"))
+    light = asyncio.create_task(admission.admit("normal", "light"))
+    await asyncio.sleep(0.05)  # past max_wait_s: all still wait, as tenants contend
+    assert not any(task.done() for task in (first, second, light))
+    held.pop(0).release()  # the light tenant's: to its waiter, using least of its share
+    held.append(await light)
+    held.pop(0).release()  # the heavy tenant's: to its oldest waiter, not its newest
+    held.append(await first)
+    assert not second.done()
+    held.pop().release()
+    held.append(await second)
+    for ticket in held:
         ticket.release()
-    assert admission.in_cluster == 0
+    assert admission.in_cluster == admission.queued == 0
+
+
+async def test_one_tenant_alone_is_shed_at_max_wait() -> None:
+    admission = make(Clock(), max_in_flight=1, max_wait_s=0.01, share_wait_s=5.0)
+    held = await admission.admit("normal", "heavy")
+    with pytest.raises(Overloaded):
+        await admission.admit("normal", "heavy")
+    held.release()
 
 
 async def test_a_full_queue_sheds_the_waiter_of_the_tenant_most_over_its_share() -> None:
