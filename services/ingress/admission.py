@@ -299,7 +299,8 @@ class Admission:
 
     def _wake(self) -> None:
         """Give the room there is to the waiters: best priority first, then the tenant using
-        least of its share that may take room (services.ingress.fair_share), then its newest (its oldest while tenants contend)."""
+        least of its share that may take room (services.ingress.fair_share), then its newest
+        (its oldest while tenants contend)."""
         for priority in PRIORITIES:
             queues = self._waiting[priority]
             while queues:
