@@ -22,6 +22,10 @@ _TICK_S = 0.1
 MINUTE_S = 60.0
 DAY_S = 86_400.0
 _HOUR_S = 3_600.0
+# The most slots in flight, and admissions, a replica holds in reserve for a tenant; how long
+# reserved admissions may be taken for.
+SPARE_CAP = 8
+SPARE_HOLD_S = 0.25
 # Each token record's bucket width and window.
 _BUCKETS = {"minute": (1.0, MINUTE_S), "day": (_HOUR_S, DAY_S)}
 
@@ -91,14 +95,49 @@ class Holdings:
     """Tokens charged per second."""
     day: dict[int, int] = field(default_factory=dict)
     """Tokens charged per hour."""
+    spare: int = 0
+    """Slots in flight held in reserve: counted as held by every replica, taken by this one's
+    next requests with no round trip to etcd."""
+    rate_spare: int = 0
+    """Admissions held in reserve (this replica's own, not in its record): each is counted in
+    ``admitted`` at ``spare_until``, so one taken before then is counted for at least every
+    window that holds the moment it was taken, and the rate is never passed."""
+    spare_until: float = 0.0
 
     def admit(self, now: float) -> None:
         self.running += 1
         tick = int(now / _TICK_S)
         self.admitted[tick] = self.admitted.get(tick, 0) + 1
 
-    def leave(self) -> None:
-        self.running = max(0, self.running - 1)
+    def reserve(self, admissions: int, now: float) -> None:
+        """Hold ``admissions`` in reserve for ``SPARE_HOLD_S`` (those not taken stay counted:
+        late, never early)."""
+        if admissions > 0:
+            self.rate_spare, self.spare_until = admissions, now + SPARE_HOLD_S
+            tick = int(self.spare_until / _TICK_S)
+            self.admitted[tick] = self.admitted.get(tick, 0) + admissions
+
+    def take_spare(self, limits: TenantLimits, now: float) -> bool:
+        """Admit a request from the reserve, if it holds what each exclusive limit needs."""
+        slot = limits.max_concurrency is None or self.spare > 0
+        admission = limits.rate_per_s is None or (self.rate_spare > 0 and now < self.spare_until)
+        if not (limits.exclusive and slot and admission):
+            return False
+        if limits.max_concurrency is not None:
+            self.spare -= 1
+        if limits.rate_per_s is not None:
+            self.rate_spare -= 1
+        self.running += 1
+        return True
+
+    def drop_spares(self) -> None:
+        self.spare = self.rate_spare = 0
+
+    def leave(self, keep_slot: bool = False) -> None:
+        """A request ended; ``keep_slot``: its slot stays held, in reserve."""
+        if self.running > 0:
+            self.running -= 1
+            self.spare += keep_slot
 
     def charge(self, tokens: int, now: float) -> None:
         if tokens <= 0:
@@ -116,11 +155,12 @@ class Holdings:
 
     @property
     def empty(self) -> bool:
-        return not (self.running or self.admitted or self.minute or self.day)
+        return not (self.running or self.spare or self.admitted or self.minute or self.day)
 
     def to_json(self) -> dict[str, object]:
         return {
             "running": self.running,
+            "spare": self.spare,
             "admitted": _pairs(self.admitted),
             "minute": _pairs(self.minute),
             "day": _pairs(self.day),
@@ -129,13 +169,16 @@ class Holdings:
     @classmethod
     def from_json(cls, data: object) -> Holdings:
         """A replica's record as etcd holds it; ValueError for anything else."""
-        if not isinstance(data, dict) or not isinstance(data.get("running", 0), int):
+        counts = (data.get("running", 0), data.get("spare", 0)) if isinstance(data, dict) else ()
+        if not counts or not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
             raise ValueError("not a replica's holdings")
+        assert isinstance(data, dict)
         return cls(
-            max(0, data.get("running", 0)),
+            max(0, counts[0]),
             _unpairs(data.get("admitted", [])),
             _unpairs(data.get("minute", [])),
             _unpairs(data.get("day", [])),
+            spare=max(0, counts[1]),
         )
 
     def copy(self) -> Holdings:
@@ -171,7 +214,7 @@ def refusal(
     against the token quotas with what is charged already."""
     held = list(held)
     waits: list[float] = []
-    running = sum(h.running for h in held)
+    running = sum(h.running + h.spare for h in held)
     if limits.max_concurrency is not None and running >= limits.max_concurrency:
         # When one ends is not known; a second is what a client should wait at least.
         waits.append(1.0)
@@ -185,6 +228,35 @@ def refusal(
             waits.append(_quota_wait(charged, quota, prompt_tokens, now, width, window))
     wait = max(waits, default=0.0)
     return None if wait <= 0.0 else max(1, math.ceil(wait))
+
+
+def spare_slots(limits: TenantLimits, held: list[Holdings], replicas: int) -> int:
+    """How many more slots in flight a replica may hold in reserve beside ``held`` (its own
+    included): only while the tenant holds at most half its concurrency limit, a part of the rest
+    of that half per replica, and only for a limit of ``2 * SPARE_CAP`` or more. So a tenant far
+    below its limit is admitted with no round trip to etcd, and near it (or with a limit of a
+    few) every request is claimed, exactly."""
+    limit = limits.max_concurrency
+    if limit is None or limit < 2 * SPARE_CAP:
+        return 0
+    used = sum(h.running + h.spare for h in held)
+    return min(max(0, (limit // 2 - used) // max(1, replicas)), SPARE_CAP)
+
+
+def spare_admissions(
+    limits: TenantLimits, held: list[Holdings], own: Holdings, now: float, replicas: int
+) -> int:
+    """How many admissions a replica may hold in reserve for the next ``SPARE_HOLD_S``, as
+    ``spare_slots`` for its rate: also no more than its own admissions of the last window would
+    take in that time, so that few go unused (an unused one stays counted until it leaves the
+    window)."""
+    if limits.rate_per_s is None or limits.rate_slots < 2 * SPARE_CAP:
+        return 0
+    window = limits.rate_window_s
+    used = sum(_merged((h.admitted for h in held), _TICK_S, window, now).values())
+    room = (limits.rate_slots // 2 - used) // max(1, replicas)
+    mine = sum(_merged([own.admitted], _TICK_S, window, now).values())
+    return min(max(0, room), math.ceil(mine * SPARE_HOLD_S / window), SPARE_CAP)
 
 
 def _rate_wait(limits: TenantLimits, held: list[Holdings], now: float) -> float:

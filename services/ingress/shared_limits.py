@@ -33,13 +33,21 @@ from aetcd.utils import prefix_range_end
 
 from bus.registry import UNREACHABLE
 from bus.tenancy import REPLICAS_PREFIX, tenant_prefix
-from services.ingress.limits import MINUTE_S, Holdings, TenantLimits, refusal
+from services.ingress.limits import (
+    MINUTE_S,
+    Holdings,
+    TenantLimits,
+    refusal,
+    spare_admissions,
+    spare_slots,
+)
 
 log = logging.getLogger(__name__)
 
 _UNLIMITED = TenantLimits()
-# Claims lost to other replicas' before a request is told to retry in a second.
-_TRIES = 4
+_RELEASE_DELAY_S = 0.02
+# A tenant's reserve (services.ingress.limits.spares) unused this long goes back.
+SPARE_IDLE_S = 0.5
 _AWAY = (TimeoutError, *UNREACHABLE, aetcd.exceptions.ClientError)
 
 
@@ -66,6 +74,8 @@ class TenantGate:
         self._others: dict[str, list[Holdings]] = {}
         # Each tenant's records as this replica's last write left them, and at which revision.
         self._views: dict[str, _View] = {}
+        # When each tenant's reserve was last drawn on or filled (time.monotonic()).
+        self._spare_used: dict[str, float] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._lease: aetcd.Lease | None = None
         self._dirty: set[str] = set()
@@ -96,6 +106,14 @@ class TenantGate:
                 return wait
             self._changed(tenant)
         elif limits.any:
+            # Far below its limits, the tenant's reserve admits it with no round trip; its token
+            # quotas as last read (they are read, never claimed, either way).
+            if own.take_spare(limits, self._clock()):
+                self._spare_used[tenant] = time.monotonic()
+                wait = self.over_quota(tenant, prompt_tokens)
+                if wait is not None:
+                    self.leave(tenant)
+                return wait
             try:
                 async with asyncio.timeout(self._claim_timeout_s):
                     return await self._claim(tenant, limits, own, prompt_tokens)
@@ -127,12 +145,23 @@ class TenantGate:
         own = self._own.get(tenant)
         if own is None:
             return
-        own.leave()
-        own.charge(tokens, self._clock())
-        if self._limits.get(tenant, _UNLIMITED).any:
+        limits, now = self._limits.get(tenant, _UNLIMITED), self._clock()
+        # Still far below its limits: the slot stays this replica's, in reserve, and nothing
+        # held changes for the others to hear of.
+        keep = not self._away and limits.max_concurrency is not None
+        keep = (
+            keep and spare_slots(limits, [*self._others.get(tenant, []), own], self._replicas) > 0
+        )
+        own.leave(keep_slot=keep)
+        own.charge(tokens, now)
+        if not limits.any:
+            if own.running == 0:
+                del self._own[tenant]  # an unlimited tenant's holdings are never shared
+            return
+        quotas = limits.tokens_per_minute is not None or limits.tokens_per_day is not None
+        # Written where the others count it: a slot given back, tokens charged to a quota.
+        if (limits.max_concurrency is not None and not keep) or (tokens > 0 and quotas):
             self._changed(tenant)
-        elif own.running == 0:
-            del self._own[tenant]  # an unlimited tenant's holdings are never shared
 
     async def _claim(
         self, tenant: str, limits: TenantLimits, own: Holdings, prompt_tokens: int
@@ -145,7 +174,12 @@ class TenantGate:
             # The records as this replica's last write left them: one round trip, the claim's,
             # while no other replica wrote since. Taken once: stale after any change.
             view, fresh = self._views.pop(tenant, None), False
-            for _ in range(_TRIES):
+            # Claims lost to other replicas' writes are tried again (each loss reads the records
+            # afresh) for half the claim's time; a request is told to retry in a second only
+            # past that, and etcd is never taken for away for it.
+            loop = asyncio.get_running_loop()
+            contended_until = loop.time() + self._claim_timeout_s / 2
+            while loop.time() < contended_until:
                 if view is None:
                     found = await store.get_prefix(prefix)
                     view = _View.of(((kv.value, kv) for kv in found), key, found.header.revision)
@@ -162,8 +196,16 @@ class TenantGate:
                     own.admit(now)
                     self._changed(tenant)
                     return None
+                # The claim writes all this replica holds: a release not yet written goes with it.
+                carried = tenant in self._dirty
+                self._dirty.discard(tenant)
                 claimed = own.copy()
                 claimed.admit(now)
+                held = [*view.others, claimed]
+                slots = spare_slots(limits, held, self._replicas)
+                admissions = spare_admissions(limits, held, claimed, now, self._replicas)
+                claimed.spare += slots
+                claimed.reserve(admissions, now)
                 claimed.prune(now, _window(limits))
                 won, replies = await store.transaction(
                     compare=[
@@ -174,9 +216,14 @@ class TenantGate:
                 )
                 # Either way the reply holds the records as they are now.
                 view, fresh = _View.replied(replies[-1], key), True
+                if carried and not won:
+                    self._dirty.add(tenant)
                 if won:
                     # ``own`` itself, not the copy: a request may have left meanwhile.
                     own.admit(now)
+                    own.spare += slots
+                    own.reserve(admissions, now)
+                    self._spare_used[tenant] = time.monotonic()
                     self._keep_view(tenant, view)
                     return None
             return 1
@@ -208,7 +255,9 @@ class TenantGate:
                 type(exc).__name__,
                 self._replicas,
             )
-        # Whatever is held now is written once etcd is back.
+        # Whatever is held now is written once etcd is back; no reserve: the share is all.
+        for own in self._own.values():
+            own.drop_spares()
         self._dirty.update(self._limited())
 
     async def run(self) -> None:
@@ -218,10 +267,16 @@ class TenantGate:
             await asyncio.Event().wait()
         tended = -float(self._ttl_s)
         while True:
+            spared = any(own.spare or own.rate_spare for own in self._own.values())
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._ttl_s / 3):
+                async with asyncio.timeout(SPARE_IDLE_S if spared else self._ttl_s / 3):
                     await self._flush.wait()
+                    # A release waits a little: the tenant's next claim, often just behind it
+                    # (a client's next request), writes it in the same transaction. Meanwhile
+                    # the others count the request as held: late, never early.
+                    await asyncio.sleep(_RELEASE_DELAY_S)
             self._flush.clear()
+            self._drop_idle_spares()
             try:
                 if self._away or time.monotonic() - tended >= self._ttl_s / 3:
                     async with asyncio.timeout(self._call_timeout_s):
@@ -263,6 +318,15 @@ class TenantGate:
             except BaseException:
                 self._dirty.add(tenant)
                 raise
+
+    def _drop_idle_spares(self) -> None:
+        """A reserve unused for ``SPARE_IDLE_S`` goes back to the tenant: another replica may
+        need it."""
+        idle = time.monotonic() - SPARE_IDLE_S
+        for tenant, own in self._own.items():
+            if (own.spare or own.rate_spare) and self._spare_used.get(tenant, 0.0) < idle:
+                own.drop_spares()
+                self._changed(tenant)
 
     @property
     def _call_timeout_s(self) -> float:

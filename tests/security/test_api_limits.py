@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from services.ingress.limits import Holdings, TenantLimits, refusal
+from services.ingress.limits import (
+    SPARE_CAP,
+    SPARE_HOLD_S,
+    Holdings,
+    TenantLimits,
+    refusal,
+    spare_admissions,
+    spare_slots,
+)
 
 NOW = 1_000_000.0
 
@@ -80,8 +88,45 @@ def test_a_replicas_share_is_never_unlimited() -> None:
     assert TenantLimits(tokens_per_day=5).any and not TenantLimits(tokens_per_day=5).exclusive
 
 
+def test_a_reserve_only_far_below_a_concurrency_limit_counted_as_held() -> None:
+    limits = TenantLimits(max_concurrency=40)
+    mine, other = Holdings(), Holdings(running=10)
+    mine.admit(NOW)
+    # Half the limit is 20; 11 held: the 9 left, split over 2 replicas.
+    assert spare_slots(limits, [mine, other], replicas=2) == 4
+    mine.spare = 9  # half the limit held: no more
+    assert spare_slots(limits, [mine, other], replicas=2) == 0
+    assert mine.take_spare(limits, NOW) and (mine.running, mine.spare) == (2, 8)
+    mine.leave(keep_slot=True)
+    assert (mine.running, mine.spare) == (1, 9)
+    # Reserved slots are held: the others are refused at the limit with them.
+    assert refusal(TenantLimits(max_concurrency=20), [mine, other], NOW) == 1
+    assert spare_slots(TenantLimits(max_concurrency=4), [Holdings(running=1)], 1) == 0
+    assert spare_slots(TenantLimits(max_concurrency=10_000), [], 1) == SPARE_CAP
+
+
+def test_reserved_admissions_are_counted_from_their_reserves_end_and_only_as_used() -> None:
+    limits = TenantLimits(rate_per_s=100.0)
+    mine = admitted([NOW - 0.5] * 8)
+    # 8 of its own in the last second: 2 in the next quarter second, within the room left.
+    assert spare_admissions(limits, [mine], mine, NOW, replicas=1) == 2
+    mine.reserve(2, NOW)
+    # Counted now, and until a second after the reserve's end: never early.
+    assert refusal(TenantLimits(rate_per_s=10.0), [mine], NOW) is not None
+    assert sum(mine.admitted.values()) == 10
+    assert mine.take_spare(limits, NOW + 0.1) and mine.take_spare(limits, NOW + 0.2)
+    assert not mine.take_spare(limits, NOW + 0.2)  # both taken
+    mine.reserve(1, NOW)
+    assert not mine.take_spare(limits, NOW + SPARE_HOLD_S)  # past the reserve's end
+    # A small rate is claimed each time; no reserve far past half of it either.
+    assert spare_admissions(TenantLimits(rate_per_s=10.0), [mine], mine, NOW, 1) == 0
+    busy = admitted([NOW - 0.1] * 60)
+    assert spare_admissions(limits, [busy], busy, NOW, 1) == 0
+
+
 def test_holdings_round_trip_and_forget_what_no_window_counts() -> None:
     held = admitted([NOW - 5, NOW])
+    held.spare = 2
     held.admit(NOW)
     held.charge(7, NOW - 70)
     held.charge(3, NOW)
@@ -95,7 +140,14 @@ def test_holdings_round_trip_and_forget_what_no_window_counts() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [[], {"running": "1"}, {"admitted": [[1]]}, {"minute": [["1", 2]]}, {"day": {"1": 2}}],
+    [
+        [],
+        {"running": "1"},
+        {"spare": True},
+        {"admitted": [[1]]},
+        {"minute": [["1", 2]]},
+        {"day": {"1": 2}},
+    ],
 )
 def test_a_record_of_another_shape_is_refused(bad: object) -> None:
     with pytest.raises(ValueError):

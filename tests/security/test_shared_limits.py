@@ -68,6 +68,35 @@ async def test_a_burst_on_two_replicas_admits_the_limit_and_no_more(
     assert sum(g.in_flight("acme") for g in replicas) == 4
 
 
+async def test_far_below_its_limit_a_tenant_is_admitted_from_a_reserve_the_others_count(
+    replicas: list[TenantGate], etcd: EmbeddedServer
+) -> None:
+    one, two = replicas
+    limit(replicas, max_concurrency=40)
+    assert await one.enter("acme") is None  # claimed, with slots in reserve
+    etcd.kill()
+    try:
+        # No round trip: etcd gone is not even noticed.
+        for _ in range(3):
+            assert await one.enter("acme") is None
+        assert one.shared
+    finally:
+        etcd.restart()
+    # The other replica counts the reserve as held, and it goes back once unused.
+    for _ in range(4):
+        one.leave("acme")
+    await eventually(lambda: one.shared, timeout=15)
+
+    async def reserve_back() -> bool:
+        two.set_limits({"acme": TenantLimits(max_concurrency=1)})
+        wait = await two.enter("acme")
+        if wait is None:
+            two.leave("acme")
+        return wait is None
+
+    await eventually(reserve_back, timeout=10)
+
+
 async def test_rate_holds_across_replicas(replicas: list[TenantGate]) -> None:
     limit(replicas, rate_per_s=3.0)
     answers = [await replicas[i % 2].enter("acme") for i in range(6)]
