@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bus.registry import connect_etcd
+from bus.tenancy import REPLICAS_PREFIX, TENANCY_PREFIX, tenant_prefix
 from infra.cluster_auth import ClusterAuth
 from infra.embedded import EmbeddedServer
 from services.ingress.limits import TenantLimits
@@ -54,6 +55,8 @@ async def test_a_burst_on_two_replicas_admits_the_limit_and_no_more(
     limit(replicas, max_concurrency=4)
     answers = await asyncio.gather(*(replicas[i % 2].enter("acme") for i in range(24)))
     assert answers.count(None) == 4
+    # Twelve claims queued on each replica's lock are a busy replica, not etcd away.
+    assert all(gate.shared for gate in replicas)
     assert sum(g.in_flight("acme") for g in replicas) == 4
     # One ends on one replica: the other may take its slot, once it is written.
     holder = next(g for g in replicas if g.in_flight("acme"))
@@ -95,6 +98,38 @@ async def test_far_below_its_limit_a_tenant_is_admitted_from_a_reserve_the_other
         return wait is None
 
     await eventually(reserve_back, timeout=10)
+
+
+async def test_many_tenants_first_claims_share_one_lease_and_unlimited_ones_keep_nothing(
+    replicas: list[TenantGate], etcd: EmbeddedServer
+) -> None:
+    gate = replicas[0]
+    tenants = [f"t{i}" for i in range(6)]
+    gate.set_limits({t: TenantLimits(max_concurrency=2) for t in tenants})
+    assert await asyncio.gather(*(gate.enter(t) for t in tenants)) == [None] * 6
+    client = connect_etcd(etcd.url)
+    try:
+        records = await client.get_prefix(TENANCY_PREFIX)
+        leases = {kv.lease for kv in records if not kv.key.startswith(REPLICAS_PREFIX)}
+        assert len(leases) == 1 and 0 not in leases
+        # A tenant's limits gone (its key revoked): its record goes, its count stays.
+        gate.set_limits({})
+
+        async def gone() -> bool:
+            left = await client.get_prefix(tenant_prefix("t0"))
+            return len(list(left)) == 0
+
+        await eventually(gone, timeout=5)
+        assert gate.in_flight("t0") == 1
+    finally:
+        await client.close()
+    for tenant in tenants:
+        gate.leave(tenant, tokens=10)
+        for _ in range(3):
+            assert await gate.enter(tenant) is None
+            gate.leave(tenant, tokens=10)
+    # Nothing is kept for tenants without limits (their records' deletion written first).
+    await eventually(lambda: not gate._own, timeout=5)
 
 
 async def test_rate_holds_across_replicas(replicas: list[TenantGate]) -> None:
