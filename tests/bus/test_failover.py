@@ -14,6 +14,7 @@ from pathlib import Path
 import nats.errors
 import pytest
 from nats.js.client import JetStreamContext
+from nats.js.errors import ServiceUnavailableError
 
 from bus.client import Bus
 from bus.permissions import Identity
@@ -159,9 +160,9 @@ async def test_bus_over_a_cluster_replicates_streams_and_survives_its_server(
         stored: list[str | None] = []
 
         async def all_read() -> bool:
-            # The stream's and the consumer's raft groups may still be electing after the kill:
-            # ask again.
-            with contextlib.suppress(nats.errors.TimeoutError):
+            # The stream's and the consumer's raft groups may still be electing after the kill
+            # (no answer, or 503 from a consumer with no leader yet): ask again.
+            with contextlib.suppress(nats.errors.TimeoutError, ServiceUnavailableError):
                 if not readers:
                     subject = CANCELS.subject.subject
                     readers.append(await js.pull_subscribe(subject, stream=REQUESTS.name))
