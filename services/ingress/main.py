@@ -242,6 +242,7 @@ def main() -> None:
             watching.append(asyncio.create_task(watch_keys(etcd, keys.on_keys), name="key-watch"))
             # The tenants' limits, shared with the other replicas through etcd.
             watching.append(asyncio.create_task(keys.gate.run(), name="tenant-limits"))
+        metrics.tenant_limits_shared.set_function(lambda: float(keys is None or keys.gate.shared))
 
         async def on_load(report: WorkerLoadReported) -> None:
             liveness.reported(report.worker_id)

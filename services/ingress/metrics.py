@@ -64,6 +64,12 @@ class IngressMetrics:
             "Requests waiting at this ingress for room in the cluster.",
             registry=self.registry,
         )
+        self.tenant_limits_shared = Gauge(
+            "laneway_ingress_tenant_limits_shared",
+            "1 while tenants' limits hold across the ingress replicas (etcd reached; and where "
+            "no keys are taken); 0 while each replica holds each tenant to its share.",
+            registry=self.registry,
+        )
         self.admission_capacity = Gauge(
             "laneway_ingress_admission_capacity",
             "Requests the cluster may hold (0: no bound known yet).",

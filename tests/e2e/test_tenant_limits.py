@@ -52,6 +52,9 @@ def test_a_tenants_concurrency_holds_across_ingress_replicas(
     served = [a for a in answers if a[0] == 200]
     assert 1 <= len(served) <= 4, answers
     assert all(a == (429, "rate_limit_exceeded") for a in answers if a[0] != 200), answers
+    # Held across the replicas all along (the API port's /metrics, open unless keyed).
+    metrics = httpx.get(cluster.config.base_url.removesuffix("/v1") + "/metrics").text
+    assert "laneway_ingress_tenant_limits_shared 1.0" in metrics
 
 
 def test_a_token_quota_holds_across_ingress_replicas(cluster_factory: ClusterFactory) -> None:
