@@ -30,7 +30,7 @@ from infra.cluster_plan import ClusterConfig
 from infra.embedded import EmbeddedServer, start_etcd, start_nats
 from infra.ports import free_port, unephemeral_ports
 from services.engine.vllm_engine.compat import hide_broken
-from tests.live import FAST_WORKERS, ClusterFactory
+from tests.live import FAST_WORKERS, ClusterFactory, admin_etcd
 
 # The fixtures that start real servers; a test using any of them, directly or through another
 # fixture, is live.
@@ -125,6 +125,15 @@ def etcd_server(
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def own_etcd(tmp_path: Path) -> Iterator[EmbeddedServer]:
+    """An etcd of the test's own, auth on (its ``url`` carries the admin's credentials: a client
+    that found etcd gone logs in again once it is back), for a test that kills and restarts it."""
+    server = admin_etcd(ClusterAuth(tmp_path / "auth", []), tmp_path, tmp_path / "etcd.log")
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -6,27 +6,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from bus.registry import connect_etcd
 from bus.sessions import SessionStore
-from infra.cluster_auth import ClusterAuth
 from infra.embedded import EmbeddedServer
 from tests.helpers import eventually
-from tests.live import admin_etcd
 
 pytestmark = pytest.mark.live  # an etcd of its own, killed
-
-
-@pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
-    # Auth on: a client that found etcd gone logs in again once it is back.
-    server = admin_etcd(ClusterAuth(tmp_path / "auth", []), tmp_path, tmp_path / "etcd.log")
-    yield server
-    server.stop()
 
 
 def _metric(store: SessionStore, name: str) -> float:
@@ -39,9 +27,9 @@ def _metric(store: SessionStore, name: str) -> float:
 
 
 async def test_owners_come_from_the_watch_while_etcd_is_away(
-    etcd: EmbeddedServer, caplog: pytest.LogCaptureFixture
+    own_etcd: EmbeddedServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    mine, other = connect_etcd(etcd.url), connect_etcd(etcd.url)
+    mine, other = connect_etcd(own_etcd.url), connect_etcd(own_etcd.url)
     store = SessionStore(mine, ttl_s=60, call_timeout_s=0.5, probe_after_s=0.5)
     watching = asyncio.create_task(store.watch())
     try:
@@ -50,7 +38,7 @@ async def test_owners_come_from_the_watch_while_etcd_is_away(
         await SessionStore(other, ttl_s=60).claim("bob", "w2")
         await eventually(lambda: store._cached.get("bob") == "w2")
 
-        etcd.kill()
+        own_etcd.kill()
         with caplog.at_level(logging.WARNING, logger="bus.sessions"):
             started = time.monotonic()
             assert await store.owner("bob") == "w2"
@@ -71,7 +59,7 @@ async def test_owners_come_from_the_watch_while_etcd_is_away(
         away = [r for r in caplog.records if "etcd unreachable" in r.getMessage()]
         assert len(away) == 1
 
-        etcd.restart()
+        own_etcd.restart()
         await asyncio.sleep(0.6)
         # Back to etcd: a binding only etcd knows is read from it.
         await SessionStore(other, ttl_s=60).move("dave", "w4")
@@ -89,9 +77,9 @@ async def test_owners_come_from_the_watch_while_etcd_is_away(
 
 
 async def test_owners_take_no_round_trip_to_etcd_while_the_watch_follows_it(
-    etcd: EmbeddedServer,
+    own_etcd: EmbeddedServer,
 ) -> None:
-    mine, other = connect_etcd(etcd.url), connect_etcd(etcd.url)
+    mine, other = connect_etcd(own_etcd.url), connect_etcd(own_etcd.url)
     store = SessionStore(mine, ttl_s=60)
     watching = asyncio.create_task(store.watch())
     try:

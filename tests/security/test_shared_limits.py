@@ -8,32 +8,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from bus.registry import connect_etcd
 from bus.tenancy import REPLICAS_PREFIX, TENANCY_PREFIX, tenant_prefix
-from infra.cluster_auth import ClusterAuth
 from infra.embedded import EmbeddedServer
 from services.ingress.limits import TenantLimits
 from services.ingress.shared_limits import TenantGate
 from tests.helpers import eventually
-from tests.live import admin_etcd
 
 pytestmark = pytest.mark.live  # an etcd of its own, killed
 
 
 @pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
-    server = admin_etcd(ClusterAuth(tmp_path / "auth", []), tmp_path, tmp_path / "etcd.log")
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-async def replicas(etcd: EmbeddedServer) -> AsyncIterator[list[TenantGate]]:
-    clients = [connect_etcd(etcd.url) for _ in range(2)]
+async def replicas(own_etcd: EmbeddedServer) -> AsyncIterator[list[TenantGate]]:
+    clients = [connect_etcd(own_etcd.url) for _ in range(2)]
     gates = [TenantGate(f"r{i}", c, ttl_s=2) for i, c in enumerate(clients)]
     running = [asyncio.create_task(g.run()) for g in gates]
     yield gates
@@ -72,19 +62,19 @@ async def test_a_burst_on_two_replicas_admits_the_limit_and_no_more(
 
 
 async def test_far_below_its_limit_a_tenant_is_admitted_from_a_reserve_the_others_count(
-    replicas: list[TenantGate], etcd: EmbeddedServer
+    replicas: list[TenantGate], own_etcd: EmbeddedServer
 ) -> None:
     one, two = replicas
     limit(replicas, max_concurrency=40)
     assert await one.enter("acme") is None  # claimed, with slots in reserve
-    etcd.kill()
+    own_etcd.kill()
     try:
         # No round trip: etcd gone is not even noticed.
         for _ in range(3):
             assert await one.enter("acme") is None
         assert one.shared
     finally:
-        etcd.restart()
+        own_etcd.restart()
     # The other replica counts the reserve as held, and it goes back once unused.
     for _ in range(4):
         one.leave("acme")
@@ -101,13 +91,13 @@ async def test_far_below_its_limit_a_tenant_is_admitted_from_a_reserve_the_other
 
 
 async def test_many_tenants_first_claims_share_one_lease_and_unlimited_ones_keep_nothing(
-    replicas: list[TenantGate], etcd: EmbeddedServer
+    replicas: list[TenantGate], own_etcd: EmbeddedServer
 ) -> None:
     gate = replicas[0]
     tenants = [f"t{i}" for i in range(6)]
     gate.set_limits({t: TenantLimits(max_concurrency=2) for t in tenants})
     assert await asyncio.gather(*(gate.enter(t) for t in tenants)) == [None] * 6
-    client = connect_etcd(etcd.url)
+    client = connect_etcd(own_etcd.url)
     try:
         records = await client.get_prefix(TENANCY_PREFIX)
         leases = {kv.lease for kv in records if not kv.key.startswith(REPLICAS_PREFIX)}
@@ -157,10 +147,10 @@ async def test_token_charges_on_one_replica_hold_the_quota_on_the_other(
 
 
 async def test_a_dead_replicas_requests_come_back_with_its_lease(
-    replicas: list[TenantGate], etcd: EmbeddedServer
+    replicas: list[TenantGate], own_etcd: EmbeddedServer
 ) -> None:
     limit(replicas, max_concurrency=2)
-    doomed_client = connect_etcd(etcd.url)
+    doomed_client = connect_etcd(own_etcd.url)
     doomed = TenantGate("doomed", doomed_client, ttl_s=2)
     doomed.set_limits({"acme": TenantLimits(max_concurrency=2)})
     assert await doomed.enter("acme") is None
@@ -175,13 +165,13 @@ async def test_a_dead_replicas_requests_come_back_with_its_lease(
 
 
 async def test_etcd_away_each_replica_holds_its_share_and_logs_once(
-    replicas: list[TenantGate], etcd: EmbeddedServer, caplog: pytest.LogCaptureFixture
+    replicas: list[TenantGate], own_etcd: EmbeddedServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     one, two = replicas
     limit(replicas, max_concurrency=4)
     # Both replicas have marked themselves live: each knows the other's there.
     await eventually(lambda: one._replicas == two._replicas == 2, timeout=5)
-    etcd.kill()
+    own_etcd.kill()
     with caplog.at_level(logging.WARNING, logger="services.ingress.shared_limits"):
         answers = [await one.enter("acme") for _ in range(5)]
         # Half of 4 on this replica, refused past it: degraded, never unlimited.
@@ -189,7 +179,7 @@ async def test_etcd_away_each_replica_holds_its_share_and_logs_once(
         assert not one.shared
         away = [r for r in caplog.records if "etcd unreachable" in r.getMessage()]
         assert len(away) == 1
-        etcd.restart()
+        own_etcd.restart()
         await eventually(lambda: one.shared, timeout=15)
     # Back: the replica's two requests were written again and count against the other's.
     assert await two.enter("acme") is None
