@@ -55,12 +55,14 @@ class KeyBook:
         self._loaded = asyncio.Event()
         self._by_hash: dict[str, ApiKeyRecord] = {}
         self._salts: dict[str, str] = {}
+        self._weights: dict[str, float] = {}
 
     async def on_keys(self, records: list[ApiKeyRecord]) -> None:
         self._by_hash = {record.sha256: record for record in records}
         # An HMAC each: made once per key, not once per request.
         self._salts = {record.sha256: record.cache_salt() for record in records}
         newest = sorted(records, key=lambda record: record.created_at)
+        self._weights = {r.tenant: r.weight for r in newest}
         self.gate.set_limits(
             {
                 r.tenant: TenantLimits(
@@ -70,6 +72,10 @@ class KeyBook:
             }
         )
         self._loaded.set()
+
+    def weight(self, tenant: str) -> float:
+        """The tenant's share in admission: its newest key's, as its limits are."""
+        return self._weights.get(tenant, 1.0)
 
     @property
     def loaded(self) -> bool:
@@ -140,7 +146,7 @@ class AuthGate:
         scope[TENANT] = record.tenant
         scope[CACHE_SALT] = self._book.cache_salt(record)
         scope[_MAX_PRIORITY] = record.max_priority
-        scope[TENANT_WEIGHT] = record.weight
+        scope[TENANT_WEIGHT] = self._book.weight(record.tenant)
         scope[PROMPT_QUOTA] = functools.partial(gate.over_quota, record.tenant)
         try:
             await self._app(scope, receive, send)

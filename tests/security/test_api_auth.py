@@ -191,9 +191,10 @@ async def test_a_prompt_that_would_pass_the_token_quota_is_429_and_charges_nothi
 
 
 async def test_tenant_limits_are_those_of_its_newest_key() -> None:
-    old = record(KEY, "acme", max_concurrency=1)
-    new = record("lw-rotated", "acme", max_concurrency=5)
+    old = record(KEY, "acme", max_concurrency=1, weight=2.0)
+    new = record("lw-rotated", "acme", max_concurrency=5, weight=3.0)
     async with api(new, old) as (_, _, book):
+        assert book.weight("acme") == 3.0 and book.weight("other") == 1.0
         for _ in range(5):
             assert await book.gate.enter("acme") is None
         assert await book.gate.enter("acme") == 1
