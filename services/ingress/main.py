@@ -76,6 +76,10 @@ class IngressSettings(ServiceSettings):
     admission_max_queue: int = _ADMISSION.max_queue
     admission_max_wait_s: float = _ADMISSION.max_wait_s
     admission_retry_after_s: int = _ADMISSION.retry_after_s
+    # Fair share between tenants (services.ingress.fair_share): how long a request waits while
+    # tenants contend, and how long a tenant counts as active after its last request.
+    admission_share_wait_s: float = _ADMISSION.share_wait_s
+    admission_share_window_s: float = _ADMISSION.share_window_s
     # Every request but /health needs an API key from etcd (bus.api_keys); laneway up turns it on.
     api_auth: bool = False
     metrics_auth: bool = _API.metrics_auth
