@@ -301,6 +301,9 @@ class Admission:
         """Give the room there is to the waiters: best priority first, then the tenant using
         least of its share that may take room (services.ingress.fair_share), then its newest
         (its oldest while tenants contend)."""
+        # One tenant: the newest, whose wait is shortest (the oldest are about to be shed
+        # anyway). Tenants contending: each tenant's queue in its order.
+        newest = not self._fair.contended()
         for priority in PRIORITIES:
             queues = self._waiting[priority]
             while queues:
@@ -311,9 +314,7 @@ class Admission:
                     tenant = self._fair.first(queues, free, others, capacity)
                 except LookupError:
                     break  # a worse priority may hold a waiter of a tenant that may
-                # One tenant: the newest, whose wait is shortest (the oldest are about to be shed
-                # anyway). Tenants contending: each tenant's queue in its order.
-                waiter = self._pop(priority, tenant, newest=not self._fair.contended())
+                waiter = self._pop(priority, tenant, newest=newest)
                 if waiter.future.done():
                     continue  # its wait ran out just now (not yet resumed): it leaves as shed
                 self._add_own(1, tenant)

@@ -48,12 +48,13 @@ class TenantLimits:
         return self.rate_per_s is not None or self.max_concurrency is not None
 
     @property
+    def metered(self) -> bool:
+        """Whether it has a token quota (read at admission, charged as requests end)."""
+        return self.tokens_per_minute is not None or self.tokens_per_day is not None
+
+    @property
     def any(self) -> bool:
-        return (
-            self.exclusive
-            or self.tokens_per_minute is not None
-            or (self.tokens_per_day is not None)
-        )
+        return self.exclusive or self.metered
 
     @property
     def rate_slots(self) -> int:

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import aetcd
 from aetcd.utils import prefix_range_end
@@ -145,11 +146,9 @@ class TenantGate:
         tenant's token quotas beside what is charged, as last read at its admission (no second
         round trip); else the whole seconds until it would."""
         limits = self._limits.get(tenant, _UNLIMITED)
-        if limits.tokens_per_minute is None and limits.tokens_per_day is None:
+        if not limits.metered:
             return None
-        quotas = TenantLimits(
-            tokens_per_minute=limits.tokens_per_minute, tokens_per_day=limits.tokens_per_day
-        )
+        quotas = replace(limits, rate_per_s=None, max_concurrency=None)
         if self._away:
             quotas, others = quotas.share(self._replicas), []
         else:
@@ -174,9 +173,8 @@ class TenantGate:
         keep = not self._away and spare_slots(limits, [*others, own], self._replicas) > 0
         own.leave(keep_slot=keep)
         own.charge(tokens, now)
-        quotas = limits.tokens_per_minute is not None or limits.tokens_per_day is not None
         # Written where the others count it: a slot given back, tokens charged to a quota.
-        if (limits.max_concurrency is not None and not keep) or (tokens > 0 and quotas):
+        if (limits.max_concurrency is not None and not keep) or (tokens > 0 and limits.metered):
             self._changed(tenant)
 
     async def _claim(self, tenant: str, limits: TenantLimits, prompt_tokens: int) -> int | None:
