@@ -186,7 +186,9 @@ async def test_heads_within_their_limits_cannot_together_hold_more_than_the_buff
     before = _ingress_rss_mb(cluster)
     heads = await hold_heads(port, HELD_HEADS, HELD_HEAD_BYTES)
     try:
-        await heads.at_most(fit, within_s=20)
+        # Up to a minute: on a loaded host the ingress reads the heads past the buffer, and
+        # answers them 503, slowly (50 of 34 were still held after 20 s in one make test).
+        await heads.at_most(fit, within_s=60)
         growth = _ingress_rss_mb(cluster) - before
         assert heads.not_made == 0
         held = len(heads.held)
