@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 # elected since the last ask deserves the time to answer.
 EVERY_S = 10.0
 _ASK_TIMEOUT_S = 2.0
+# After an ask that got no answer or an error: a leader behind a congested link (its routes
+# closing and opening again, what was on them lost) may never have had it.
+RETRY_S = 2.0
 
 
 class LeaderSteward:
@@ -71,16 +74,23 @@ class LeaderSteward:
         if now < self._asked.get(api, -EVERY_S) + EVERY_S:
             return
         self._asked[api] = now
-        task = asyncio.create_task(self._request(f"$JS.API.{api}", f"{what} ({late} late)"))
+        task = asyncio.create_task(self._request(api, f"{what} ({late} late)"))
         self._asking.add(task)
         task.add_done_callback(self._asking.discard)
 
-    async def _request(self, subject: str, why: str) -> None:
+    async def _request(self, api: str, why: str) -> None:
         try:
-            answer = await self._nc.request(subject, b"", timeout=_ASK_TIMEOUT_S)
+            answer = await self._nc.request(f"$JS.API.{api}", b"", timeout=_ASK_TIMEOUT_S)
         except (nats.errors.Error, TimeoutError) as error:
-            # No leader to ask (one being elected, or the one asked is cut off): the election
-            # under way is what the ask was for.
+            # No answer: no leader to ask (one being elected: what the ask was for), or the one
+            # asked is behind a congested link, which may have dropped the ask.
+            self._soon(api)
             log.warning("asked %s to step down: %r", why, error)
             return
+        if b'"error"' in answer.data:
+            self._soon(api)
         log.warning("asked %s to step down: %s", why, answer.data[:200])
+
+    def _soon(self, api: str) -> None:
+        """The next late publish or delivery asks ``api`` again after ``RETRY_S``."""
+        self._asked[api] = time.monotonic() - EVERY_S + RETRY_S

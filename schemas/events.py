@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, StringConstraints
 
 from schemas.control_events import (
     LoraName,
@@ -53,6 +53,9 @@ from schemas.logprobs import TokenLogprob
 from schemas.route_parts import KvMove, PrefillPlacement, RouteCandidate, TtftAlternative
 from schemas.sampling import SamplingParams, StructuredOutput
 
+# A worker's id, as a request names one (64 characters, as every worker id the bus carries).
+WorkerName = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+
 
 class RequestSpec(Frozen):
     """What a worker needs to serve a request; carried from ingress to the worker unchanged."""
@@ -84,6 +87,12 @@ class RequestSpec(Frozen):
     cache_salt: str | None = Field(None, max_length=64, description="the salt of its block hashes")
     lora: LoraName | None = Field(None, description="its LoRA adapter; None: the base model")
     lora_path: str | None = Field(None, max_length=4096, description="where workers load `lora`")
+    avoid_workers: tuple[WorkerName, ...] = Field(
+        default=(),
+        max_length=8,
+        description="workers earlier attempts left (gone, silent, or answering too slowly): the "
+        "planner routes the attempt to another while one can take it",
+    )
 
     @property
     def prompt_length(self) -> int:

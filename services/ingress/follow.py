@@ -89,7 +89,7 @@ class Recovery:
     """How long a request's attempt waits for its placement before the intake is told it is
     late (``unplaced``: its leader asked to step down, bus.leaders); placements take
     milliseconds, and a planner holds one with no worker to give it 2 s at most."""
-    unrouted_s: float = 10.0
+    unrouted_s: float = 6.0
     """How long no worker holds a request that none answered for yet before it is submitted
     again as the next attempt (its decision or its route was lost on the bus: a durable
     consumer would deliver it again only after 30 s)."""
@@ -152,6 +152,7 @@ class Follow:
         self.attempt = 0
         self._worker: str | None = None  # this attempt's, once the planner placed it
         self._unplaced: deque[GatewayEvent] = deque(maxlen=UNPLACED_LIMIT)
+        self._left: list[str] = []  # the workers earlier attempts were placed on
         now = self._started = self._loop.time()
         self._heard = now  # this attempt's latest sign of life
         self._next_ask = now + recovery.silence_s
@@ -318,6 +319,8 @@ class Follow:
         # Batches that came past a gap are the new attempt's to send again.
         self._order = StreamOrder()
         self._order.delivered, self._order.token_ids = order.delivered, order.token_ids
+        if self._worker is not None:
+            self._left.append(self._worker)
         now = self._loop.time()
         self._worker, self._held_since, self._drained = None, None, False
         self._told_unplaced = False
@@ -327,7 +330,7 @@ class Follow:
             accepted.model_copy(
                 update={
                     "event_id": f"{accepted.event_id}-{self.attempt}",
-                    "spec": continued(accepted.spec, order.token_ids, self.attempt),
+                    "spec": continued(accepted.spec, order.token_ids, self.attempt, self._left),
                 }
             )
         )

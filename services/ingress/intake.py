@@ -96,7 +96,7 @@ class Intake:
             "deadline": datetime.now(UTC) + timedelta(seconds=settings.request_timeout_s),
             "tenant": tenant, "attempt": 0, "priority": "normal", "cache_salt": salt,
             "lora": lora,
-            "lora_path": None if adapter is None else adapter.path,
+            "lora_path": None if adapter is None else adapter.path, "avoid_workers": (),
         })  # fmt: skip
 
     def _max_model_len(self, model: str) -> int | None:

@@ -11,10 +11,14 @@ from schemas.events import RequestFailed, RequestFinished, RequestSpec, Terminal
 MIGRATION_LIMIT = 3
 
 
-def continued(spec: RequestSpec, delivered: Sequence[int], attempt: int) -> RequestSpec:
+def continued(
+    spec: RequestSpec, delivered: Sequence[int], attempt: int, left: Sequence[str] = ()
+) -> RequestSpec:
     """``spec`` (the request as the client sent it) continued after its ``delivered`` answer
     tokens: they end the prompt, the sampling goes on at their count, and the answer may have
-    what is left of ``max_tokens``. The request keeps its id, so a seeded sampler its seed."""
+    what is left of ``max_tokens``. The request keeps its id, so a seeded sampler its seed.
+    ``left``: the workers its earlier attempts ran on, which the planner then avoids (the one
+    caching its prompt is where a request that moved for silence would go straight back)."""
     prompt = (*spec.prompt_token_ids, *delivered)
     sampling = spec.sampling
     return spec.model_copy(
@@ -28,6 +32,7 @@ def continued(spec: RequestSpec, delivered: Sequence[int], attempt: int) -> Requ
                 }
             ),
             "attempt": attempt,
+            "avoid_workers": tuple(dict.fromkeys(left))[-8:],
         }
     )
 

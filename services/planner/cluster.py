@@ -149,10 +149,12 @@ class ClusterView:
         session_owner: str | None,
         host_blocks: dict[str, int] | None = None,
         model: str | None = None,
+        avoid: AbstractSet[str] = frozenset(),
     ) -> DecisionInputs:
         """What a routing decision for ``request`` needs to know about the workers now;
         ``host_blocks``: the blocks each one's host tier holds after its GPU overlap;
-        ``model``: the model it asks for, which only its pool's workers are candidates for."""
+        ``model``: the model it asks for, which only its pool's workers are candidates for;
+        ``avoid``: workers its earlier attempts left, weighed only when no other can take it."""
         slots = {worker_id: reg.max_num_seqs for worker_id, reg in self.workers.items()}
         quiet = self.quiet()
         model = self._pool_of(model)
@@ -161,8 +163,12 @@ class ClusterView:
         if request.lora is not None:
             unable = {w for w, reg in self.workers.items() if not reg.max_loras}
         serving = self.candidates(
-            cached_blocks, session_owner, host_blocks, leave_out=quiet | unable, model=model
+            cached_blocks, session_owner, host_blocks, leave_out=quiet | unable | avoid, model=model
         )
+        if not serving and avoid:
+            serving = self.candidates(
+                cached_blocks, session_owner, host_blocks, leave_out=quiet | unable, model=model
+            )
         # When every server (every pool's) is silent the bus or this planner stalled, not all
         # the workers: routing to them then beats refusing. A silent prefill worker is simply
         # not used.
@@ -174,7 +180,7 @@ class ClusterView:
             request,
             with_room(serving, slots),
             self.prefill_candidates(
-                cached_blocks, host_blocks, leave_out=quiet | unable, model=model
+                cached_blocks, host_blocks, leave_out=quiet | unable | avoid, model=model
             ),
             frozenset(w for w, reg in self.workers.items() if reg.kv_handoff),
         )

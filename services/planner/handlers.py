@@ -150,12 +150,15 @@ class Planner:
         owner = None
         if self._sessions is not None and session is not None:
             owner = await self._sessions.owner(session)
-        inputs = self.cluster.decision_inputs(route, overlaps, owner, host_runs, spec.model)
+        avoid = frozenset(spec.avoid_workers)
+        inputs = self.cluster.decision_inputs(route, overlaps, owner, host_runs, spec.model, avoid)
         if not inputs.decoders:
             # Workers come and go (a start, a restart): give one a moment before giving up.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._workers_changed.wait(), self._no_worker_grace_s)
-            inputs = self.cluster.decision_inputs(route, overlaps, owner, host_runs, spec.model)
+            inputs = self.cluster.decision_inputs(
+                route, overlaps, owner, host_runs, spec.model, avoid
+            )
         if not inputs.decoders:
             await self._fail(
                 event, "no_worker", f"no worker is registered to serve the model {spec.model!r}"

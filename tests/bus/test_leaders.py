@@ -3,6 +3,8 @@ in a while, and only for the streams the asker was given."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from nats.aio.msg import Msg
 
@@ -47,3 +49,31 @@ async def test_a_late_durable_is_asked_only_where_given(bus: Bus) -> None:
     steward.undelivered(PLANNER_INTAKE)
     steward.undelivered(PLANNER_INTAKE)  # asked just now
     await eventually(lambda: asked == ["LW_REQUESTS.planner"], message="the intake was not asked")
+
+
+async def test_an_ask_that_failed_is_asked_again_soon_and_one_that_worked_is_not(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leader behind a congested link may never get the ask, or answer that the system is
+    being elected: the next late publish asks again after RETRY_S, not EVERY_S."""
+    monkeypatch.setattr(leaders, "RETRY_S", 0.2)
+    answers = [b'{"error":{"code":503}}', b'{"success":true}']
+    asked: list[bytes] = []
+
+    async def on_ask(msg: Msg) -> None:
+        asked.append(answers[len(asked)])
+        await msg.respond(asked[-1])
+
+    await bus.nc.subscribe("$JS.API.STREAM.LEADER.STEPDOWN.*", cb=on_ask)
+    await at_server(bus.nc)
+    steward = LeaderSteward(bus.nc, leader_step_downs("planner"))
+    route = Subjects.route("w1").subject
+    steward.unanswered(route)
+    await eventually(lambda: len(asked) == 1, message="not asked")
+    await asyncio.sleep(0.3)
+    steward.unanswered(route)
+    await eventually(lambda: asked == answers, message="a failed ask was not asked again")
+    await asyncio.sleep(0.3)
+    steward.unanswered(route)  # it worked: not again before EVERY_S
+    await asyncio.sleep(0.2)
+    assert asked == answers

@@ -105,6 +105,14 @@ async def test_a_silent_worker_after_the_first_tokens_continues_from_them_once()
     assert text_of(out) == "abcdef" and tokens_of(out) == list(b"abcdef")
     (moved,) = resubmitted
     assert moved.spec.sampling.offset == 2 and moved.spec.prompt_token_ids[-2:] == tuple(b"ab")
+    # The planner is told to route it elsewhere: w1 still holds its prompt's KV, and would win.
+    assert moved.spec.avoid_workers == ("w1",)
+
+
+async def test_an_attempt_never_placed_avoids_no_worker() -> None:
+    late = [placed("w1", 1), of(batch(0, "abcdef"), "w1", 1), of(finished(6), "w1", 1)]
+    _, resubmitted = await follow({0: [], 1: late})
+    assert [m.spec.avoid_workers for m in resubmitted] == [()]
 
 
 async def test_batches_that_came_while_the_client_was_written_to_go_out_as_one() -> None:

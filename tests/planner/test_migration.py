@@ -10,6 +10,7 @@ from schemas.events import WorkerLoadReported
 from schemas.messages import WorkerRegistration
 from services.planner.cluster import ClusterView, Routed, decided_reason, migrated_reason
 from services.planner.kv_policy import KvAware
+from services.planner.policy import RouteRequest
 from services.planner.replay import differences, redecide
 from tests.helpers import registration as small
 from tests.planner.recorded import DISAGG, recorded
@@ -72,3 +73,19 @@ def test_a_migrated_decision_replays_to_the_decision_it_was() -> None:
     assert decided_reason(moved.reason, 2) == event.reason
     assert migrated_reason(0, event.reason) == event.reason
     assert differences(moved, redecide(moved, KvAware(), DISAGG)) == []
+
+
+def test_an_attempt_avoids_the_workers_its_request_left_while_another_can_take_it() -> None:
+    cluster = ClusterView()
+    cluster.set_workers({w: registration(w) for w in ("a", "b", "c")})
+    request = RouteRequest("r", 32, (1, 2))
+
+    def weighed(avoid: frozenset[str]) -> set[str]:
+        inputs = cluster.decision_inputs(request, None, None, avoid=avoid)
+        return {view.worker_id for view in inputs.decoders}
+
+    assert weighed(frozenset()) == {"a", "b", "c"}
+    assert weighed(frozenset({"a", "b"})) == {"c"}
+    # Where no other can take it, the workers it left are weighed again: better than none.
+    cluster.set_workers({"a": registration("a")})
+    assert weighed(frozenset({"a"})) == {"a"}
