@@ -32,14 +32,27 @@ def port(text: str) -> int:
     return value
 
 
-def positive(text: str) -> float:
-    """A finite number above 0."""
+def _number(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text[:40]!r}") from None
+    return value
+
+
+def positive(text: str) -> float:
+    """A finite number above 0."""
+    value = _number(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text[:40]}")
+    return value
+
+
+def positive_or_zero(text: str) -> float:
+    """A finite number, 0 or above."""
+    value = _number(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text[:40]}")
     return value
 
 

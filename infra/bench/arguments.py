@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
-from infra.arg_types import at_least, pool, positive
+from infra.arg_types import at_least, pool, positive, positive_or_zero
 from infra.bench.tiers import add_tier_arguments
 from infra.cluster_args import add_disagg_argument, add_perf_model_argument, add_server_arguments
 from services.common.kv_transfer import KvTransferModel
 from services.engine.sim import SimConfig
 from services.planner.capacity import CapacitySettings
 from services.planner.disagg import DisaggSettings
+from services.planner.kv_policy import KvSettings
 from services.planner.policy_registry import POLICY_NAMES
 
 DEFAULT_TRACE = (
@@ -46,6 +48,33 @@ def add_sim_engine_arguments(
         default=_ENGINE_DEFAULTS.max_num_batched_tokens,
         help=f"{whose}: tokens in a step",
     )
+
+
+# The kv policy's knobs the bench sets from arguments of its own.
+_KV_SET_BY = {
+    "perf_model": "--perf-model",
+    "itl_target_ms": "--itl-target-ms",
+    "kv_bytes_per_token": "--kv-bytes-per-token",
+    "host_link_gb_s": "--host-link-gb-s",
+    "moves": "--topology",
+    "lora_load_ms": "--lora-load-ms",
+}
+
+
+def kv_knob(text: str) -> tuple[str, float]:
+    """``NAME=VALUE``: one of the kv policy's numeric knobs (``KvSettings``), as the live
+    planner reads it from ``LANEWAY_KV_<NAME>``; an integer knob's value is an integer."""
+    name, equals, value = text.partition("=")
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(KvSettings)}
+    if name in _KV_SET_BY:
+        raise argparse.ArgumentTypeError(f"{name} is set by {_KV_SET_BY[name]}")
+    if not equals or name not in kinds:
+        knobs = ", ".join(k for k in kinds if k not in _KV_SET_BY)
+        raise argparse.ArgumentTypeError(f"not NAME=VALUE of a kv knob ({knobs}): {text[:60]!r}")
+    if kinds[name] == "int":
+        return name, at_least(0)(value)
+    number = positive(value) if kinds[name] == "_Positive" else positive_or_zero(value)
+    return name, number
 
 
 def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
@@ -208,6 +237,14 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         type=float,
         default=_ENGINE_DEFAULTS.lora_load_ms,
         help="what loading an adapter a worker does not hold costs",
+    )
+    bench.add_argument(
+        "--kv",
+        type=kv_knob,
+        action="append",
+        metavar="NAME=VALUE",
+        help="a kv policy knob, as LANEWAY_KV_<NAME> sets it live (e.g. decode_weight=0.5); "
+        "repeatable",
     )
     bench.add_argument("--seed", type=int, default=0, help="seed of randomized policies")
     bench.add_argument(

@@ -85,6 +85,7 @@ def _offline(
         else None
     )
     kv = KvSettings(
+        **dict(args.kv or ()),
         itl_target_ms=args.itl_target_ms,
         kv_bytes_per_token=args.kv_bytes_per_token,
         host_link_gb_s=tiers.host_link_gb_s,
@@ -155,6 +156,7 @@ def _live(
                 policy=policy,
                 env={
                     **_disagg_env(args),
+                    **{f"LANEWAY_KV_{name.upper()}": str(value) for name, value in args.kv or ()},
                     **live_env(args.tiers, args.num_gpu_blocks),
                     "LANEWAY_PERF_MODEL": args.perf_model,
                     "LANEWAY_SPEEDUP": str(args.time_scale),
@@ -301,6 +303,8 @@ def main(args: argparse.Namespace) -> int:
         # Offline counts arrivals, live finished requests.
         with Progress(f"policy {policy}", len(trace)) as progress:
             results[policy] = replay(trace, policy, args, progress.update)
+        if args.kv and policy == "kv":
+            results[policy].report["kv_knobs"] = dict(args.kv)
     reports: dict[str, dict[str, Any]] = {p: r.report for p, r in results.items()}
     print(format_table(reports))
     if args.json:

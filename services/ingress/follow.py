@@ -55,7 +55,8 @@ Heard = GatewayEvent | RequestPlaced
 
 # Any worker may send under its own name for any request: each such event is counted, and
 # logged now and then (observability.drops).
-_drops = Drops(logging.getLogger(__name__))
+log = logging.getLogger(__name__)
+_drops = Drops(log)
 
 
 def _not_placed(event: GatewayEvent, placed: str) -> None:
@@ -130,13 +131,16 @@ class Follow:
         hold: Callable[[float], float] | None = None,
         drain: Drain | None = None,
         unplaced: Callable[[], None] | None = None,
+        late: Callable[[str], bool] | None = None,
     ) -> None:
         """``hold``: how long to wait after passing events on before taking the next (seconds;
         what comes meanwhile goes on together), given how long the request has run (seconds),
         e.g. :meth:`LoopLag.hold_s`. ``drain``: what a
         terminal that came before tokens it counts waits for first (none: the wait for them is
-        counted from the terminal)."""
+        counted from the terminal). ``late``: whether a worker's reports come late (its path
+        crawls), so that a silent stream there moves on at once."""
         self._accepted = accepted
+        self._late = late
         self._drain = drain
         self._on_unplaced = unplaced
         self._told_unplaced = False  # this attempt's
@@ -196,7 +200,7 @@ class Follow:
                 _not_placed(event, self._worker)  # not the worker this attempt runs on
                 return []
         if isinstance(event, RequestFailed) and event.code == "worker_lost":
-            return await self._migrate()
+            return await self._migrate("its worker was lost")
         self._heard = self._loop.time()
         return self._pass(event)
 
@@ -246,6 +250,9 @@ class Follow:
             now = self._loop.time()
             self._held_since, self._next_ask = now, now + GAP_WAIT_S
             return []
+        if worker is not None and self._late is not None and self._late(worker):
+            # What it sends comes seconds late, an answer to an ask as well: a congested link.
+            return await self._migrate("its worker's reports come late")
         reply = None
         if worker is not None:
             reply = await self._ask_holder(self._request_id, worker, order.delivered, self.attempt)
@@ -259,7 +266,8 @@ class Follow:
                 return []
             bound = self._rec.unrouted_s if self._worker is None else self._rec.orphan_s
             if now - self._heard >= bound:
-                return await self._migrate()
+                silent = "no placement" if self._worker is None else "its worker silent"
+                return await self._migrate(f"{silent} for {now - self._heard:.1f} s")
             if self._worker is None and now - self._heard >= self._rec.unplaced_s:
                 self._tell_unplaced()
             self._next_ask = now + (GAP_WAIT_S if order.gap else self._rec.silence_s)
@@ -284,7 +292,7 @@ class Follow:
         on from the tokens the client has, on another attempt, as one whose worker is lost; a
         failure or cancellation ends as it was."""
         if isinstance(self._order.held, RequestFinished):
-            return await self._migrate()
+            return await self._migrate("tokens its terminal counts never came")
         return self._end(self._order.give_up(self._source))
 
     def _tell_unplaced(self) -> None:
@@ -296,7 +304,7 @@ class Follow:
         self.ended = terminal
         return [terminal]
 
-    async def _migrate(self) -> list[GatewayEvent]:
+    async def _migrate(self, why: str) -> list[GatewayEvent]:
         """Continue the request on another worker from the tokens the client has."""
         order, accepted = self._order, self._accepted
         for end in (without_worker, unresumable):
@@ -319,6 +327,16 @@ class Follow:
         # Batches that came past a gap are the new attempt's to send again.
         self._order = StreamOrder()
         self._order.delivered, self._order.token_ids = order.delivered, order.token_ids
+        # Rare (a worker or the bus failing), and what an operator replays a slow stream by.
+        log.info(
+            "request %s, attempt %d on %s: %s; going on from token %d as attempt %d",
+            self._request_id,
+            self.attempt - 1,
+            self._worker or "no worker",
+            why,
+            order.delivered,
+            self.attempt,
+        )
         if self._worker is not None:
             self._left.append(self._worker)
         now = self._loop.time()

@@ -203,16 +203,20 @@ def main() -> None:
             durables_step_down=durable_step_downs("ingress"),
         )
         await bus.provision(settings.stream_replicas, settings.bus_provisioned)
+        # Which workers are live, for /health and admission alike (the planner's rule), and
+        # whose reports come late: their streams move on when they fall silent.
+        liveness = Liveness()
         gateway = NatsGateway(
-            bus, settings.instance_id, Recovery(migration_limit=settings.migration_limit)
+            bus,
+            settings.instance_id,
+            Recovery(migration_limit=settings.migration_limit),
+            late=liveness.late,
         )
         metrics = IngressMetrics()
         await gateway.start(metrics.loop_late.observe)
         etcd = connect_etcd(settings.etcd_endpoints)
         limit = WorkerContextLimit()
         features = WorkerFeatures()
-        # Which workers are live, for /health and admission alike (the planner's rule).
-        liveness = Liveness()
         readiness = Readiness(lambda: bus.nc.is_connected, liveness)
         admission = PooledAdmission(
             metrics,
@@ -249,7 +253,7 @@ def main() -> None:
         metrics.tenant_limits_shared.set_function(lambda: float(keys is None or keys.gate.shared))
 
         async def on_load(report: WorkerLoadReported) -> None:
-            liveness.reported(report.worker_id)
+            liveness.reported(report.worker_id, report.occurred_at.timestamp())
             await admission.on_load(report)
 
         await bus.subscribe(Subjects.all_load, on_load)

@@ -35,8 +35,17 @@ from services.ingress.mailbox import Mailbox
 
 
 class NatsGateway:
-    def __init__(self, bus: Bus, instance_id: str, recovery: Recovery | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        instance_id: str,
+        recovery: Recovery | None = None,
+        late: Callable[[str], bool] | None = None,
+    ) -> None:
+        """``late``: whether a worker's load reports come late (``Liveness.late``): its streams
+        move on as soon as they fall silent."""
         self._bus = bus
+        self._late = late
         self._recovery = recovery or Recovery()
         self._instance_id = instance_id
         self._source = f"ingress/{instance_id}"
@@ -118,6 +127,7 @@ class NatsGateway:
                     hold=self._lag.hold_s if self._lag is not None else None,
                     drain=self.drain,
                     unplaced=self._intake_late,
+                    late=self._late,
                 )
                 # Closed here, not left to the loop's finalizer of abandoned generators: the
                 # client's answer ends at the terminal, with the generator still suspended,

@@ -89,7 +89,7 @@ class ClusterView:
         if load.worker_id not in self.workers:
             return
         self._load[load.worker_id] = load
-        self.liveness.reported(load.worker_id)
+        self.liveness.reported(load.worker_id, load.occurred_at.timestamp())
         pending = self._unreported.get(load.worker_id)
         reported_at = load.occurred_at.timestamp()
         while pending and pending[0][0] <= reported_at:

@@ -105,3 +105,16 @@ def test_predicted_lengths_are_learned_and_their_error_reported() -> None:
     expected = [d["expected_output_tokens"] for d in result.decisions]
     assert expected[0] == 256  # the prior: nothing had finished
     assert all(10 <= e <= 20 for e in expected[2:])
+
+
+def test_a_kv_knob_reaches_the_policy_and_the_report(small_trace: Path, tmp_path: Path) -> None:
+    """``--kv NAME=VALUE`` sets the knob the live planner reads from LANEWAY_KV_<NAME>: every
+    prompt shorter than the threshold takes the short path, named in its decision."""
+    out, decisions = tmp_path / "bench.json", tmp_path / "decisions.jsonl"
+    args = ["bench", "--trace", str(small_trace), "--policy", "kv", "--workers", "4"]
+    knob = ["--kv", "short_prompt_tokens=1000000", "--kv", "decode_weight=0.5"]
+    assert main([*args, *knob, "--json", str(out), "--decisions", str(decisions)]) == 0
+    report = json.loads(out.read_text())["kv"]
+    assert report["kv_knobs"] == {"short_prompt_tokens": 1_000_000, "decode_weight": 0.5}
+    reasons = {json.loads(line)["reason"] for line in decisions.read_text().splitlines()}
+    assert reasons == {"short prompt: less loaded of two random workers"}

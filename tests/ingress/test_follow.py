@@ -5,6 +5,7 @@ twice or not at all, the client gets the answer once, in order."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from schemas.events import (
     RequestAccepted,
@@ -35,16 +36,20 @@ def of(event: GatewayEvent, worker_id: str, attempt: int) -> GatewayEvent:
 
 
 async def follow(
-    on_resubmit: dict[int, list[Heard]], unplaced: list[int] | None = None
+    on_resubmit: dict[int, list[Heard]],
+    unplaced: list[int] | None = None,
+    late: Callable[[str], bool] | None = None,
+    answers: str = "",
 ) -> tuple[list[GatewayEvent], list[RequestAccepted]]:
-    """Follow request r1 (max_tokens 6) whose holders answer no resend query; each attempt's
-    resubmission puts its events in the queue."""
+    """Follow request r1 (max_tokens 6) whose holders answer no resend query, but ``answers``
+    (that it holds the request, nothing new); each attempt's resubmission puts its events in
+    the queue."""
     queue = Mailbox()
     accepted = RequestAccepted(source="ingress/t", request_id="r1", spec=request_spec("t"))
     resubmitted: list[RequestAccepted] = []
 
     async def resend(_: str, worker: str, index: int, attempt: int) -> ResendReply | None:
-        return None
+        return ResendReply(batches=()) if worker == answers else None
 
     async def resubmit(moved: RequestAccepted) -> None:
         resubmitted.append(moved)
@@ -58,8 +63,20 @@ async def follow(
         if unplaced is not None:
             unplaced.append(out.attempt)
 
-    out = Follow(accepted, queue, FAST, resend, resubmit, "ingress/t", unplaced=told)
+    out = Follow(accepted, queue, FAST, resend, resubmit, "ingress/t", unplaced=told, late=late)
     return await asyncio.wait_for(collect(out.events()), 5), resubmitted
+
+
+async def test_a_silent_stream_on_a_late_worker_moves_on_though_the_worker_answers() -> None:
+    """w1's reports come late (a congested link): its stream, silent, moves on at once, though
+    w1 answers every ask that it holds the request (it would never be orphaned)."""
+    first = [placed("w1", 0), of(batch(0, "ab"), "w1", 0)]
+    second = [placed("w2", 1), of(batch(2, "cdef"), "w2", 1), of(finished(6), "w2", 1)]
+    out, resubmitted = await follow(
+        {0: first, 1: second}, late=lambda worker: worker == "w1", answers="w1"
+    )
+    assert text_of(out) == "abcdef"
+    assert [m.spec.avoid_workers for m in resubmitted] == [("w1",)]
 
 
 async def test_a_request_no_worker_took_up_moves_on_and_its_first_attempt_comes_too_late() -> None:
