@@ -63,8 +63,6 @@ class KvSettings:
     slow_step_ms_per_token: float = 0.25
     # 0 picks the cheapest; above 0, picks by softmax over -cost/temperature (ms).
     temperature: float = 0.0
-    # Prompts shorter than this with no session skip the index: two random choices on load.
-    short_prompt_tokens: int = 0
     # A session's owner keeps it unless another worker is predicted this much sooner (ms).
     session_slack_ms: float = 1000.0
     # Predicted costs this close (ms) count as a tie, broken by load.
@@ -144,11 +142,9 @@ class KvAware:
         self.turn = 0
 
     def wants_overlap(self, request: RouteRequest) -> bool:
-        """Short prompts outside a session go down the cheap path, with no index query."""
-        return request.session_id is not None or not self._short(request)
-
-    def _short(self, request: RouteRequest) -> bool:
-        return request.prompt_tokens < self.settings.short_prompt_tokens
+        """Every prompt: routing short ones by load alone (power of two choices, no index
+        query) lost on every trace measured (docs/routing.md, "Traffic tiering")."""
+        return True
 
     def choose(
         self,
@@ -158,8 +154,6 @@ class KvAware:
     ) -> Choice:
         """``handoff``: the workers whose engines send and take a prompt's KV, the only ends a
         move may have (another engine would recompute what was counted as moved)."""
-        if request.session_id is None and self._short(request):
-            return self._two_choices(request, workers)
         source = None
         if self.settings.moves:
             source = _deepest([w for w in workers if w.worker_id in handoff])
@@ -320,13 +314,6 @@ class KvAware:
         if rest:
             ms += perf.step_ms(rest, decoding, worker.kv_usage)
         return ms
-
-    def _two_choices(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Choice:
-        ordered = sorted(workers, key=lambda w: w.worker_id)
-        pair = decision_rng(self._seed, request).sample(ordered, min(2, len(ordered)))
-        pick = min(pair, key=lambda w: (w.load, w.worker_id))
-        costs = {w.worker_id: float(w.load) for w in ordered}
-        return Choice(pick.worker_id, costs, "short prompt: less loaded of two random workers")
 
     def _softmax(self, request: RouteRequest, costs: dict[str, float]) -> str:
         low = min(costs.values())

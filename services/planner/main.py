@@ -98,6 +98,13 @@ class PlannerSettings(FoldSettings):
             if "perf_model" in knobs:  # read by its old name: the renamed settings take it
                 knobs = {k: v for k, v in knobs.items() if k != "perf_model"}
                 data = {**data, "kv": knobs}
+            if "short_prompt_tokens" in knobs:
+                log.warning(
+                    "LANEWAY_KV_SHORT_PROMPT_TOKENS is ignored and goes in the next release: "
+                    "routing short prompts by load alone lost on every trace measured"
+                )
+                knobs = {k: v for k, v in knobs.items() if k != "short_prompt_tokens"}
+                data = {**data, "kv": knobs}
             for knob, setting in SHARED_KNOBS.items():
                 if knob in knobs:
                     raise ValueError(f"LANEWAY_KV_{knob.upper()} is read from {setting}")

@@ -108,13 +108,13 @@ def test_predicted_lengths_are_learned_and_their_error_reported() -> None:
 
 
 def test_a_kv_knob_reaches_the_policy_and_the_report(small_trace: Path, tmp_path: Path) -> None:
-    """``--kv NAME=VALUE`` sets the knob the live planner reads from LANEWAY_KV_<NAME>: every
-    prompt shorter than the threshold takes the short path, named in its decision."""
+    """``--kv NAME=VALUE`` sets the knob the live planner reads from LANEWAY_KV_<NAME>: with a
+    temperature every choice is drawn, and says so in its decision."""
     out, decisions = tmp_path / "bench.json", tmp_path / "decisions.jsonl"
     args = ["bench", "--trace", str(small_trace), "--policy", "kv", "--workers", "4"]
-    knob = ["--kv", "short_prompt_tokens=1000000", "--kv", "decode_weight=0.5"]
+    knob = ["--kv", "temperature=50", "--kv", "max_num_batched_tokens=4096"]
     assert main([*args, *knob, "--json", str(out), "--decisions", str(decisions)]) == 0
     report = json.loads(out.read_text())["kv"]
-    assert report["kv_knobs"] == {"short_prompt_tokens": 1_000_000, "decode_weight": 0.5}
+    assert report["kv_knobs"] == {"temperature": 50.0, "max_num_batched_tokens": 4096}
     reasons = {json.loads(line)["reason"] for line in decisions.read_text().splitlines()}
-    assert reasons == {"short prompt: less loaded of two random workers"}
+    assert {r.split(":")[0] for r in reasons} == {"softmax over predicted TTFT"}

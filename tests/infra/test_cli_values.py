@@ -32,7 +32,7 @@ from infra.cli import main
         (["bench", "--kv", "moves=1"], "argument --kv: moves is set by --topology"),
         (["bench", "--kv", "weight=1"], "argument --kv: not NAME=VALUE of a kv knob"),
         (["bench", "--kv", "decode_weight=-1"], "argument --kv: must be 0 or more, got -1"),
-        (["bench", "--kv", "short_prompt_tokens=0.5"], "argument --kv: not an integer"),
+        (["bench", "--kv", "max_num_batched_tokens=0.5"], "argument --kv: not an integer"),
         (["bench", "--kv", "host_link_gb_s=0"], "argument --kv: host_link_gb_s is set by"),
         (["replay", "x.jsonl", "--workers", "0"], "argument --workers: must be at least 1, got 0"),
         (["replay", "x.jsonl", "--num-gpu-blocks", "0"], "argument --num-gpu-blocks: must be"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections import Counter
 from pathlib import Path
 
@@ -55,17 +56,20 @@ def test_a_session_stays_with_its_owner_within_the_slack() -> None:
     assert KvAware().choose(request("s1"), [swamped, view("b")]).worker_id == "b"
 
 
-def test_short_prompts_skip_the_index() -> None:
-    policy = KvAware(KvSettings(short_prompt_tokens=512))
-    short = request(tokens=100)
-    assert not policy.wants_overlap(short)
-    assert policy.wants_overlap(request())
-    assert policy.wants_overlap(request("s", tokens=100))  # sessions always look
-    picks = Counter(
-        policy.choose(short, [view("a", running=9), view("b"), view("c")]).worker_id
-        for _ in range(30)
-    )
-    assert picks["a"] < 10  # the busy one loses every pair it is drawn in
+def test_the_removed_short_prompt_threshold_is_read_with_a_warning_and_ignored(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tiering (short prompts routed by load alone) lost on every trace measured and is gone;
+    an environment that still sets its threshold starts, told so in one line."""
+    monkeypatch.setenv("LANEWAY_KV_SHORT_PROMPT_TOKENS", "512")
+    monkeypatch.setenv("LANEWAY_KV_DECODE_WEIGHT", "0.5")
+    with caplog.at_level(logging.WARNING):
+        settings = PlannerSettings()
+    assert settings.kv_settings().decode_weight == 0.5
+    assert KvAware(settings.kv_settings()).wants_overlap(request(tokens=100))
+    assert [r.message.split(":")[0] for r in caplog.records] == [
+        "LANEWAY_KV_SHORT_PROMPT_TOKENS is ignored and goes in the next release"
+    ]
 
 
 def test_softmax_temperature_spreads_near_ties() -> None:
