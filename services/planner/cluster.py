@@ -89,9 +89,9 @@ class ClusterView:
         if load.worker_id not in self.workers:
             return
         self._load[load.worker_id] = load
-        self.liveness.reported(load.worker_id, load.occurred_at.timestamp())
-        pending = self._unreported.get(load.worker_id)
         reported_at = load.occurred_at.timestamp()
+        self.liveness.reported(load.worker_id, reported_at)
+        pending = self._unreported.get(load.worker_id)
         while pending and pending[0][0] <= reported_at:
             pending.popleft()
         routed = self._adapters_routed.get(load.worker_id)

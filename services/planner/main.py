@@ -48,6 +48,15 @@ SHARED_KNOBS = {
 }
 
 
+# Knobs a LANEWAY_KV_<NAME> may still name that the policy no longer reads, and what the
+# operator is told: perf_model's old name is read by the renamed settings (which warn).
+_LEFT_KNOBS = {
+    "perf_model": "",
+    "short_prompt_tokens": "LANEWAY_KV_SHORT_PROMPT_TOKENS is ignored and goes in the next "
+    "release: routing short prompts by load alone lost on every trace measured",
+}
+
+
 class PlannerSettings(FoldSettings):
     # The kv policy's knobs are one nested setting: LANEWAY_KV_DECODE_WEIGHT is kv.decode_weight.
     model_config = SettingsConfigDict(env_nested_delimiter="_", env_nested_max_split=1)
@@ -95,16 +104,12 @@ class PlannerSettings(FoldSettings):
     def _no_derived_knob(cls, data: Any) -> Any:
         knobs = data.get("kv") if isinstance(data, dict) else None
         if isinstance(knobs, dict):
-            if "perf_model" in knobs:  # read by its old name: the renamed settings take it
-                knobs = {k: v for k, v in knobs.items() if k != "perf_model"}
-                data = {**data, "kv": knobs}
-            if "short_prompt_tokens" in knobs:
-                log.warning(
-                    "LANEWAY_KV_SHORT_PROMPT_TOKENS is ignored and goes in the next release: "
-                    "routing short prompts by load alone lost on every trace measured"
-                )
-                knobs = {k: v for k, v in knobs.items() if k != "short_prompt_tokens"}
-                data = {**data, "kv": knobs}
+            for knob, warning in _LEFT_KNOBS.items():
+                if knob in knobs:
+                    if warning:
+                        log.warning(warning)
+                    knobs = {k: v for k, v in knobs.items() if k != knob}
+                    data = {**data, "kv": knobs}
             for knob, setting in SHARED_KNOBS.items():
                 if knob in knobs:
                     raise ValueError(f"LANEWAY_KV_{knob.upper()} is read from {setting}")
