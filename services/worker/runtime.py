@@ -21,7 +21,7 @@ from observability.tracing import setup_tracing
 from schemas.events import Role
 from schemas.messages import WorkerRegistration
 from services.common.tokenizer import Tokenizer
-from services.engine.protocol import Engine, StepResult
+from services.engine.protocol import Engine, EngineLoad, StepResult
 from services.worker.decode_side import DecodeSide
 from services.worker.driver import EngineDriver
 from services.worker.handlers import Handlers
@@ -91,6 +91,7 @@ class Worker:
             moves=self._moves,
         )
         self._reported_at = 0.0
+        self._reported: EngineLoad | None = None
         self._lease: LeasedKey | None = None
         # In the pool: its lease taken and its routes consumed, until it stops.
         self.serving = False
@@ -233,7 +234,9 @@ class Worker:
             await self._outputs.kv(result.kv_changes)
         loop = asyncio.get_running_loop()
         if loop.time() - self._reported_at >= self._opt.busy_report_interval_s:
-            await self._report_load()
+            load = self._driver.engine.load()
+            if moved(self._reported, load):
+                await self._report_load(load)
         # Last: everything the step published goes out in one write (a wake-up fewer of the
         # server and its subscribers, each dear), tokens and terminals behind the KV events.
         await self._outputs.flush(step_end=True)
@@ -243,12 +246,31 @@ class Worker:
             await self._report_load()
             await asyncio.sleep(self._opt.load_report_interval_s)
 
-    async def _report_load(self) -> None:
+    async def _report_load(self, load: EngineLoad | None = None) -> None:
         self._reported_at = asyncio.get_running_loop().time()
-        load = self._driver.engine.load()
+        load = self._driver.engine.load() if load is None else load
+        self._reported = load
         self.metrics.load(load)
         step_cost = self._step_cost.estimate() if self._step_cost is not None else None
         await self._outputs.load(self._opt.role, load, self._driver.busy_s, step_cost)
+
+
+def moved(before: EngineLoad | None, now: EngineLoad) -> bool:
+    """Whether ``now`` tells the planner's cost model something ``before`` did not: a request
+    queued, started or ended, an adapter loaded, or KV occupancy moved by a hundredth. A step
+    that only decoded goes out with the next periodic report: at 20 a second per worker, those
+    made a third of the bus's bytes, each copied to every replica and every planner, while
+    most said nothing new (issue 38, docs/operations.md)."""
+    if before is None:
+        return True
+    if (before.running, before.waiting, before.waiting_prefill_tokens, before.loras) != (
+        now.running,
+        now.waiting,
+        now.waiting_prefill_tokens,
+        now.loras,
+    ):
+        return True
+    return abs(now.kv_blocks_used - before.kv_blocks_used) * 100 >= max(now.kv_blocks_total, 1)
 
 
 def worker_main(default_role: Role) -> None:
