@@ -57,10 +57,15 @@ class _Least:
     def value(self) -> float:
         return self._queue[0][1]
 
+    @property
+    def newest(self) -> float:
+        """When the last value was added."""
+        return self._queue[-1][0]
 
-class _Delays:
-    """A worker's report delays: the least over the last ``RECENT_S`` (one report held behind
-    a long engine step is not a slow path) and the least over ``USUAL_S``."""
+
+class Delays:
+    """Delays of what a listener hears from one sender: the least over the last ``RECENT_S``
+    (one held behind a long engine step is not a slow path) and the least over ``USUAL_S``."""
 
     __slots__ = ("_recent", "_usual")
 
@@ -76,6 +81,16 @@ class _Delays:
     def excess(self) -> float:
         return self._recent.value - self._usual.value
 
+    @property
+    def newest(self) -> float:
+        """When the last one was heard."""
+        return self._recent.newest
+
+    def late(self, now: float) -> bool:
+        """Everything heard over the last ``RECENT_S`` came ``LATE_S`` later than usual (and
+        something was heard)."""
+        return self.newest >= now - RECENT_S and self.excess > LATE_S
+
 
 class Liveness:
     def __init__(
@@ -89,7 +104,7 @@ class Liveness:
         self._wall = wall
         # Per registered worker, when it was last heard from, on ``clock``.
         self._heard: dict[str, float] = {}
-        self._delays: dict[str, _Delays] = {}
+        self._delays: dict[str, Delays] = {}
 
     def registered(self, workers: Iterable[str]) -> None:
         """The registered set now: a worker new to it counts as heard from now, one gone from it
@@ -108,7 +123,7 @@ class Liveness:
         if sent_at is not None:
             delays = self._delays.get(worker_id)
             if delays is None:
-                delays = self._delays[worker_id] = _Delays()
+                delays = self._delays[worker_id] = Delays()
             delays.add(now, self._wall() - sent_at)
 
     def late(self, worker_id: str) -> bool:
@@ -121,6 +136,10 @@ class Liveness:
         silent = self._silent()
         return silent | self._late(silent)
 
+    def silent(self) -> set[str]:
+        """Registered workers not heard from for ``QUIET_S``: :meth:`quiet` but the late."""
+        return self._silent()
+
     def live(self) -> set[str]:
         """Registered workers heard from within ``QUIET_S``, on time."""
         return self._heard.keys() - self.quiet()
@@ -129,11 +148,21 @@ class Liveness:
         horizon = self._clock() - self._quiet_s
         return {worker for worker, heard in self._heard.items() if heard < horizon}
 
+    def behind(self) -> bool:
+        """Every worker heard is late (two at least, one alone says little): the slow link is
+        this listener's own."""
+        silent = self._silent()
+        heard = self._heard.keys() - silent
+        return len(heard) > 1 and heard <= self._late_ones(silent)
+
     def _late(self, silent: set[str]) -> set[str]:
-        late = {w for w, d in self._delays.items() if d.excess > LATE_S and w not in silent}
+        late = self._late_ones(silent)
         if not late or self._heard.keys() - silent - late:
             return late
         return set()  # every worker heard is late: the slow link is this listener's
+
+    def _late_ones(self, silent: set[str]) -> set[str]:
+        return {w for w, d in self._delays.items() if d.excess > LATE_S and w not in silent}
 
     @property
     def registered_count(self) -> int:

@@ -206,11 +206,13 @@ def main() -> None:
         # Which workers are live, for /health and admission alike (the planner's rule), and
         # whose reports come late: their streams move on when they fall silent.
         liveness = Liveness()
+        bus.asks_unless(liveness.behind)
         gateway = NatsGateway(
             bus,
             settings.instance_id,
             Recovery(migration_limit=settings.migration_limit),
             late=liveness.late,
+            unheard=liveness.quiet,
         )
         metrics = IngressMetrics()
         await gateway.start(metrics.loop_late.observe)

@@ -3,12 +3,26 @@ has, and when it may move no more."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from schemas.block_hash import chain_block_hashes, salt_root
 from schemas.events import RequestFailed, RequestFinished, RequestSpec, TerminalEvent, Usage
 
 MIGRATION_LIMIT = 3
+# RequestSpec.avoid_workers' bound.
+AVOID_AT_MOST = 8
+
+
+def avoiding(spec: RequestSpec, unheard: Collection[str]) -> RequestSpec:
+    """``spec`` avoiding the workers this ingress hears late or not at all as well: a planner
+    behind a slow link hears them on time and the others late, while the answer's tokens come
+    here (docs/operations.md, "Three hosts"). Those its earlier attempts left come first."""
+    if not unheard:
+        return spec
+    avoid = tuple(dict.fromkeys((*spec.avoid_workers, *sorted(unheard))))[:AVOID_AT_MOST]
+    if avoid == spec.avoid_workers:
+        return spec
+    return spec.model_copy(update={"avoid_workers": avoid})
 
 
 def continued(
@@ -32,7 +46,7 @@ def continued(
                 }
             ),
             "attempt": attempt,
-            "avoid_workers": tuple(dict.fromkeys(left))[-8:],
+            "avoid_workers": tuple(dict.fromkeys(left))[-AVOID_AT_MOST:],
         }
     )
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Collection
 
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
@@ -32,6 +33,13 @@ from services.ingress.follow import Follow, Heard, Recovery
 from services.ingress.gateway import CancelReason, GatewayEvent
 from services.ingress.loop_lag import LoopLag
 from services.ingress.mailbox import Mailbox
+from services.ingress.migration import avoiding
+
+# A worker a stream moved off is avoided by the next requests this long: a worker behind a
+# congested link is heard late, then not at all, then in a burst as its routes close and open
+# again, so the planner placed attempts moved off one worker there on its neighbour (the
+# three-hosts suite, docs/operations.md).
+SHUN_S = 10.0
 
 
 class NatsGateway:
@@ -41,11 +49,16 @@ class NatsGateway:
         instance_id: str,
         recovery: Recovery | None = None,
         late: Callable[[str], bool] | None = None,
+        unheard: Callable[[], Collection[str]] | None = None,
     ) -> None:
         """``late``: whether a worker's load reports come late (``Liveness.late``): its streams
-        move on as soon as they fall silent."""
+        move on as soon as they fall silent. ``unheard``: the workers heard late or not at all
+        (``Liveness.quiet``), which every attempt asks the planner to avoid."""
         self._bus = bus
         self._late = late
+        self._unheard = unheard or frozenset
+        # Workers streams moved off, and until when the next requests avoid them.
+        self._shunned: dict[str, float] = {}
         self._recovery = recovery or Recovery()
         self._instance_id = instance_id
         self._source = f"ingress/{instance_id}"
@@ -109,7 +122,7 @@ class NatsGateway:
                     request_id=request_id,
                     session_id=session_id,
                     trace=trace_context(span),
-                    spec=spec,
+                    spec=avoiding(spec, self._avoided()),
                 )
                 try:
                     await self._bus.publish(Subjects.request_accepted, accepted)
@@ -122,7 +135,7 @@ class NatsGateway:
                     queue,
                     self._recovery,
                     self.ask,
-                    lambda moved: self._bus.publish(Subjects.request_accepted, moved),
+                    lambda moved: self._bus.publish(Subjects.request_accepted, self._avoid(moved)),
                     self._source,
                     hold=self._lag.hold_s if self._lag is not None else None,
                     drain=self.drain,
@@ -140,6 +153,23 @@ class NatsGateway:
                 span.set_attribute("laneway.attempts", follow.attempt + 1)
             finally:
                 del self._streams[request_id]
+
+    def _avoid(self, moved: RequestAccepted) -> RequestAccepted:
+        """``moved`` (an attempt after the first) avoiding what new requests do; the workers
+        it left are shunned for ``SHUN_S``."""
+        until = time.monotonic() + SHUN_S
+        for worker in moved.spec.avoid_workers:
+            self._shunned[worker] = until
+        spec = avoiding(moved.spec, self._avoided())
+        return moved if spec is moved.spec else moved.model_copy(update={"spec": spec})
+
+    def _avoided(self) -> Collection[str]:
+        unheard = self._unheard()
+        if not self._shunned:
+            return unheard
+        now = time.monotonic()
+        self._shunned = {w: until for w, until in self._shunned.items() if until > now}
+        return {*unheard, *self._shunned}
 
     def _intake_late(self) -> None:
         """A request in the stream has had no placement for ``Recovery.unplaced_s``: the

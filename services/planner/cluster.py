@@ -154,7 +154,8 @@ class ClusterView:
         """What a routing decision for ``request`` needs to know about the workers now;
         ``host_blocks``: the blocks each one's host tier holds after its GPU overlap;
         ``model``: the model it asks for, which only its pool's workers are candidates for;
-        ``avoid``: workers its earlier attempts left, weighed only when no other can take it."""
+        ``avoid``: workers its earlier attempts left or its ingress hears late, weighed only
+        when no other can take it."""
         slots = {worker_id: reg.max_num_seqs for worker_id, reg in self.workers.items()}
         quiet = self.quiet()
         model = self._pool_of(model)
@@ -166,9 +167,15 @@ class ClusterView:
             cached_blocks, session_owner, host_blocks, leave_out=quiet | unable | avoid, model=model
         )
         if not serving and avoid:
-            serving = self.candidates(
-                cached_blocks, session_owner, host_blocks, leave_out=quiet | unable, model=model
-            )
+            # The ingress hears some workers late, this planner others (a planner behind a slow
+            # link hears every worker but its neighbours late): the ingress's word wins, as the
+            # answer's tokens go to it. Then the workers it avoids, if no other can serve.
+            for leave_out in (self.liveness.silent() | unable | avoid, quiet | unable):
+                serving = self.candidates(
+                    cached_blocks, session_owner, host_blocks, leave_out=leave_out, model=model
+                )
+                if serving:
+                    break
         # When every server (every pool's) is silent the bus or this planner stalled, not all
         # the workers: routing to them then beats refusing. A silent prefill worker is simply
         # not used.

@@ -83,3 +83,23 @@ def test_the_usual_delay_is_forgotten_after_its_window() -> None:
         clocks.now += 0.5
         _report(liveness, clocks, {"a": 0.01, "b": LATE_S + 1})
     assert not liveness.late("b")
+
+
+def test_a_listener_that_hears_every_worker_late_is_behind() -> None:
+    liveness, clocks = _liveness(("a", "b", "c"))
+    for _ in range(20):
+        _report(liveness, clocks, {"a": 0.01, "b": 0.01, "c": 0.01})
+        clocks.now += 0.1
+    assert not liveness.behind()
+    for _ in range(round(RECENT_S / 0.1) + 1):
+        _report(liveness, clocks, {"a": LATE_S + 1, "b": LATE_S + 1, "c": 0.01})
+        clocks.now += 0.1
+    # Two of three late: theirs are the slow links, not the listener's.
+    assert not liveness.behind() and liveness.silent() == set()
+    for _ in range(round(RECENT_S / 0.1) + 1):
+        _report(liveness, clocks, {"a": LATE_S + 1, "b": LATE_S + 1, "c": LATE_S + 1})
+        clocks.now += 0.1
+    assert liveness.behind()
+    # One worker alone, late, says nothing of whose link is slow.
+    liveness.registered(("a",))
+    assert not liveness.behind()

@@ -89,3 +89,23 @@ def test_an_attempt_avoids_the_workers_its_request_left_while_another_can_take_i
     # Where no other can take it, the workers it left are weighed again: better than none.
     cluster.set_workers({"a": registration("a")})
     assert weighed(frozenset({"a"})) == {"a"}
+
+
+def test_the_ingress_avoiding_what_the_planner_hears_on_time_wins_over_its_hearing_late() -> None:
+    """A planner behind a slow link hears its neighbours on time and every other worker late;
+    the ingress, the other way round. The answer's tokens go to the ingress: its word wins."""
+    cluster = ClusterView()
+    cluster.set_workers({w: registration(w) for w in ("near", "far")})
+    request = RouteRequest("r", 32, (1, 2))
+    cluster.liveness.late = lambda worker: worker == "far"  # type: ignore[method-assign]
+    cluster.liveness.quiet = lambda: {"far"}  # type: ignore[method-assign]
+
+    def weighed(avoid: frozenset[str]) -> set[str]:
+        inputs = cluster.decision_inputs(request, None, None, avoid=avoid)
+        return {view.worker_id for view in inputs.decoders}
+
+    assert weighed(frozenset()) == {"near"}
+    assert weighed(frozenset({"near"})) == {"far"}
+    # A worker this planner has not heard from at all is still left out.
+    cluster.liveness.silent = lambda: {"far"}  # type: ignore[method-assign]
+    assert weighed(frozenset({"near"})) == {"near"}
