@@ -132,6 +132,11 @@ class Bus:
         step down if this connection was given it (``durables_step_down``)."""
         self._steward.undelivered(consumer)
 
+    def asks_unless(self, behind: Callable[[], bool]) -> None:
+        """No leader is asked to step down while ``behind()``: this process hears every worker
+        late, so its own link is the slow one (``Liveness.behind``)."""
+        self._steward.behind = behind
+
     @property
     def nc(self) -> NatsClient:
         return self._nc
@@ -208,7 +213,7 @@ class Bus:
         consumer: Consumer[E],
         handler: Callable[[E], Awaitable[None]],
         concurrency: int = 1,
-    ) -> None:
+    ) -> Subscription:
         """Durable consumer with explicit ack: a message is acked only after its handler
         returned, re-delivered if the handler failed. Handlers must therefore be idempotent.
         A message the handler does not take is acked unhandled, so it cannot hold the
@@ -255,6 +260,26 @@ class Bus:
             cb=on_msg if concurrency == 1 else self._in_tasks(on_msg, concurrency),
         )
         self._subs.append(sub)
+        return sub
+
+    async def leads_here(self, consumer: Consumer[Any], timeout_s: float = 2.0) -> bool:
+        """Whether ``consumer``'s leader is the server this connection is on; False where that
+        cannot be told within ``timeout_s``."""
+        try:
+            info = await asyncio.wait_for(
+                self._js.consumer_info(consumer.stream.name, consumer.durable), timeout_s
+            )
+        except (TimeoutError, nats.errors.Error):
+            return False
+        leader = info.cluster.leader if info.cluster is not None else None
+        # The INFO the server sent on connecting names it (nats-py keeps it, unexposed).
+        return leader is not None and leader == self._nc._server_info.get("server_name")
+
+    async def leave(self, sub: Subscription) -> None:
+        """Stop taking deliveries on ``sub`` (of :meth:`consume`): those it holds are handled
+        first, so none waits for its redelivery."""
+        self._subs.remove(sub)
+        await sub.drain()  # type: ignore[no-untyped-call]  # nats-py leaves it untyped
 
     def _in_tasks(
         self, on_msg: Callable[[Msg], Coroutine[Any, Any, None]], limit: int

@@ -11,8 +11,8 @@ leader to step down; the stream's current followers elect one of theirs.
 Only the ingress and the planners ask (``bus.permissions.leader_step_downs``): their streams
 (the requests', the routes', the control stream) are the ones a request waits on, and they run
 few. A worker's terminals reach the ingress on its subscription before any stream has them. An
-asker behind a slow link itself has its streams' healthy leaders step down at most once per
-``EVERY_S`` each: an election of a second or two for their other publishers.
+asker that hears every worker late is behind a slow link itself, and asks nothing: a healthy
+leader asked would step down, an election of a second or two for its other publishers.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import nats.errors
@@ -55,6 +56,9 @@ class LeaderSteward:
             for subject in subjects
         ]
         self._durables = {c.durable for c in durables}
+        # Whether the asker's own link is the slow one (``Bus.asks_unless``): then every
+        # leader answers it late, and asking would only have healthy leaders step down.
+        self.behind: Callable[[], bool] = lambda: False
         self._asked: dict[str, float] = {}
         self._asking: set[asyncio.Task[None]] = set()
 
@@ -71,7 +75,7 @@ class LeaderSteward:
 
     def _ask(self, api: str, what: str, late: str) -> None:
         now = time.monotonic()
-        if now < self._asked.get(api, -EVERY_S) + EVERY_S:
+        if now < self._asked.get(api, -EVERY_S) + EVERY_S or self.behind():
             return
         self._asked[api] = now
         task = asyncio.create_task(self._request(api, f"{what} ({late} late)"))

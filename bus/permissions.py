@@ -163,6 +163,10 @@ def nats_permissions(identity: Identity) -> NatsPermissions:
         # The admin made it; its deliveries come on its own subject and are acked on theirs.
         publish.append(f"$JS.ACK.{consumer.stream.name}.{consumer.durable}.>")
         subscribe.append(consumer.deliver_subject)
+    if identity.role == "planner":
+        # Which server leads its intake: a replica leaves it to the others only when that is
+        # not its own (services.planner.intake_gate).
+        publish.append(f"{_JS}.CONSUMER.INFO.{PLANNER_INTAKE.stream.name}.{PLANNER_INTAKE.durable}")
     for topic in _REPLAYS.get(identity.role, ()):
         # An ordered consumer: ephemeral, unnamed (so any filter, on a stream it reads whole),
         # with flow control answered by the client; the stream's head tells how far behind.

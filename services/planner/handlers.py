@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
+from nats.aio.subscription import Subscription
 from opentelemetry import trace
 
 from bus.client import Bus
@@ -30,6 +31,7 @@ from services.common.kv_follow import KvFollower
 from services.planner.cluster import ClusterView, Routed, migrated_reason
 from services.planner.decision import Decision, DecisionInputs, decide, rebind
 from services.planner.disagg import DisaggSettings
+from services.planner.intake_gate import HOLD_S, IntakeGate
 from services.planner.metrics import PlannerMetrics
 from services.planner.output_length import OutputLengthPredictor
 from services.planner.overlaps import OverlapAsker, Overlaps
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 # itself is made without a pause (but for a session binding's round trip to etcd) on the state
 # the requests routed before it left.
 ROUTING_CONCURRENCY = 64
+# How often a replica weighs leaving the shared intake, or taking it again.
+GATE_EVERY_S = 0.25
 
 
 class Planner:
@@ -69,6 +73,8 @@ class Planner:
         self._sessions = sessions
         self._source = f"planner/{instance_id}"
         self.cluster = ClusterView()
+        self.intake = IntakeGate()
+        self._intake: Subscription | None = None
         # Requests (id, attempt) being routed now: consumed up to ROUTING_CONCURRENCY at once.
         self._routing: dict[tuple[str, int], asyncio.Event] = {}
         self.metrics = PlannerMetrics(self.cluster)
@@ -89,11 +95,45 @@ class Planner:
 
         await self._bus.subscribe(Subjects.worker_terminals, on_terminal)
         await self._bus.subscribe(Subjects.all_load, self.on_load)
-        await self._bus.consume(PLANNER_INTAKE, self.on_request, concurrency=ROUTING_CONCURRENCY)
+        await self._take_requests()
+
+    async def _take_requests(self) -> None:
+        self._intake = await self._bus.consume(
+            PLANNER_INTAKE, self.on_request, concurrency=ROUTING_CONCURRENCY
+        )
+
+    async def keep_intake(self, others: Callable[[], Awaitable[int]]) -> None:
+        """Leave the intake to the other replicas (``others()``: how many are registered)
+        while requests come here late, and take it again (:class:`IntakeGate`); forever."""
+        while True:
+            await asyncio.sleep(GATE_EVERY_S)
+            if self._intake is None:
+                continue
+            if (
+                self.intake.taking
+                and self.intake.late()
+                # Led from this replica's own server, the intake's lateness is upstream of it
+                # (the requests' stream led from a slow host): every replica's requests come
+                # late, and one of them must keep taking them.
+                and not await self._bus.leads_here(PLANNER_INTAKE)
+                and self.intake.leave(await others())
+            ):
+                log.warning(
+                    "%s: requests come late here; leaving them to the other replicas for %.0f s",
+                    self._source,
+                    HOLD_S,
+                )
+                self.metrics.intake_left.inc()
+                await self._bus.leave(self._intake)
+            elif self.intake.back():
+                log.warning("%s: taking requests again", self._source)
+                await self._take_requests()
 
     async def on_request(self, event: RequestAccepted) -> None:
         if event.request_id is None:
             return
+        if event.spec.attempt == 0:  # a later attempt's was accepted when the first was
+            self.intake.heard(event.source, event.occurred_at.timestamp())
         key = (event.request_id, event.spec.attempt)
         while (earlier := self._routing.get(key)) is not None:
             # A redelivery while its first delivery is still routing: it waits for that one,

@@ -16,7 +16,13 @@ from bus.client import Bus
 from bus.etcd_space import guard_space
 from bus.kv_source import BusKvSource, FoldSettings
 from bus.permissions import leader_step_downs
-from bus.registry import LeasedKey, assign_roles, connect_etcd, watch_workers
+from bus.registry import (
+    PLANNERS_PREFIX,
+    LeasedKey,
+    assign_roles,
+    connect_etcd,
+    watch_workers,
+)
 from bus.runtime import run_service
 from bus.sessions import SessionStore
 from bus.topology import Subjects
@@ -159,6 +165,17 @@ async def _fold(bus: Bus, etcd: aetcd.Client, settings: PlannerSettings) -> KvFo
     return follower
 
 
+async def other_planners(etcd: aetcd.Client, settings: PlannerSettings) -> int:
+    """How many other planner replicas are registered; 0 while etcd does not answer (a
+    replica leaves the intake only to others known to be there)."""
+    try:
+        found = await asyncio.wait_for(etcd.get_prefix(PLANNERS_PREFIX, keys_only=True), 3.0)
+    except Exception:
+        return 0
+    mine = PLANNERS_PREFIX + settings.instance_id.encode()
+    return sum(1 for kv in found if kv.key != mine)
+
+
 async def _keep_up(follower: KvFollower, interval_s: float) -> None:
     loop = asyncio.get_running_loop()
     while True:
@@ -208,6 +225,10 @@ def main() -> None:
             lengths=OutputLengthPredictor() if settings.output_length == "predicted" else None,
             follower=follower,
         )
+        liveness = planner.cluster.liveness
+        # A replica that hears every worker late, or its requests late, is behind a slow link
+        # itself: every leader answers it late, and the others' step-down asks suffice.
+        bus.asks_unless(lambda: liveness.behind() or planner.intake.late())
         tasks = [
             asyncio.create_task(watch_workers(etcd, planner.on_workers)),
             # etcd past its quota refuses the sessions' writes: every replica watches for it.
@@ -238,6 +259,9 @@ def main() -> None:
         await planner.attach(capacity.on_finished if capacity is not None else None)
         presence = LeasedKey.planner(etcd, settings.instance_id, ttl_s=5)
         await presence.start()
+        tasks.append(
+            asyncio.create_task(planner.keep_intake(lambda: other_planners(etcd, settings)))
+        )
         metrics.ready_when("bus", lambda: bus.nc.is_connected)
         await stop.wait()
         await presence.stop()

@@ -108,6 +108,12 @@ class PlannerMetrics:
             "(decisions of an attempt after the first).",
             registry=self.registry,
         )
+        self.intake_left = Counter(
+            "laneway_planner_intake_left",
+            "Times this replica left the requests to the other replicas, its own coming late "
+            "(services.planner.intake_gate).",
+            registry=self.registry,
+        )
         self.output_length_error = Histogram(
             "laneway_planner_output_length_error_tokens",
             "How far the output length a request was routed with was from what it generated "

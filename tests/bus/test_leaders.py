@@ -77,3 +77,22 @@ async def test_an_ask_that_failed_is_asked_again_soon_and_one_that_worked_is_not
     steward.unanswered(route)  # it worked: not again before EVERY_S
     await asyncio.sleep(0.2)
     assert asked == answers
+
+
+async def test_an_asker_behind_a_slow_link_itself_asks_no_leader(bus: Bus) -> None:
+    asked: list[str] = []
+
+    async def on_ask(msg: Msg) -> None:
+        asked.append(msg.subject)
+
+    await bus.nc.subscribe("$JS.API.STREAM.LEADER.STEPDOWN.*", cb=on_ask)
+    await at_server(bus.nc)
+    steward = LeaderSteward(bus.nc, leader_step_downs("planner"))
+    behind = True
+    steward.behind = lambda: behind
+    steward.unanswered(Subjects.route("w1").subject)
+    await asyncio.sleep(0.2)
+    assert asked == []
+    behind = False
+    steward.unanswered(Subjects.route("w1").subject)
+    await eventually(lambda: len(asked) == 1, message="not asked once caught up")

@@ -58,6 +58,8 @@ NEEDED: dict[str, set[str]] = {
         *_READS,
         f"{_API}.STREAM.LEADER.STEPDOWN.LW_ROUTES",
         f"{_API}.STREAM.LEADER.STEPDOWN.LW_CONTROL",
+        # Which server leads its intake (services.planner.intake_gate).
+        f"{_API}.CONSUMER.INFO.LW_REQUESTS.planner",
     },
     "kv-indexer": {*_READS, f"{_API}.STREAM.PURGE.{BUCKET}"},
 }
