@@ -24,8 +24,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-# A worker reports its load at least every 0.5 s (LANEWAY_LOAD_REPORT_INTERVAL_S; every 50 ms
-# while busy): one silent for four such intervals is taken for dead or frozen.
+# A worker reports its load at least every 0.5 s (LANEWAY_LOAD_REPORT_INTERVAL_S; within 50 ms
+# of a request queuing, starting or ending): one silent for four such intervals is taken for
+# dead or frozen.
 QUIET_S = 2.0
 # How much later than usual a worker's reports may come before it counts as quiet: well past a
 # loaded event loop's lag (tenths of a second on two cores), well short of a request's patience.

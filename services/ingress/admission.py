@@ -23,8 +23,8 @@ Several ingress replicas share the cluster: each counts its own requests exactly
 others' from the workers' load reports (running + waiting: every replica's requests) less the
 most of its own that the reports can show: its highest count over the ``report_lag_s`` before
 each report came. So its own requests are never counted twice, and a burst by several replicas
-at once overshoots by at most what they admit within one report interval (a busy worker reports
-every 50 ms), which the workers' own queues absorb.
+at once overshoots by at most what they admit within one report interval (a worker reports
+within 50 ms of a request queuing, starting or ending), which the workers' own queues absorb.
 
 An ingress that falls behind its own work (``pressure``: its event loop runs late, see
 :mod:`services.ingress.loop_lag`) has no room either until it catches up: a new request waits

@@ -109,15 +109,15 @@ class Planner:
             await asyncio.sleep(GATE_EVERY_S)
             if self._intake is None:
                 continue
-            if (
-                self.intake.taking
-                and self.intake.late()
+            if self.intake.taking and self.intake.late():
                 # Led from this replica's own server, the intake's lateness is upstream of it
                 # (the requests' stream led from a slow host): every replica's requests come
                 # late, and one of them must keep taking them.
-                and not await self._bus.leads_here(PLANNER_INTAKE)
-                and self.intake.leave(await others())
-            ):
+                if await self._bus.leads_here(PLANNER_INTAKE) or not self.intake.leave(
+                    await others()
+                ):
+                    await asyncio.sleep(HOLD_S)  # each look costs round trips
+                    continue
                 log.warning(
                     "%s: requests come late here; leaving them to the other replicas for %.0f s",
                     self._source,

@@ -34,8 +34,8 @@ class WorkerOptions:
     # Most tokens, prompt and completion together, of a request it takes; None: all its engine
     # holds. Registered: the ingress answers longer requests with context_length_exceeded.
     max_model_len: int | None = None
-    # While busy, a report at most this often (seconds): the planner's queue estimates are only
-    # as fresh as the last report.
+    # A report of a move of its load (runtime.moved) at most this often (seconds): the planner's
+    # queue estimates are only as fresh as the last report.
     busy_report_interval_s: float = 0.05
     # An ingress gets at most one token batch this often (seconds) while steps come faster; a
     # request's first tokens and its end go out at once. 0: every step's tokens at its end.
