@@ -54,7 +54,8 @@ from schemas.route_parts import KvMove, PrefillPlacement, RouteCandidate, TtftAl
 from schemas.sampling import SamplingParams, StructuredOutput
 
 # A worker's id, as a request names one (64 characters, as every worker id the bus carries).
-WorkerName = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+WORKER_NAME_MAX = 64
+WorkerName = Annotated[str, StringConstraints(min_length=1, max_length=WORKER_NAME_MAX)]
 
 
 class RequestSpec(Frozen):

@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from schemas.block_hash import chain_block_hashes, salt_root
-from schemas.events import RequestFailed, RequestFinished, RequestSpec, TerminalEvent, Usage
+from schemas.events import (
+    WORKER_NAME_MAX,
+    RequestFailed,
+    RequestFinished,
+    RequestSpec,
+    TerminalEvent,
+    Usage,
+)
 
 MIGRATION_LIMIT = 3
 # RequestSpec.avoid_workers' bound.
@@ -17,9 +24,12 @@ def avoiding(spec: RequestSpec, unheard: Collection[str]) -> RequestSpec:
     """``spec`` avoiding the workers this ingress hears late or not at all as well: a planner
     behind a slow link hears them on time and the others late, while the answer's tokens come
     here (docs/operations.md, "Three hosts"). Those its earlier attempts left come first."""
-    if not unheard:
+    # A registered id no WorkerName can hold (no provisioned worker has one) is left out: it
+    # would make the request one no planner takes.
+    named = sorted(w for w in unheard if 0 < len(w) <= WORKER_NAME_MAX)
+    if not named:
         return spec
-    avoid = tuple(dict.fromkeys((*spec.avoid_workers, *sorted(unheard))))[:AVOID_AT_MOST]
+    avoid = tuple(dict.fromkeys((*spec.avoid_workers, *named)))[:AVOID_AT_MOST]
     if avoid == spec.avoid_workers:
         return spec
     return spec.model_copy(update={"avoid_workers": avoid})

@@ -18,9 +18,9 @@ from nats.js.errors import ServiceUnavailableError
 
 from bus.client import Bus
 from bus.permissions import Identity
-from bus.provision import ensure_streams
+from bus.provision import ensure_consumer, ensure_streams
 from bus.registry import LeasedKey, connect_etcd, watch_workers
-from bus.topology import CANCELS, REQUESTS, STREAM_SUBJECTS
+from bus.topology import CANCELS, PLANNER_INTAKE, REQUESTS, STREAM_SUBJECTS
 from infra.cluster_auth import ClusterAuth, secure
 from infra.embedded import EmbeddedServer, start_etcd_cluster, start_nats_cluster
 from schemas.codec import decode_event
@@ -225,3 +225,34 @@ async def test_bus_leaves_a_server_that_stops_answering(nats_nodes: list[Embedde
         victim.proc.send_signal(signal.SIGCONT)
     print(f"confirmed {time.monotonic() - started:.1f} s after its server froze")
     await bus.close()
+
+
+async def test_a_planner_tells_whether_its_own_server_leads_its_intake(
+    nats_nodes: list[EmbeddedServer], auth: ClusterAuth
+) -> None:
+    """With its own rights alone (services.planner.intake_gate asks before leaving); asked
+    again while the durable's leader is being elected (an earlier test restarted a server)."""
+    admin = await Bus.connect(",".join(node.url for node in nats_nodes), "intake-admin")
+    planners = [
+        await Bus.connect(
+            auth.credentials("nats", PLANNER.user).within(f"nats://127.0.0.1:{node.port}"),
+            f"intake-{i}",
+        )
+        for i, node in enumerate(nats_nodes)
+    ]
+    try:
+        await ensure_streams(admin.js, replicas=3)
+        await ensure_consumer(admin.js, PLANNER_INTAKE)
+
+        async def told() -> bool:
+            info = await admin.js.consumer_info(REQUESTS.name, PLANNER_INTAKE.durable)
+            leader = info.cluster.leader if info.cluster is not None else None
+            answers = [await p.leads_here(PLANNER_INTAKE) for p in planners]
+            return leader is not None and answers == [
+                f"nats-{i}" == leader for i in range(len(planners))
+            ]
+
+        await eventually(told, timeout=20, message="each planner's answer is not its server's")
+    finally:
+        for bus in (admin, *planners):
+            await bus.close()

@@ -32,3 +32,5 @@ def test_the_unheard_join_the_workers_left_and_nothing_is_copied_for_none() -> N
     many = avoiding(moved, {f"u{i:02}" for i in range(20)})
     assert len(many.avoid_workers) == AVOID_AT_MOST and many.avoid_workers[0] == "w1"
     RequestSpec.model_validate(many.model_dump())
+    # An id no worker name holds is left out rather than make the request invalid.
+    assert avoiding(plain, {"x" * 65, ""}) is plain
