@@ -133,8 +133,8 @@ class Bus:
         self._steward.undelivered(consumer)
 
     def asks_unless(self, behind: Callable[[], bool]) -> None:
-        """No leader is asked to step down while ``behind()``: this process hears every worker
-        late, so its own link is the slow one (``Liveness.behind``)."""
+        """No leader is asked to step down while ``behind()``: this process's own link is the
+        slow one (it hears every worker late, ``Liveness.behind``; a planner, its requests)."""
         self._steward.behind = behind
 
     @property

@@ -5,19 +5,7 @@ own link is the slow one)."""
 from __future__ import annotations
 
 from services.common.liveness import LATE_S, QUIET_S, RECENT_S, USUAL_S, Liveness
-
-
-class Clocks:
-    """The listener's monotonic and wall clocks, moved together."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def mono(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return 1_700_000_000.0 + self.now
+from tests.common.clocks import Clocks
 
 
 def _liveness(workers: tuple[str, ...]) -> tuple[Liveness, Clocks]:

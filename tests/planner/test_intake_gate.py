@@ -6,17 +6,7 @@ from __future__ import annotations
 
 from services.common.liveness import LATE_S, RECENT_S
 from services.planner.intake_gate import HOLD_S, IntakeGate
-
-
-class Clocks:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def mono(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return 1_700_000_000.0 + self.now
+from tests.common.clocks import Clocks
 
 
 def _heard(gate: IntakeGate, clocks: Clocks, delays: dict[str, float], seconds: float) -> None:
