@@ -130,29 +130,26 @@ class Liveness:
     def late(self, worker_id: str) -> bool:
         """Whether ``worker_id``'s reports come ``LATE_S`` later than usual, as :meth:`quiet`
         counts it."""
-        return worker_id in self._late(self._silent())
+        return worker_id in self._late(self.silent())
 
     def quiet(self) -> set[str]:
         """Registered workers not heard from for ``QUIET_S``, or whose reports come late."""
-        silent = self._silent()
+        silent = self.silent()
         return silent | self._late(silent)
-
-    def silent(self) -> set[str]:
-        """Registered workers not heard from for ``QUIET_S``: :meth:`quiet` but the late."""
-        return self._silent()
 
     def live(self) -> set[str]:
         """Registered workers heard from within ``QUIET_S``, on time."""
         return self._heard.keys() - self.quiet()
 
-    def _silent(self) -> set[str]:
+    def silent(self) -> set[str]:
+        """Registered workers not heard from for ``QUIET_S``: :meth:`quiet` but the late."""
         horizon = self._clock() - self._quiet_s
         return {worker for worker, heard in self._heard.items() if heard < horizon}
 
     def behind(self) -> bool:
         """Every worker heard is late (two at least, one alone says little): the slow link is
         this listener's own."""
-        silent = self._silent()
+        silent = self.silent()
         heard = self._heard.keys() - silent
         return len(heard) > 1 and heard <= self._late_ones(silent)
 
