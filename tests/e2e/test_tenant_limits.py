@@ -16,15 +16,17 @@ MODEL = "laneway-sim"
 TWO_SLOTS = {"LANEWAY_MAX_NUM_SEQS": "2"}
 
 
-async def _opened(base_url: str, key: str, i: int, hold: asyncio.Event) -> tuple[int, str]:
-    """A long stream on a connection of its own; its status and error code, the stream held
-    open until every other has its answer (so that each served one is in flight meanwhile)."""
-    body = {"model": MODEL, "prompt": f"long request {i} " * 4, "max_tokens": 400, "stream": True}
+async def _opened(
+    http: httpx.AsyncClient, key: str, i: int, hold: asyncio.Event
+) -> tuple[int, str]:
+    """A long stream on a connection of its own (the pool opens one per stream in flight); its
+    status and error code, the stream held open until every other has its answer. The stream
+    outlasts the hold by far (4,000 tokens, and the client reads none of them meanwhile, so the
+    server soon waits on the socket): a served one is in flight until the hold ends, and no slot
+    is given back for a later request to take."""
+    body = {"model": MODEL, "prompt": f"long request {i} " * 4, "max_tokens": 4000, "stream": True}
     headers = {"Authorization": f"Bearer {key}"}
-    async with (
-        httpx.AsyncClient(base_url=base_url, timeout=60) as http,
-        http.stream("POST", "/completions", json=body, headers=headers) as reply,
-    ):
+    async with http.stream("POST", "/completions", json=body, headers=headers) as reply:
         code = ""
         if reply.status_code != 200:
             code = json.loads(await reply.aread())["error"]["code"]
@@ -40,13 +42,14 @@ def test_a_tenants_concurrency_holds_across_ingress_replicas(
 
     async def burst() -> list[tuple[int, str]]:
         hold = asyncio.Event()
-        tasks = [
-            asyncio.create_task(_opened(cluster.config.base_url, key, i, hold)) for i in range(24)
-        ]
-        # Every answer is in (a 429 at once, a 200 at its first token) before any stream ends.
-        await asyncio.sleep(3)
-        hold.set()
-        return await asyncio.gather(*tasks)
+        # One client made beforehand: the requests go out together, not one client's TLS
+        # set-up apart each.
+        async with httpx.AsyncClient(base_url=cluster.config.base_url, timeout=60) as http:
+            tasks = [asyncio.create_task(_opened(http, key, i, hold)) for i in range(24)]
+            # Every answer is in (a 429 at once, a 200 at its first token) before any ends.
+            await asyncio.sleep(3)
+            hold.set()
+            return await asyncio.gather(*tasks)
 
     answers = asyncio.run(burst())
     served = [a for a in answers if a[0] == 200]
