@@ -34,6 +34,7 @@ from bus.api_keys import KEYS_PREFIX
 from bus.channels import Channel, Consumer, Endpoint, QueryEndpoint
 from bus.credentials import inbox_prefix
 from bus.registry import (
+    INTAKE_AWAY_KEY,
     LEADER_KEY,
     PLANNERS_PREFIX,
     ROLES_PREFIX,
@@ -255,6 +256,7 @@ def etcd_grants(identity: Identity) -> tuple[KeyGrant, ...]:
                 workers,
                 KeyGrant(PLANNERS_PREFIX, prefix=True, write=True),
                 KeyGrant(LEADER_KEY, prefix=False, write=True),
+                KeyGrant(INTAKE_AWAY_KEY, prefix=False, write=True),
                 KeyGrant(ROLES_PREFIX, prefix=True, write=True),
                 KeyGrant(SESSIONS_PREFIX, prefix=True, write=True),
             )

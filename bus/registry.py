@@ -37,6 +37,8 @@ ROLES_PREFIX = b"/laneway/roles/"
 CLAIMS_PREFIX = b"/laneway/claims/"
 # Held by the planner replica that runs the capacity loop.
 LEADER_KEY = b"/laneway/planner/leader"
+# Held by the one planner replica out of the requests' intake (services.planner.intake_turn).
+INTAKE_AWAY_KEY = b"/laneway/planner/intake-away"
 
 
 def etcd_endpoints(endpoints: str) -> list[tuple[str, int]]:
@@ -197,6 +199,10 @@ class LeasedKey:
         return cls(client, LEADER_KEY, instance_id.encode(), ttl_s, renew=False)
 
     @classmethod
+    def intake_away(cls, client: aetcd.Client, instance_id: str, ttl_s: int) -> LeasedKey:
+        return cls(client, INTAKE_AWAY_KEY, instance_id.encode(), ttl_s, renew=False)
+
+    @classmethod
     def planner(cls, client: aetcd.Client, instance_id: str, ttl_s: int) -> LeasedKey:
         """A planner replica that is consuming requests (operators, readiness checks)."""
         return cls(client, PLANNERS_PREFIX + instance_id.encode(), str(os.getpid()).encode(), ttl_s)
@@ -230,7 +236,6 @@ class LeasedKey:
         if found is not None and found.value == self._value:
             return True
         await self.stop()  # lost it: campaign afresh next time
-        self._task = self._lease = None
         return False
 
     async def update(self, value: bytes) -> None:
@@ -273,6 +278,7 @@ class LeasedKey:
             # expires by itself after its TTL anyway.
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._lease.revoke(), REVOKE_TIMEOUT_S)
+        self._task = self._lease = None
 
 
 WorkersChanged = Callable[[dict[str, WorkerRegistration]], Awaitable[None]]

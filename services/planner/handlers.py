@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from nats.aio.subscription import Subscription
 from opentelemetry import trace
@@ -32,6 +32,7 @@ from services.planner.cluster import ClusterView, Routed, migrated_reason
 from services.planner.decision import Decision, DecisionInputs, decide, rebind
 from services.planner.disagg import DisaggSettings
 from services.planner.intake_gate import HOLD_S, IntakeGate
+from services.planner.intake_turn import IntakeTurn
 from services.planner.metrics import PlannerMetrics
 from services.planner.output_length import OutputLengthPredictor
 from services.planner.overlaps import OverlapAsker, Overlaps
@@ -102,9 +103,9 @@ class Planner:
             PLANNER_INTAKE, self.on_request, concurrency=ROUTING_CONCURRENCY
         )
 
-    async def keep_intake(self, others: Callable[[], Awaitable[int]]) -> None:
-        """Leave the intake to the other replicas (``others()``: how many are registered)
-        while requests come here late, and take it again (:class:`IntakeGate`); forever."""
+    async def keep_intake(self, turn: IntakeTurn) -> None:
+        """Leave the intake to the other replicas while requests come here late, when it is
+        this replica's turn (``turn``), and take it again (:class:`IntakeGate`); forever."""
         while True:
             await asyncio.sleep(GATE_EVERY_S)
             if self._intake is None:
@@ -113,9 +114,7 @@ class Planner:
                 # Led from this replica's own server, the intake's lateness is upstream of it
                 # (the requests' stream led from a slow host): every replica's requests come
                 # late, and one of them must keep taking them.
-                if await self._bus.leads_here(PLANNER_INTAKE) or not self.intake.leave(
-                    await others()
-                ):
+                if await self._bus.leads_here(PLANNER_INTAKE) or not await turn.take():
                     await asyncio.sleep(HOLD_S)  # each look costs round trips
                     continue
                 log.warning(
@@ -123,11 +122,13 @@ class Planner:
                     self._source,
                     HOLD_S,
                 )
+                self.intake.leave()
                 self.metrics.intake_left.inc()
                 await self._bus.leave(self._intake)
             elif self.intake.back():
                 log.warning("%s: taking requests again", self._source)
                 await self._take_requests()
+                await turn.give_back()
 
     async def on_request(self, event: RequestAccepted) -> None:
         if event.request_id is None:

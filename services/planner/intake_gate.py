@@ -5,8 +5,9 @@ of them. A replica behind a slow link gets its share seconds late, and its route
 late (docs/operations.md, "Three hosts, the network failing": the second planner, on the host
 slowed to 512 kbit/s, took half the requests and confirmed their routes 3 to 7 s later). So a
 replica whose requests all come ``LATE_S`` later than usual (:class:`Delays`, the rule the
-workers' load reports are judged by) leaves the intake to the others, when there are others;
-after ``HOLD_S`` it takes requests again, and leaves again at the first that comes late.
+workers' load reports are judged by) leaves the intake to the others, when there are others and
+no other is out (:mod:`services.planner.intake_turn`); after ``HOLD_S`` it takes requests again,
+and leaves again at the first that comes late.
 
 If every replica's requests come late, the slow link is the intake's own (its leader's host):
 then they all leave for ``HOLD_S`` at worst, while the ingress has that leader step down.
@@ -53,12 +54,9 @@ class IntakeGate:
         recent = [d for d in self._delays.values() if d.newest >= now - RECENT_S]
         return bool(recent) and all(d.late(now) for d in recent)
 
-    def leave(self, others: int) -> bool:
-        """Whether to leave the intake now, ``others`` being the other replicas registered."""
-        if self._left_at is not None or not others or not self.late():
-            return False
+    def leave(self) -> None:
+        """Left the intake now (its requests came late, and it was this replica's turn)."""
         self._left_at = self._clock()
-        return True
 
     def back(self) -> bool:
         """Whether to take requests again now, having left ``HOLD_S`` ago."""

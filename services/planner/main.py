@@ -17,7 +17,6 @@ from bus.etcd_space import guard_space
 from bus.kv_source import BusKvSource, FoldSettings
 from bus.permissions import leader_step_downs
 from bus.registry import (
-    PLANNERS_PREFIX,
     LeasedKey,
     assign_roles,
     connect_etcd,
@@ -35,6 +34,7 @@ from services.planner.capacity import CapacityPlanner, CapacitySettings
 from services.planner.capacity_loop import CapacityLoop
 from services.planner.disagg import DisaggMode, DisaggSettings
 from services.planner.handlers import Planner
+from services.planner.intake_turn import IntakeTurn
 from services.planner.kv_policy import KvSettings
 from services.planner.output_length import OutputLengthPredictor
 from services.planner.policy_registry import make_policy
@@ -165,17 +165,6 @@ async def _fold(bus: Bus, etcd: aetcd.Client, settings: PlannerSettings) -> KvFo
     return follower
 
 
-async def other_planners(etcd: aetcd.Client, settings: PlannerSettings) -> int:
-    """How many other planner replicas are registered; 0 while etcd does not answer (a
-    replica leaves the intake only to others known to be there)."""
-    try:
-        found = await asyncio.wait_for(etcd.get_prefix(PLANNERS_PREFIX, keys_only=True), 3.0)
-    except Exception:
-        return 0
-    mine = PLANNERS_PREFIX + settings.instance_id.encode()
-    return sum(1 for kv in found if kv.key != mine)
-
-
 async def _keep_up(follower: KvFollower, interval_s: float) -> None:
     loop = asyncio.get_running_loop()
     while True:
@@ -260,7 +249,7 @@ def main() -> None:
         presence = LeasedKey.planner(etcd, settings.instance_id, ttl_s=5)
         await presence.start()
         tasks.append(
-            asyncio.create_task(planner.keep_intake(lambda: other_planners(etcd, settings)))
+            asyncio.create_task(planner.keep_intake(IntakeTurn(etcd, settings.instance_id)))
         )
         metrics.ready_when("bus", lambda: bus.nc.is_connected)
         await stop.wait()

@@ -1,6 +1,6 @@
-"""A planner replica whose requests all come late leaves the intake to the other replicas, if
-there are any, and takes it again after a while; judged per ingress, against each one's usual
-delay (its clock's offset)."""
+"""A planner replica whose requests all come late leaves the intake to the other replicas (when
+its turn allows: tests/planner/test_intake_turn.py), and takes it again after a while; judged per
+ingress, against each one's usual delay (its clock's offset)."""
 
 from __future__ import annotations
 
@@ -22,15 +22,14 @@ def test_a_replica_hearing_requests_late_leaves_them_to_others_and_comes_back() 
     gate = IntakeGate(clocks.mono, clocks.wall)
     # i2's clock runs 3 s behind: its requests look 3 s late, which is its usual.
     _heard(gate, clocks, {"i1": 0.01, "i2": 3.01}, 5)
-    assert not gate.late() and not gate.leave(others=1)
+    assert not gate.late()
     # Only i1's come late: not yet this replica's link.
     _heard(gate, clocks, {"i1": 0.01 + LATE_S + 1, "i2": 3.01}, RECENT_S + 0.2)
     assert not gate.late()
     _heard(gate, clocks, {"i1": 0.01 + LATE_S + 1, "i2": 3.01 + LATE_S + 1}, RECENT_S + 0.2)
     assert gate.late()
-    assert not gate.leave(others=0)  # the only replica keeps taking them
-    assert gate.leave(others=1) and not gate.taking
-    assert not gate.leave(others=1) and not gate.back()
+    gate.leave()
+    assert not gate.taking and not gate.back()
     clocks.now += HOLD_S
     assert gate.back() and gate.taking
     # Nothing heard since: nothing to call late until a request comes.
@@ -44,8 +43,9 @@ def test_after_coming_back_the_first_late_request_is_enough_to_leave_again() -> 
     gate = IntakeGate(clocks.mono, clocks.wall)
     _heard(gate, clocks, {"i1": 0.01}, 5)
     _heard(gate, clocks, {"i1": LATE_S + 2}, RECENT_S + 0.2)
-    assert gate.leave(others=1)
+    assert gate.late()
+    gate.leave()
     clocks.now += HOLD_S
     assert gate.back()
     gate.heard("i1", clocks.wall() - (LATE_S + 2))
-    assert gate.leave(others=1)
+    assert gate.late()

@@ -1,5 +1,6 @@
 """Two planner replicas on a real nats-server share the intake; one whose requests come late
-leaves them all to the other, and takes its share again after ``HOLD_S``."""
+leaves them all to the other, and takes its share again after ``HOLD_S``; when both hear them
+late, only one leaves."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from bus.client import Bus
+from bus.registry import LeasedKey, connect_etcd
 from bus.topology import PLANNER_INTAKE, REQUESTS, Subjects
 from infra.embedded import EmbeddedServer
 from schemas.events import Event, RequestAccepted, RequestPlaced
 from services.planner import handlers, intake_gate
 from services.planner.handlers import Planner
+from services.planner.intake_turn import IntakeTurn
 from services.planner.policy_registry import make_policy
 from tests.helpers import eventually, registration
 from tests.ingress.helpers import request_spec
@@ -24,7 +27,10 @@ REPLY_TO = "intakelive"
 
 
 async def test_a_replica_whose_requests_come_late_leaves_them_to_the_other(
-    nats_bus: Bus, nats_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+    nats_bus: Bus,
+    nats_server: EmbeddedServer,
+    own_etcd: EmbeddedServer,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(intake_gate, "HOLD_S", 1.5)
     monkeypatch.setattr(handlers, "HOLD_S", 1.5)
@@ -42,12 +48,14 @@ async def test_a_replica_whose_requests_come_late_leaves_them_to_the_other(
     buses = [await Bus.connect(nats_server.url, f"p{i}") for i in range(2)]
     slow, steady = (Planner(b, make_policy("round_robin"), name) for b, name in
                     zip(buses, ("slow", "steady"), strict=True))  # fmt: skip
+    etcd = connect_etcd(own_etcd.url)
     keeping = []
-    # Each believes the other is there, but the steady one, which is told it is alone.
-    for planner, others in ((slow, 1), (steady, 0)):
+    # Both registered, as planner/main does: each takes its turn out of the intake on etcd.
+    for planner, name in ((slow, "slow"), (steady, "steady")):
         await planner.on_workers({"w": registration("w")})
         await planner.attach()
-        keeping.append(asyncio.create_task(planner.keep_intake(lambda n=others: _count(n))))
+        await LeasedKey.planner(etcd, name, ttl_s=5).start()
+        keeping.append(asyncio.create_task(planner.keep_intake(IntakeTurn(etcd, name))))
     sent = 0
 
     async def send(count: int, age_s: float) -> None:
@@ -80,12 +88,18 @@ async def test_a_replica_whose_requests_come_late_leaves_them_to_the_other(
         await send(30, 0.0)
         await eventually(lambda: sum(placed.values()) == sent)
         assert placed["planner/slow"] > before
+        # Both hear them late (a healed link's backlog): one leaves, the other keeps taking them.
+        left = slow.metrics.intake_left._value.get() + steady.metrics.intake_left._value.get()
+        await send(30, 3.0)
+        await eventually(lambda: not (slow.intake.taking and steady.intake.taking))
+        await asyncio.sleep(1.0)
+        assert slow.intake.taking or steady.intake.taking
+        now_left = slow.metrics.intake_left._value.get() + steady.metrics.intake_left._value.get()
+        assert now_left == left + 1
+        await eventually(lambda: sum(placed.values()) == sent)
     finally:
         for task in keeping:
             task.cancel()
         for b in buses:
             await b.close()
-
-
-async def _count(n: int) -> int:
-    return n
+        await etcd.close()
