@@ -119,6 +119,11 @@ class OfflineReplay(ReplaySteps):
         # Decode-side state of requests whose prompt a prefill worker is computing.
         self._handoffs: dict[int, tuple[int, EngineRequest, int]] = {}
 
+    @property
+    def lengths(self) -> OutputLengths:
+        """The output lengths the planner is told, and what its predictor learned."""
+        return self._lengths
+
     def run(self) -> ReplayResult:
         # Millions of short-lived objects and no cycles worth collecting: the collector's passes
         # over the long-lived ones (records, engine state) are a tenth of a replay.

@@ -127,6 +127,11 @@ class OutputLengths:
         self._abs_error = self._error = 0.0
         self._pct_error = 0.0
         self._count = 0
+        self._routed = 0
+        # When asked for (a list): each lesson as (requests routed before it, request number,
+        # prompt tokens, output tokens), in the order the predictor learned them, so that a
+        # live planner can be taught the same (tests/planner/test_decision_parity.py).
+        self.lessons: list[tuple[int, int, int, int]] | None = None
 
     @property
     def learns(self) -> bool:
@@ -135,6 +140,7 @@ class OutputLengths:
 
     def route(self, key: int, prompt_tokens: int, true_tokens: int) -> tuple[int, int | None]:
         """``(max_tokens, expected_tokens)`` of request ``key`` as the planner sees it."""
+        self._routed += 1
         if self._mode == "oracle":
             return true_tokens, None
         if self._mode == "max-tokens":
@@ -149,6 +155,8 @@ class OutputLengths:
         if expected is None:
             return
         self._predictor.observe(None, prompt_tokens, output_tokens)
+        if self.lessons is not None:
+            self.lessons.append((self._routed, key, prompt_tokens, output_tokens))
         error = expected - output_tokens
         self._count += 1
         self._error += error

@@ -1,7 +1,9 @@
 """The live planner and the offline replay decide alike: one recorded sequence of decision inputs,
 taken from an offline replay, is played to the live planner's handlers over a real NATS and etcd
 (the same registrations, load reports, overlaps and finished requests), and every decision it
-publishes equals the offline one, field for field; each can be made again from its event alone."""
+publishes equals the offline one, field for field; each can be made again from its event alone.
+The output length predictor is on in both: the live one learns from the finished requests, in the
+order the offline one did, and predicts the same lengths."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from bus.client import Bus
 from bus.registry import LeasedKey, connect_etcd, watch_workers
 from bus.topology import Subjects
 from infra.bench.offline import OfflineReplay
+from infra.bench.tiers import TierSettings
 from infra.bench.traces import TraceRequest
 from infra.cluster_auth import ClusterAuth
 from infra.embedded import EmbeddedServer
@@ -36,6 +39,7 @@ from services.planner.decision import Decision, DecisionInputs
 from services.planner.disagg import DisaggSettings
 from services.planner.handlers import Planner
 from services.planner.kv_policy import KvAware, KvSettings
+from services.planner.output_length import OutputLengthPredictor
 from services.planner.policy import WorkerView
 from services.planner.replay import differences, redecide
 from tests.helpers import eventually
@@ -69,11 +73,18 @@ def _policy() -> KvAware:
     return KvAware(KvSettings(perf_model=CONFIG.perf_model), seed=3)
 
 
-def _offline() -> list[tuple[DecisionInputs, Decision]]:
-    replay = OfflineReplay(_trace(), _policy(), 2, CONFIG, prefill_workers=1, disagg=DISAGG)
-    replay.decisions = []
+Lesson = tuple[int, int, int, int]
+
+
+def _offline() -> tuple[list[tuple[DecisionInputs, Decision]], list[Lesson]]:
+    """The decisions, and what the predictor learned before each (``OutputLengths.lessons``)."""
+    predicted = TierSettings(output_length="predicted")
+    replay = OfflineReplay(
+        _trace(), _policy(), 2, CONFIG, prefill_workers=1, disagg=DISAGG, tiers=predicted
+    )
+    replay.decisions, replay.lengths.lessons = [], []
     replay.run()
-    return replay.decisions
+    return replay.decisions, replay.lengths.lessons
 
 
 def _registration(worker_id: str, role: str) -> WorkerRegistration:
@@ -103,15 +114,26 @@ def own_etcd(tmp_path: Path) -> Iterator[EmbeddedServer]:
 async def test_live_and_offline_decide_alike_field_for_field(
     bus: Bus, own_etcd: EmbeddedServer
 ) -> None:
-    recorded = _offline()
+    recorded, lessons = _offline()
     assert any(d.prefill_worker_id for _, d in recorded), "no remote prefill to compare"
     assert any(d.prefill_worker_id is None for _, d in recorded)
+    # Learned lengths, some taught before later decisions: predictions that change.
+    expected = {d.expected_output_tokens for _, d in recorded}
+    assert None not in expected and len(expected) > 2, expected
+    assert lessons and lessons[0][0] < len(recorded)
     first = recorded[0][0]
     roles = {w.worker_id: "decode" for w in first.decoders}
     roles |= {w.worker_id: "prefill" for w in first.prefillers}
 
     etcd = connect_etcd(own_etcd.url)
-    planner = Planner(bus, _policy(), "parity", overlap_timeout_s=2.0, disagg=DISAGG)
+    planner = Planner(
+        bus,
+        _policy(),
+        "parity",
+        overlap_timeout_s=2.0,
+        disagg=DISAGG,
+        lengths=OutputLengthPredictor(),
+    )
     leases = [LeasedKey.worker(etcd, _registration(w, r), ttl_s=10) for w, r in roles.items()]
     for lease in leases:
         await lease.start()
@@ -137,14 +159,15 @@ async def test_live_and_offline_decide_alike_field_for_field(
     try:
         await eventually(lambda: len(planner.cluster.workers) == len(roles))
         open_routes: dict[str, list[str]] = {w: [] for w in roles}
-        for inputs, offline in recorded:
+        for k, (inputs, offline) in enumerate(recorded):
             cached = {
                 v.worker_id: v.cached_blocks
                 for v in [*inputs.decoders, *inputs.prefillers]
                 if v.cached_blocks
             }
             overlaps[inputs.request.block_hashes] = cached
-            await _as_offline_saw_it(bus, planner, inputs, cached, open_routes, roles)
+            taught = [lesson for lesson in lessons if lesson[0] == k]
+            await _as_offline_saw_it(bus, planner, inputs, cached, open_routes, roles, taught)
             await bus.publish(Subjects.request_accepted, _accepted(inputs))
             event_id = f"route-{inputs.request.request_id}"
             live = await eventually(partial(published.get, event_id), timeout=10)
@@ -168,13 +191,19 @@ async def _as_offline_saw_it(
     cached: dict[str, int],
     open_routes: dict[str, list[str]],
     roles: dict[str, str],
+    taught: list[Lesson],
 ) -> None:
     """Bring the live planner's view to what the offline replay saw: the requests offline had
-    finished by then end (oldest first), and every worker reports the load it had."""
+    finished by then end, in the order its predictor learned them, with their lengths, and
+    every worker reports the load it had."""
+    for _, i, prompt_tokens, output_tokens in taught:
+        request_id = f"r{i}"
+        worker_id = next(w for w, ids in open_routes.items() if request_id in ids)
+        open_routes[worker_id].remove(request_id)
+        finished = _finished(request_id, worker_id, prompt_tokens, output_tokens)
+        await bus.publish(Subjects.request_terminal(REPLY_TO, worker_id), finished)
     for view in inputs.decoders:
-        while len(open_routes[view.worker_id]) > view.in_flight:
-            finished = _finished(open_routes[view.worker_id].pop(0), view.worker_id)
-            await bus.publish(Subjects.request_terminal(REPLY_TO, view.worker_id), finished)
+        assert len(open_routes[view.worker_id]) == view.in_flight, view.worker_id
     for view in [*inputs.decoders, *inputs.prefillers]:
         await bus.publish(Subjects.load(view.worker_id), _load(view, roles))
     await eventually(
@@ -197,13 +226,15 @@ def _load(view: WorkerView, roles: dict[str, str]) -> WorkerLoadReported:
     )
 
 
-def _finished(request_id: str, worker_id: str) -> RequestFinished:
+def _finished(
+    request_id: str, worker_id: str, prompt_tokens: int, output_tokens: int
+) -> RequestFinished:
     return RequestFinished(
         source="test/parity",
         request_id=request_id,
         worker_id=worker_id,
         finish_reason="length",
-        usage=Usage(prompt_tokens=1, completion_tokens=1),
+        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=output_tokens),
         ttft_ms=1.0,
         e2e_ms=2.0,
     )
