@@ -50,12 +50,13 @@ async def test_a_replica_whose_requests_come_late_leaves_them_to_the_other(
                     zip(buses, ("slow", "steady"), strict=True))  # fmt: skip
     etcd = connect_etcd(own_etcd.url)
     keeping = []
-    # Both registered, as planner/main does: each takes its turn out of the intake on etcd.
+    # Each takes its turn out of the intake on etcd. Only the steady one is registered at
+    # first, so that it alone sees no other replica to leave the requests to, and stays.
     for planner, name in ((slow, "slow"), (steady, "steady")):
         await planner.on_workers({"w": registration("w")})
         await planner.attach()
-        await LeasedKey.planner(etcd, name, ttl_s=5).start()
         keeping.append(asyncio.create_task(planner.keep_intake(IntakeTurn(etcd, name))))
+    await LeasedKey.planner(etcd, "steady", ttl_s=5).start()
     sent = 0
 
     async def send(count: int, age_s: float) -> None:
@@ -88,7 +89,9 @@ async def test_a_replica_whose_requests_come_late_leaves_them_to_the_other(
         await send(30, 0.0)
         await eventually(lambda: sum(placed.values()) == sent)
         assert placed["planner/slow"] > before
-        # Both hear them late (a healed link's backlog): one leaves, the other keeps taking them.
+        # Both registered, both hear them late (a healed link's backlog): one leaves, the
+        # other keeps taking them.
+        await LeasedKey.planner(etcd, "slow", ttl_s=5).start()
         left = slow.metrics.intake_left._value.get() + steady.metrics.intake_left._value.get()
         await send(30, 3.0)
         await eventually(lambda: not (slow.intake.taking and steady.intake.taking))
