@@ -29,6 +29,7 @@ from bus.channels import (
 )
 from schemas.events import (
     CancellationRequested,
+    CapacityReviewed,
     KvBlocksRemoved,
     KvBlocksStored,
     KvChanged,
@@ -224,6 +225,16 @@ ROLE_MOVES: Channel[RolesRebalanced] = Channel(
     CONTROL,
     "the capacity loop's moves between the pools (workers take roles from etcd); replayable",
 )
+CAPACITY_REVIEWS: Channel[CapacityReviewed] = Channel(
+    "lw.ctl.capacity",
+    (CapacityReviewed,),
+    ("planner (capacity loop)",),
+    ("operators (laneway status)",),
+    "confirmed",
+    CONTROL,
+    "each interval's look of the capacity loop: what it saw and did, and the targets no move "
+    "between the pools can meet",
+)
 PLANNER_SETTINGS: Channel[PlannerConfigured] = Channel(
     "lw.ctl.planner",
     (PlannerConfigured,),
@@ -247,6 +258,7 @@ CHANNELS: tuple[Channel[Any], ...] = (
     TOKEN_DELTAS,
     LOAD_REPORTS,
     ROLE_MOVES,
+    CAPACITY_REVIEWS,
     PLANNER_SETTINGS,
 )
 STREAM_SUBJECTS = stream_subjects(CHANNELS)
@@ -321,6 +333,7 @@ class Subjects:
     all_kv = KV_EVENTS.every
     all_load = LOAD_REPORTS.every
     roles_rebalanced = ROLE_MOVES.subject
+    capacity_reviewed = CAPACITY_REVIEWS.subject
     planner_configured = PLANNER_SETTINGS.subject
     # Decisions and hand-off arrivals.
     all_routes: Topic[RouteDecided | KvTransferred] = view("lw.route.>", ROUTE, TRANSFERRED)

@@ -27,11 +27,12 @@ from nats.js.errors import NotFoundError
 
 from bus.credentials import inbox_prefix, nats_options, split_credentials
 from bus.registry import LEADER_KEY, PLANNERS_PREFIX, WORKERS_PREFIX, connect_etcd
-from bus.topology import KV, LOAD, Subjects, worker_routes
+from bus.topology import CONTROL, KV, LOAD, Subjects, worker_routes
 from infra import up_processes
 from infra.status_tables import render
 from schemas.codec import decode_event
-from schemas.events import WorkerLoadReported
+from schemas.envelope import Envelope
+from schemas.events import CapacityReviewed, WorkerLoadReported
 from schemas.messages import WorkerRegistration
 
 # A status that waits on a dead server is no status: each server gets this long to answer.
@@ -134,6 +135,7 @@ async def gather(
             if found["nats"]["jetstream"]["enabled"]:
                 found["streams"], found["consumers"] = await _streams(js)
                 await _add_loads(js, found["workers"], now)
+                found["planner"]["capacity"] = await _capacity(js, now)
     finally:
         if nc is not None:
             await nc.close()
@@ -321,6 +323,22 @@ async def _add_loads(js: JetStreamContext, workers: list[dict[str, Any]], now: d
             kv_usage=report.kv_blocks_used / max(1, report.kv_blocks_total),
             report_age_s=(now - report.occurred_at).total_seconds(),
         )
+
+
+async def _capacity(js: JetStreamContext, now: datetime) -> dict[str, Any] | None:
+    """The capacity loop's last look (``--autoscale`` only): what it saw and did, and the
+    targets no move between the pools can meet."""
+    try:
+        msg = await js.get_last_msg(CONTROL.name, Subjects.capacity_reviewed.subject)
+    except NotFoundError:
+        return None
+    review = decode_event(msg.data or b"")
+    if not isinstance(review, CapacityReviewed):
+        return None
+    return {
+        **review.model_dump(mode="json", exclude=set(Envelope.model_fields) | {"type"}),
+        "age_s": (now - review.occurred_at).total_seconds(),
+    }
 
 
 def _mark_orphans(found: dict[str, Any]) -> None:

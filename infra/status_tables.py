@@ -85,12 +85,29 @@ def _services(found: dict[str, Any]) -> list[str]:
         local = "-" if s["processes"] is None else f"{s['processes']} ({s['ready']} ready)"
         rows.append([s["service"], _opt(s["replicas"]), local, note])
     lines = _table("SERVICES", ["service", "replicas", "local procs", "seen in"], rows)
+    capacity = found["planner"].get("capacity")
+    if capacity is not None:
+        lines.append(_capacity_line(capacity))
     for p in found["processes"]:
         if not p["alive"]:
             lines.append(f"  ! {p['name']} (pid {p['pid']}) is not running")
         elif p.get("ready") is False:
             lines.append(f"  ! {p['name']} (pid {p['pid']}): {p['readiness']}")
     return lines
+
+
+def _capacity_line(c: dict[str, Any]) -> str:
+    """The capacity loop's last look, a target out of reach first."""
+    pool = f" ({c['model']})" if c["model"] else ""
+    seen = (
+        f"TTFT p95 {_opt(c['ttft_p95_ms'], '{:.0f}')}/{c['ttft_target_ms']:.0f} ms, "
+        f"ITL p95 {_opt(c['itl_p95_ms'], '{:.1f}')}/{c['itl_target_ms']:.1f} ms, "
+        f"{c['prefill_workers']}P+{c['decode_workers']}D, {c['age_s']:.0f}s ago"
+    )
+    if c["out_of_reach"]:
+        targets = " and ".join(t.upper() for t in c["out_of_reach"])
+        return f"  ! capacity{pool}: {targets} out of reach of any move: {c['reason']} ({seen})"
+    return f"  capacity{pool}: {c['reason']} ({seen})"
 
 
 def _workers(found: dict[str, Any]) -> list[str]:

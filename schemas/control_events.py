@@ -1,5 +1,5 @@
 """The control plane's events: each worker's load and measured step costs, the capacity loop's
-moves between the pools, and each planner replica's settings."""
+looks and moves between the pools, and each planner replica's settings."""
 
 from __future__ import annotations
 
@@ -64,6 +64,29 @@ class RolesRebalanced(Envelope):
     type: Literal["RolesRebalanced"] = "RolesRebalanced"
     moves: tuple[RoleMove, ...]
     reason: str
+
+
+class CapacityReviewed(Envelope):
+    """The capacity loop's look at one interval of one pool of workers: what it saw, what it did,
+    and which targets no move between the prefill and decode pools can meet now."""
+
+    type: Literal["CapacityReviewed"] = "CapacityReviewed"
+    model: str | None = Field(
+        default=None, max_length=256, description="the model pool looked at; None: all workers"
+    )
+    ttft_p95_ms: float | None = Field(ge=0.0, description="over the interval; None: none ended")
+    itl_p95_ms: float | None = Field(ge=0.0, description="over the interval's token gaps")
+    ttft_target_ms: float = Field(gt=0.0, description="the TTFT p95 it keeps to")
+    itl_target_ms: float = Field(gt=0.0, description="the ITL p95 it keeps to")
+    prefill_workers: int = Field(ge=0, description="in the prefill pool when it looked")
+    decode_workers: int = Field(ge=0, description="serving decode (aggregated: all) when it looked")
+    moved: int = Field(default=0, ge=0, description="workers it moved (RolesRebalanced says whom)")
+    reason: str = Field(max_length=1024)
+    out_of_reach: tuple[Literal["ttft", "itl"], ...] = Field(
+        default=(),
+        max_length=2,
+        description="targets missed that no move can meet: more workers, or faster, are needed",
+    )
 
 
 class PlannerConfigured(Envelope):

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 from pydantic import Field, StringConstraints
 
 from schemas.control_events import (
+    CapacityReviewed,
     LoraName,
     PlannerConfigured,
     RoleMove,
@@ -277,6 +278,7 @@ Event = Annotated[
     | KvChanged
     | WorkerLoadReported
     | RolesRebalanced
+    | CapacityReviewed
     | PlannerConfigured
     | RequestPlaced,
     Field(discriminator="type"),
@@ -289,6 +291,7 @@ __all__ = [
     "BlockHashes",
     "CacheWiped",
     "CancellationRequested",
+    "CapacityReviewed",
     "Envelope",
     "Event",
     "FailureCode",

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from schemas.latency import LatencyHistogram
 from services.planner.policy import WorkerView
 
 Move = Literal["to_prefill", "to_decode"]
+Target = Literal["ttft", "itl"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,9 @@ class Decision:
     move: Move | None
     workers: int
     reason: str
+    # The targets missed that no move between the pools can meet now (``reason`` says why):
+    # they need more workers, or faster ones.
+    out_of_reach: tuple[Target, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +166,17 @@ class CapacityPlanner:
         # (prefill workers, move) -> how often that move failed from there, and the interval
         # until which it is not tried again.
         self._futile: dict[tuple[int, Move], tuple[int, int]] = {}
+        # What the last look found out of reach, held while cooling down and through intervals
+        # in which nothing finished: neither tells anything new.
+        self._out_of_reach: tuple[Target, ...] = ()
 
     def decide(self, obs: Observation) -> Decision:
+        decision = self._decide(obs)
+        if decision.reason != _COOLING and obs.ttft_p95_ms is not None:
+            self._out_of_reach = decision.out_of_reach
+        return replace(decision, out_of_reach=self._out_of_reach)
+
+    def _decide(self, obs: Observation) -> Decision:
         s = self.settings
         self._interval += 1
         growth = obs.prefill_queue_tokens - (self._last_queue or 0)
@@ -175,7 +188,7 @@ class CapacityPlanner:
             return self._move("to_decode", 1, "no worker decodes")
         if self._cooldown > 0:
             self._cooldown -= 1
-            return Decision(None, 0, "cooling down after the last move")
+            return Decision(None, 0, _COOLING)
         ttft = (obs.ttft_p95_ms or 0.0) / s.ttft_target_ms
         itl = (obs.itl_p95_ms or 0.0) / s.itl_target_ms
         step = max(1, int((obs.prefill_workers + obs.decode_workers) * s.max_move_fraction))
@@ -204,8 +217,16 @@ class CapacityPlanner:
                 # decode steps alone, and a prefill pool would only take decoders away.
                 if obs.stalled_gap_share <= 0.05:
                     share = f"{obs.stalled_gap_share:.1%}"
-                    return Decision(None, 0, f"{why}, but only {share} of gaps wait on prefills")
+                    why += f", but only {share} of gaps wait on prefills: decode steps alone"
+                    return Decision(None, 0, why, ("itl",))
                 return self._try("to_prefill", step, obs, "ITL", itl, why)
+            if itl > over:
+                why = f"ITL p95 at {itl:.2f}× target, aggregated: too few workers to split"
+                return Decision(None, 0, why, ("itl",))
+            if ttft > over:
+                # Every worker prefills already: a prefill pool would only take decoders away.
+                why = f"TTFT p95 at {ttft:.2f}× target, aggregated: every worker prefills already"
+                return Decision(None, 0, why, ("ttft",))
             return Decision(None, 0, f"aggregated ({within})")
         if ttft > over and ttft >= itl:
             why = "prefill queue burst" if burst else f"TTFT p95 at {ttft:.2f}× target"
@@ -214,7 +235,7 @@ class CapacityPlanner:
                 return self._try("to_decode", step, obs, "TTFT", ttft, why)
             if obs.decode_workers > step:
                 return self._try("to_prefill", step, obs, "TTFT", ttft, why)
-            return Decision(None, 0, why + "; no decode worker to spare")
+            return Decision(None, 0, why + "; no decode worker to spare", ("ttft",))
         if itl > over and obs.prefill_workers >= step:
             return self._try("to_decode", step, obs, "ITL", itl, f"ITL p95 at {itl:.2f}× target")
         if obs.ttft_p95_ms is not None and ttft <= 1.0 and itl <= 1.0:
@@ -248,7 +269,8 @@ class CapacityPlanner:
     ) -> Decision:
         _, until = self._futile.get((obs.prefill_workers, move), (0, 0))
         if self._interval < until:
-            return Decision(None, 0, f"{why}; that move did not help lately")
+            missed: tuple[Target, ...] = () if latency is None else (_TARGETS[latency],)
+            return Decision(None, 0, f"{why}; that move did not help lately", missed)
         if before <= self.settings.probation_max_ratio:
             self._trial = _Trial(move, obs.prefill_workers, latency, before)
         return self._move(move, step, why)
@@ -263,6 +285,10 @@ class CapacityPlanner:
         self._last_move = move
         self._cooldown = self._wait
         return Decision(move, step, why)
+
+
+_COOLING = "cooling down after the last move"
+_TARGETS: dict[str, Target] = {"TTFT": "ttft", "ITL": "itl"}
 
 
 def _remote_slower(obs: Observation) -> bool:

@@ -1,7 +1,9 @@
 """The capacity loop, live: one planner replica at a time (an etcd election) watches TTFT and ITL
 of finished requests and the prefill pool's queue, asks the pure :class:`CapacityPlanner` what to
 do, and carries a move out: new roles in etcd (each worker watches its own), then a
-``RolesRebalanced`` event as the record of why.
+``RolesRebalanced`` event as the record of why. Each look, moved or not, is a
+``CapacityReviewed`` event (``laneway status`` shows the last), and a target it finds out of
+reach of any move is a gauge too.
 
 Where workers serve several models (model pools), each model's workers are a cluster of their
 own to it: observed apart, with a planner of their own, and never moved to serve another's
@@ -14,17 +16,21 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from bus.channels import Topic
 from bus.registry import LeasedKey
 from bus.topology import Subjects
-from schemas.events import RequestFinished, Role, RoleMove, RolesRebalanced
+from schemas.envelope import Envelope
+from schemas.events import CapacityReviewed, RequestFinished, Role, RoleMove, RolesRebalanced
 from schemas.latency import LatencyHistogram
 from services.planner.capacity import (
     CapacityPlanner,
+    Decision,
     Observation,
+    Target,
     observe_interval,
     workers_to_move,
 )
@@ -34,7 +40,12 @@ from services.planner.policy import WorkerView
 log = logging.getLogger(__name__)
 
 AssignRoles = Callable[[dict[str, Role]], Awaitable[None]]
-Publish = Callable[[Topic[RolesRebalanced], RolesRebalanced], Awaitable[None]]
+E = TypeVar("E", bound=Envelope)
+TARGETS: tuple[Target, ...] = ("ttft", "itl")
+
+
+class Publish(Protocol):
+    async def __call__(self, topic: Topic[E], event: E, /) -> None: ...
 
 
 class CapacityLoop:
@@ -47,12 +58,15 @@ class CapacityLoop:
         publish: Publish,
         source: str,
         moves: Counter | None = None,
+        out_of_reach: Gauge | None = None,
     ) -> None:
-        """``moves``: counts the workers moved, labelled by the pool they join. ``planner`` plans
-        for one model; a model pool beside it gets a planner of its own, of the same settings."""
+        """``moves``: counts the workers moved, labelled by the pool they join; ``out_of_reach``:
+        1 for each target no move can meet, by target and model. ``planner`` plans for one
+        model; a model pool beside it gets a planner of its own, of the same settings."""
         self._planner = planner
         self._planners: dict[str, CapacityPlanner] = {}
         self._moves = moves
+        self._out_of_reach = out_of_reach
         self._cluster = cluster
         self._leadership = leadership
         self._assign_roles = assign_roles
@@ -122,7 +136,13 @@ class CapacityLoop:
         planner = self._planner
         if model is not None:
             planner = self._planners.setdefault(model, CapacityPlanner(planner.settings))
-        decision = planner.decide(self.observe(model))
+        observed = self.observe(model)
+        decision = planner.decide(observed)
+        event = await self._move(model, decision)
+        await self._review(model, planner, observed, decision, event)
+        return event
+
+    async def _move(self, model: str | None, decision: Decision) -> RolesRebalanced | None:
         if decision.move is None:
             return None
         source: Role = "decode" if decision.move == "to_prefill" else "prefill"
@@ -144,3 +164,32 @@ class CapacityLoop:
             self._moves.labels(target).inc(len(moved))
         log.info("capacity: %s → %s for %s (%s)", source, target, moved, decision.reason)
         return event
+
+    async def _review(
+        self,
+        model: str | None,
+        planner: CapacityPlanner,
+        observed: Observation,
+        decision: Decision,
+        moved: RolesRebalanced | None,
+    ) -> None:
+        settings = planner.settings
+        if self._out_of_reach is not None:
+            for target in TARGETS:
+                self._out_of_reach.labels(target, model or "").set(target in decision.out_of_reach)
+        if decision.out_of_reach:
+            log.warning("capacity%s: %s", f" ({model})" if model else "", decision.reason)
+        review = CapacityReviewed(
+            source=self._source,
+            model=model,
+            ttft_p95_ms=observed.ttft_p95_ms,
+            itl_p95_ms=observed.itl_p95_ms,
+            ttft_target_ms=settings.ttft_target_ms,
+            itl_target_ms=settings.itl_target_ms,
+            prefill_workers=observed.prefill_workers,
+            decode_workers=observed.decode_workers,
+            moved=0 if moved is None else len(moved.moves),
+            reason=decision.reason[:1024],
+            out_of_reach=decision.out_of_reach,
+        )
+        await self._publish(Subjects.capacity_reviewed, review)

@@ -240,6 +240,7 @@ def main() -> None:
                 bus.publish,
                 source,
                 planner.metrics.capacity_moves,
+                planner.metrics.capacity_out_of_reach,
             )
             tasks.append(asyncio.create_task(capacity.run()))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter as Tally
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -106,6 +106,14 @@ class PlannerMetrics:
             "laneway_planner_migrations",
             "Requests routed again on another worker after theirs was lost, stalled or drained "
             "(decisions of an attempt after the first).",
+            registry=self.registry,
+        )
+        self.capacity_out_of_reach = Gauge(
+            "laneway_planner_capacity_out_of_reach",
+            "1 while the capacity loop finds a target missed that no move between the pools can "
+            "meet (more workers, or faster, are needed), by target and model pool ('' all "
+            "workers); the loop's CapacityReviewed event says why.",
+            ["target", "model"],
             registry=self.registry,
         )
         self.intake_left = Counter(

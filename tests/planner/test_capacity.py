@@ -184,3 +184,46 @@ def test_with_no_worker_decoding_one_goes_back_at_once_even_while_cooling_down()
     back = planner.decide(obs(None, None, p=3, d=0))
     assert (back.move, back.workers) == ("to_decode", 1)
     assert back.reason.startswith("no worker decodes")
+
+
+def test_it_says_which_target_no_move_can_meet_and_holds_that_while_cooling_down() -> None:
+    planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
+    # Aggregated, first tokens slow: every worker prefills already.
+    slow_first = planner.decide(obs(2000, 15, p=0, d=8))
+    assert slow_first.move is None and slow_first.out_of_reach == ("ttft",)
+    assert "every worker prefills already" in slow_first.reason
+    # Aggregated, tokens slow, but no prefill stalls them: decode steps alone.
+    decode_bound = planner.decide(obs(900, 30, p=0, d=8, stalled=0.01))
+    assert decode_bound.move is None and decode_bound.out_of_reach == ("itl",)
+    # Too few workers to split off a prefill pool.
+    assert planner.decide(obs(900, 30, p=0, d=1)).out_of_reach == ("itl",)
+    # Split, remote first tokens slow, no decoder to spare.
+    spare = planner.decide(obs(2000, 15, p=1, d=1))
+    assert spare.out_of_reach == ("ttft",) and "no decode worker to spare" in spare.reason
+    # A move it can still make: nothing is out of reach, and while it cools down after the
+    # move that stays so; within targets, nothing is.
+    moved = planner.decide(obs(2000, 15, p=2, d=6))
+    assert moved.move == "to_prefill" and moved.out_of_reach == ()
+    assert planner.decide(obs(2000, 15, p=3, d=5)).out_of_reach == ()
+    assert planner.decide(obs(800, 15, p=3, d=5)).out_of_reach == ()
+
+
+def test_an_interval_in_which_nothing_finished_tells_nothing_new() -> None:
+    planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
+    assert planner.decide(obs(2000, 15, p=0, d=8)).out_of_reach == ("ttft",)
+    assert planner.decide(obs(None, None, p=0, d=8)).out_of_reach == ("ttft",)
+    assert planner.decide(obs(800, 15, p=0, d=8)).out_of_reach == ()
+
+
+def test_a_futile_move_leaves_its_target_out_of_reach_until_it_may_be_tried_again() -> None:
+    planner = CapacityPlanner(
+        CapacitySettings(
+            ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=0, futile_intervals=3
+        )
+    )
+    assert planner.decide(obs(900, 30, p=0, d=8)).move == "to_prefill"
+    assert planner.decide(obs(900, 31, p=1, d=7)).move == "to_decode"  # undone
+    for _ in range(2):  # while the split may not be tried again
+        waiting = planner.decide(obs(900, 30, p=0, d=8))
+        assert "did not help" in waiting.reason and waiting.out_of_reach == ("itl",)
+    assert planner.decide(obs(900, 30, p=0, d=8)).move == "to_prefill"

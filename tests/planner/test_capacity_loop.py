@@ -7,8 +7,19 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, Gauge
 
-from schemas.events import RequestFinished, Role, RolesRebalanced, Usage, WorkerLoadReported
+from bus.channels import Topic
+from bus.topology import Subjects
+from schemas.envelope import Envelope
+from schemas.events import (
+    CapacityReviewed,
+    RequestFinished,
+    Role,
+    RolesRebalanced,
+    Usage,
+    WorkerLoadReported,
+)
 from schemas.latency import LatencyHistogram
 from schemas.messages import WorkerRegistration
 from services.common.liveness import QUIET_S
@@ -56,22 +67,44 @@ def finished(
 def make_loop(
     workers: list[WorkerRegistration],
     clock: Callable[[], float] = time.monotonic,
+    out_of_reach: Gauge | None = None,
     **settings: Any,
-) -> tuple[CapacityLoop, ClusterView, dict[str, Role], list[RolesRebalanced]]:
+) -> tuple[CapacityLoop, ClusterView, dict[str, Role], list[Envelope]]:
+    """The loop, its cluster, the roles it assigned, and the events it published (its moves
+    and, after each look, its review)."""
     cluster = ClusterView(clock)
     cluster.set_workers({w.worker_id: w for w in workers})
     assigned: dict[str, Role] = {}
-    published: list[RolesRebalanced] = []
+    published: list[Envelope] = []
 
     async def assign(roles: dict[str, Role]) -> None:
         assigned.update(roles)
 
-    async def publish(subject: str, event: RolesRebalanced) -> None:
+    async def publish(subject: Topic[Envelope], event: Envelope) -> None:
+        assert (
+            subject.subject
+            == {
+                RolesRebalanced: Subjects.roles_rebalanced,
+                CapacityReviewed: Subjects.capacity_reviewed,
+            }[type(event)].subject
+        )
         published.append(event)
 
     capacity = CapacityPlanner(CapacitySettings(**{"cooldown_intervals": 0, **settings}))
-    loop = CapacityLoop(capacity, cluster, Leader(), assign, publish, "planner/t")  # type: ignore[arg-type]
+    loop = CapacityLoop(
+        capacity,
+        cluster,
+        Leader(),
+        assign,
+        publish,
+        "planner/t",
+        out_of_reach=out_of_reach,  # type: ignore[arg-type]
+    )
     return loop, cluster, assigned, published
+
+
+def moves(published: list[Envelope]) -> list[Envelope]:
+    return [e for e in published if isinstance(e, RolesRebalanced)]
 
 
 async def test_slow_first_tokens_move_the_least_busy_decode_worker() -> None:
@@ -96,7 +129,7 @@ async def test_slow_first_tokens_move_the_least_busy_decode_worker() -> None:
     assert [(m.worker_id, m.from_role, m.to_role) for m in event.moves] == [
         ("d2", "decode", "prefill")
     ]
-    assert published == [event] and "TTFT" in event.reason
+    assert moves(published) == [event] and "TTFT" in event.reason
 
 
 def load(worker_id: str, role: Role) -> WorkerLoadReported:
@@ -142,7 +175,7 @@ async def test_near_the_targets_nothing_moves() -> None:
     loop, _, assigned, published = make_loop([worker("p1", "prefill"), worker("d1", "decode")])
     loop.on_finished(finished(ttft_ms=1050, e2e_ms=1050 + 9 * 26, tokens=10))
     assert await loop.step() is None
-    assert not assigned and not published
+    assert not assigned and not moves(published)
 
 
 async def test_an_idle_interval_moves_nothing() -> None:
@@ -156,7 +189,30 @@ async def test_within_targets_a_prefill_worker_goes_back_to_decoding() -> None:
     loop.on_finished(finished(ttft_ms=10, e2e_ms=100, tokens=10))
     event = await loop.step()
     assert event is not None and assigned == {"p1": "decode"}
-    assert published == [event] and "within targets" in event.reason
+    assert moves(published) == [event] and "within targets" in event.reason
+
+
+async def test_each_look_is_reviewed_and_a_target_out_of_reach_is_a_gauge_too() -> None:
+    gauge = Gauge("out_of_reach", "t", ["target", "model"], registry=CollectorRegistry())
+    pool = [worker("a1", "both"), worker("a2", "both")]
+    loop, _, assigned, published = make_loop(pool, out_of_reach=gauge, ttft_target_ms=100)
+    # Aggregated, first tokens slow: every worker prefills already, no move can help.
+    loop.on_finished(finished(ttft_ms=500, e2e_ms=600, tokens=10))
+    assert await loop.step() is None and not assigned
+    (review,) = published
+    assert isinstance(review, CapacityReviewed) and review.out_of_reach == ("ttft",)
+    assert (review.ttft_p95_ms, review.ttft_target_ms, review.moved) == (500, 100, 0)
+    assert (review.prefill_workers, review.decode_workers) == (0, 2)
+    assert "every worker prefills already" in review.reason
+    assert gauge.labels("ttft", "")._value.get() == 1
+    assert gauge.labels("itl", "")._value.get() == 0
+    # Fast again: nothing out of reach, and the gauge says so.
+    loop._finished.clear()
+    loop.on_finished(finished(ttft_ms=50, e2e_ms=100, tokens=10))
+    await loop.step()
+    last = published[-1]
+    assert isinstance(last, CapacityReviewed) and last.out_of_reach == ()
+    assert gauge.labels("ttft", "")._value.get() == 0
 
 
 async def test_an_aggregated_pool_with_slow_tokens_is_split() -> None:
@@ -188,4 +244,4 @@ async def test_each_model_pool_is_planned_apart() -> None:
     event = await loop.step("alpha")
     # Split within alpha: none of beta's workers is taken for alpha's prefills.
     assert event is not None and assigned == {"a1": "prefill"}
-    assert published == [event] and event.reason.startswith("alpha: ")
+    assert moves(published) == [event] and event.reason.startswith("alpha: ")

@@ -10,6 +10,8 @@ from bus.registry import WORKERS_PREFIX, connect_etcd
 from bus.topology import Subjects
 from infra.bench.live_replay import replay_live
 from infra.bench.traces import TraceRequest
+from infra.status import gather
+from infra.status_tables import render
 from schemas.events import Event, RolesRebalanced, TokenBatch
 from schemas.messages import WorkerRegistration
 from tests.helpers import eventually
@@ -90,3 +92,8 @@ async def test_a_role_switch_mid_replay_loses_no_request_and_repeats_no_token(
             assert registration.role == role and not registration.draining
     finally:
         await etcd.close()
+    # No move can meet that target: `laneway status` says so, from the loop's last review.
+    found = await gather(None, None, cluster.config.state_dir)
+    capacity = found["planner"]["capacity"]
+    assert capacity["out_of_reach"] == ["ttft"] and capacity["ttft_target_ms"] == 0.001
+    assert "TTFT out of reach of any move" in render(found)

@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from schemas.block_hash import chain_block_hashes
 from schemas.events import (
     CancellationRequested,
+    CapacityReviewed,
     KvBlocksRemoved,
     KvBlocksStored,
     KvChanged,
@@ -92,6 +93,18 @@ EXAMPLES: list[BaseModel] = [
         source="p/1",
         moves=(RoleMove(worker_id="w", from_role="decode", to_role="prefill"),),
         reason="ttft",
+    ),
+    CapacityReviewed(
+        source="p/1",
+        model="m",
+        ttft_p95_ms=900.0,
+        itl_p95_ms=None,
+        ttft_target_ms=500.0,
+        itl_target_ms=20.0,
+        prefill_workers=0,
+        decode_workers=8,
+        reason="TTFT p95 at 1.80× target, aggregated: every worker prefills already",
+        out_of_reach=("ttft",),
     ),
     KvChanged(
         source="worker/w",
