@@ -8,12 +8,15 @@ server each service makes what is missing (``bus.client.Bus.provision``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from typing import Any
 
+import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig, StorageType
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from bus.channels import Consumer, as_declared
 from bus.topology import (
@@ -25,11 +28,27 @@ from bus.topology import (
     bucket_stream,
 )
 
+# How long a cluster's servers may take to elect their JetStream meta leader.
+META_ELECTION_S = 15.0
+
 
 async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> None:
     """Create or update the streams, stored on ``replicas`` servers (an existing stream moves to
     that count), the object store's bucket and the planners' shared durable; delete retired
-    streams. Streams already as declared are only read."""
+    streams. Streams already as declared are only read. While the servers elect their
+    JetStream meta leader (a server just restarted), which they answer 503 or not at all, it
+    tries again for up to ``META_ELECTION_S``: every step is idempotent."""
+    deadline = time.monotonic() + META_ELECTION_S
+    while True:
+        try:
+            return await _ensure_streams(js, replicas)
+        except (ServiceUnavailableError, nats.errors.TimeoutError):
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+async def _ensure_streams(js: JetStreamContext, replicas: int) -> None:
     missing = []
     for stream, subjects in STREAM_SUBJECTS.items():
         config = stream.config(subjects, replicas)

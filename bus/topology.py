@@ -232,8 +232,7 @@ CAPACITY_REVIEWS: Channel[CapacityReviewed] = Channel(
     ("operators (laneway status)",),
     "confirmed",
     CONTROL,
-    "each interval's look of the capacity loop: what it saw and did, and the targets no move "
-    "between the pools can meet",
+    "the capacity loop's look at each interval, and the targets no move can meet",
 )
 PLANNER_SETTINGS: Channel[PlannerConfigured] = Channel(
     "lw.ctl.planner",
