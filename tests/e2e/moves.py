@@ -27,16 +27,21 @@ class Moves:
             if event.reason.startswith("migrated"):
                 self.routes.append(event)
 
-    def serving(self, within_s: float = 1.0) -> str | None:
+    def serving(self, within_s: float = 1.0, most: bool = False) -> str | None:
         """Of the workers given requests in the last ``within_s`` (the streams under way: the
         unstreamed answers before them took seconds), the one given fewest: a fault on it meets
-        some streams, and the others go on elsewhere."""
+        some streams, and the others go on elsewhere. ``most``: the one given most, whose
+        streams are surely still running a moment later (a fast engine ends one stream's
+        answer in half a second)."""
         since = time.monotonic() - within_s
         placed = Counter(worker for at, worker in self._placed if at >= since)
-        return min(placed, key=lambda w: (placed[w], w)) if placed else None
+        pick = max if most else min
+        return pick(placed, key=lambda w: (placed[w], w)) if placed else None
 
-    async def victim(self, workers: dict[str, WorkerRegistration]) -> WorkerRegistration:
-        return workers[await eventually(self.serving, timeout=10)]
+    async def victim(
+        self, workers: dict[str, WorkerRegistration], most: bool = False
+    ) -> WorkerRegistration:
+        return workers[await eventually(lambda: self.serving(most=most), timeout=10)]
 
 
 async def observe_moves(cluster: LocalCluster) -> tuple[Bus, Moves]:
