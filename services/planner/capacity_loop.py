@@ -16,7 +16,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, get_args
 
 from prometheus_client import Counter, Gauge
 
@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 
 AssignRoles = Callable[[dict[str, Role]], Awaitable[None]]
 E = TypeVar("E", bound=Envelope)
-TARGETS: tuple[Target, ...] = ("ttft", "itl")
 
 
 class Publish(Protocol):
@@ -175,7 +174,7 @@ class CapacityLoop:
     ) -> None:
         settings = planner.settings
         if self._out_of_reach is not None:
-            for target in TARGETS:
+            for target in get_args(Target):
                 self._out_of_reach.labels(target, model or "").set(target in decision.out_of_reach)
         if decision.out_of_reach:
             log.warning("capacity%s: %s", f" ({model})" if model else "", decision.reason)
