@@ -66,6 +66,13 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=1,
         help="ingress processes sharing the API port (SO_REUSEPORT): one is one core's work",
     )
+    up.add_argument(
+        "--planners",
+        type=at_least(1),
+        default=1,
+        help="planner replicas: each routes its share of the requests, all fold every event "
+        "(docs/performance.md: what one core of each service carries)",
+    )
     cluster_args.add_disagg_argument(up)
     up.add_argument(
         "--autoscale", action="store_true", help="capacity loop: move workers between the pools"
@@ -217,6 +224,7 @@ def _up(args: argparse.Namespace) -> int:
             pools=pools,
             prefill_workers=args.prefill_workers,
             ingresses=args.ingresses,
+            planners=args.planners,
             policy=args.policy,
             api_auth=not args.no_auth,
             auth=not args.no_bus_auth,

@@ -18,6 +18,7 @@ from infra.cli import main
         (["up", "--port", "99999"], "argument --port: not a port (1-65535): 99999"),
         (["up", "--nats-port", "0"], "argument --nats-port: must be at least 1, got 0"),
         (["up", "--workers", "-1"], "argument --workers: must be at least 1, got -1"),
+        (["up", "--planners", "0"], "argument --planners: must be at least 1, got 0"),
         (["up", "--prefill-workers", "-1"], "argument --prefill-workers: must be at least 0"),
         (["up", "--speedup", "0"], "argument --speedup: must be a positive number, got 0"),
         (["up", "--pool", "alpha"], "argument --pool: not NAME=N: 'alpha'"),
