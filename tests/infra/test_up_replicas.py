@@ -38,9 +38,7 @@ def test_two_planner_replicas_each_route_a_share(tmp_path: Path) -> None:
                 reply = http.post("/completions", json=body, headers=headers)
                 assert reply.status_code == 200, reply.text
         targets = json.loads((tmp_path / "prometheus-targets.json").read_text())
-        ports = {
-            t["labels"]["service"]: int(t["targets"][0].rpartition(":")[2]) for t in targets
-        }
+        ports = {t["labels"]["service"]: int(t["targets"][0].rpartition(":")[2]) for t in targets}
         routed = {name: _decisions(ports[name]) for name in ("planner-0", "planner-1")}
         # Each of 40 requests to either replica: all to one is a 2 in 10^12 chance.
         assert sum(routed.values()) == 40 and all(n > 0 for n in routed.values()), routed
