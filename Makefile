@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help run test test-pure test-slow chaos lint typecheck check gpu-check clean native bench-live bench-lora bench-overhead bench-dynamo profile hops probe-streams probe-itl bench-sim
+.PHONY: help run test test-pure test-slow chaos lint typecheck check gpu-check clean native bench-live bench-lora bench-overhead bench-scale bench-dynamo profile hops probe-streams probe-itl bench-sim
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -72,6 +72,9 @@ bench-live: $(STAMP) ## start laneway up --workers 4 --speedup 1000, run seq/c32
 
 bench-overhead: $(STAMP) ## what Laneway adds to vLLM: its own OpenAI server and laneway up --engine vllm --workers 1 in turns, c=1 and c=8
 	$(BIN)/python -m benchmarks.overhead
+
+bench-scale: $(STAMP) ## req/s per core of each service, and req/s with 1 and 2 ingresses and planners, each replica held to a CPU quota (root: cgroups)
+	$(BIN)/python -m benchmarks.scale_out
 
 bench-lora: $(STAMP) ## LoRA adapters live: 12 loaded through the API, 300 requests Zipf(1.1), kv against round robin
 	$(BIN)/python -m benchmarks.lora_live
