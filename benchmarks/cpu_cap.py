@@ -42,8 +42,8 @@ def cpu_cap(name: str, cores: float, pids: list[int]) -> Iterator[Path]:
         else:
             (group / "cpu.cfs_period_us").write_text(str(_PERIOD_US))
             (group / "cpu.cfs_quota_us").write_text(quota)
-        for pid in pids:
-            (group / "cgroup.procs").write_text(str(pid))
+        for member in pids:
+            (group / "cgroup.procs").write_text(str(member))
     except PermissionError as err:
         with contextlib.suppress(OSError):
             group.rmdir()
@@ -51,7 +51,7 @@ def cpu_cap(name: str, cores: float, pids: list[int]) -> Iterator[Path]:
     try:
         yield group
     finally:
-        for pid in (group / "cgroup.procs").read_text().split():
+        for held in (group / "cgroup.procs").read_text().split():
             with contextlib.suppress(OSError):  # gone meanwhile
-                (root / "cgroup.procs").write_text(pid)
+                (root / "cgroup.procs").write_text(held)
         group.rmdir()

@@ -60,7 +60,9 @@ def _load(up: RunningUp, args: argparse.Namespace, seconds: float) -> subprocess
     )  # fmt: skip
 
 
-def measure(up_args: tuple[str, ...], args: argparse.Namespace, capped: str | None) -> dict:
+def measure(
+    up_args: tuple[str, ...], args: argparse.Namespace, capped: str | None
+) -> dict[str, Any]:
     """One `laneway up` under the load: requests a second over the window, and the cores each
     service used meanwhile. ``capped``: every process of that service held to ``args.cap``."""
     with laneway_up(args.workers, args.speedup, up_args) as up:
@@ -80,12 +82,16 @@ def measure(up_args: tuple[str, ...], args: argparse.Namespace, capped: str | No
         finally:
             load.communicate(timeout=args.warmup + args.window + 120)
     cores: dict[str, float] = {}
+    writes: dict[str, float] = {}
     for name, counters in grown.items():
-        cores[service_of(name)] = cores.get(service_of(name), 0.0) + counters["cpu_s"] / window_s
-    return {"rps": done / window_s, "cores": cores}
+        service = service_of(name)
+        cores[service] = cores.get(service, 0.0) + counters["cpu_s"] / window_s
+        writes[service] = writes.get(service, 0.0) + counters["syscw"] / max(done, 1)
+    # Write calls a request: how much a service's loop batched (each turn flushes once).
+    return {"rps": done / window_s, "cores": cores, "writes_per_request": writes}
 
 
-def sizing(run: dict) -> list[dict[str, Any]]:
+def sizing(run: dict[str, Any]) -> list[dict[str, Any]]:
     """Requests a second one core of each service carries, at the run's mix of load."""
     return [
         {
@@ -115,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="runs of each; medians")
     parser.add_argument("--only", choices=sorted(SCALED), action="append", help="scale this")
     args = parser.parse_args(argv)
-    runs: dict[str, list[dict]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
     try:
         for round_ in range(args.rounds):
             runs.setdefault("uncapped", []).append(measure((), args, None))

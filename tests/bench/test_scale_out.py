@@ -63,4 +63,3 @@ def _share(pid: int, seconds: float) -> float:
     after = counters(pid)
     assert before is not None and after is not None
     return (after["cpu_s"] - before["cpu_s"]) / seconds
-
