@@ -20,7 +20,8 @@ class NoCpuCap(RuntimeError):
 
 def _root() -> tuple[Path, bool]:
     """The hierarchy to make groups in, and whether it is v2."""
-    controllers = _V2 / "cgroup.controllers"
+    # Children get cpu.max only where the root hands the controller down.
+    controllers = _V2 / "cgroup.subtree_control"
     if controllers.exists() and "cpu" in controllers.read_text().split():
         return _V2, True
     if (_V1 / "cpu.cfs_quota_us").exists():
@@ -44,14 +45,24 @@ def cpu_cap(name: str, cores: float, pids: list[int]) -> Iterator[Path]:
             (group / "cpu.cfs_quota_us").write_text(quota)
         for member in pids:
             (group / "cgroup.procs").write_text(str(member))
-    except PermissionError as err:
+    except OSError as err:  # not root, a read-only cgroup fs, a controller not delegated
+        for held in _members(group):
+            with contextlib.suppress(OSError):
+                (root / "cgroup.procs").write_text(held)
         with contextlib.suppress(OSError):
             group.rmdir()
-        raise NoCpuCap(f"cannot make a cpu cgroup under {root} (root needed): {err}") from None
+        raise NoCpuCap(f"cannot make a cpu cgroup under {root}: {err}") from None
     try:
         yield group
     finally:
-        for held in (group / "cgroup.procs").read_text().split():
+        for held in _members(group):
             with contextlib.suppress(OSError):  # gone meanwhile
                 (root / "cgroup.procs").write_text(held)
         group.rmdir()
+
+
+def _members(group: Path) -> list[str]:
+    try:
+        return (group / "cgroup.procs").read_text().split()
+    except OSError:
+        return []
