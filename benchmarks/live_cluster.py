@@ -118,3 +118,19 @@ def _stop(proc: subprocess.Popen[str]) -> None:
     # Whatever of the group outlived its parent (a child stuck in shutdown).
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def closed_loop(
+    up: RunningUp, concurrency: int, seconds: float, max_tokens: int, label: str
+) -> subprocess.Popen[bytes]:
+    """The load client in a process of its own (its CPU apart from the cluster's): a closed loop
+    of ``concurrency`` streams against ``up`` for ``seconds``; its JSON report on stdout."""
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "infra.bench.load_client", "--base-url", up.base_url,
+            "--concurrency", str(concurrency), "--duration", f"{seconds:g}",
+            "--max-tokens", str(max_tokens), "--warmup", "0", "--label", label,
+        ],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "LANEWAY_API_KEY": up.api_key or ""},
+    )  # fmt: skip

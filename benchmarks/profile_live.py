@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from typing import Any
 import orjson
 
 from benchmarks.bus_census import census, finished, per_request
-from benchmarks.live_cluster import laneway_up
+from benchmarks.live_cluster import closed_loop, laneway_up
 from benchmarks.proc_stats import COUNTERS, growth, snapshot
 from benchmarks.profile_summary import parse, report
 
@@ -130,15 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     load_s = args.warmup + args.cpu_window + args.census_window + args.spy_window + 2
     with laneway_up(args.workers, args.speedup, tuple(args.up_arg)) as up:
-        load = subprocess.Popen(
-            [
-                sys.executable, "-m", "infra.bench.load_client", "--base-url", up.base_url,
-                "--concurrency", str(args.concurrency), "--duration", f"{load_s:g}",
-                "--max-tokens", str(args.max_tokens), "--warmup", "0", "--label", "profile",
-            ],
-            stdout=subprocess.PIPE,
-            env={**os.environ, "LANEWAY_API_KEY": up.api_key or ""},
-        )  # fmt: skip
+        load = closed_loop(up, args.concurrency, load_s, args.max_tokens, "profile")
         time.sleep(args.warmup)
         pids = {**up.pids, "load-client": load.pid}
         before, start = snapshot(pids), time.monotonic()

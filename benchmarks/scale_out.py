@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -32,7 +31,7 @@ import orjson
 
 from benchmarks.bus_census import finished
 from benchmarks.cpu_cap import NoCpuCap, cpu_cap
-from benchmarks.live_cluster import RunningUp, laneway_up
+from benchmarks.live_cluster import closed_loop, laneway_up
 from benchmarks.proc_stats import growth, snapshot
 
 # The service under test, and the `laneway up` flag that sets its replicas.
@@ -48,25 +47,15 @@ def service_of(process: str) -> str:
     return base if index.isdigit() and base else process
 
 
-def _load(up: RunningUp, args: argparse.Namespace, seconds: float) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable, "-m", "infra.bench.load_client", "--base-url", up.base_url,
-            "--concurrency", str(args.concurrency), "--duration", f"{seconds:g}",
-            "--max-tokens", str(args.max_tokens), "--warmup", "0", "--label", "scale",
-        ],
-        stdout=subprocess.PIPE,
-        env={**os.environ, "LANEWAY_API_KEY": up.api_key or ""},
-    )  # fmt: skip
-
-
 def measure(
     up_args: tuple[str, ...], args: argparse.Namespace, capped: str | None
 ) -> dict[str, Any]:
     """One `laneway up` under the load: requests a second over the window, and the cores each
     service used meanwhile. ``capped``: every process of that service held to ``args.cap``."""
     with laneway_up(args.workers, args.speedup, up_args) as up:
-        load = _load(up, args, args.warmup + args.window + 5)
+        load = closed_loop(
+            up, args.concurrency, args.warmup + args.window + 5, args.max_tokens, "scale"
+        )
         try:
             pids = {n: p for n, p in up.pids.items() if n not in _SERVERS or capped is None}
             with contextlib.ExitStack() as caps:
