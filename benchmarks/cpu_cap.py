@@ -46,23 +46,18 @@ def cpu_cap(name: str, cores: float, pids: list[int]) -> Iterator[Path]:
         for member in pids:
             (group / "cgroup.procs").write_text(str(member))
     except OSError as err:  # not root, a read-only cgroup fs, a controller not delegated
-        for held in _members(group):
-            with contextlib.suppress(OSError):
-                (root / "cgroup.procs").write_text(held)
-        with contextlib.suppress(OSError):
-            group.rmdir()
+        with contextlib.suppress(OSError):  # the group may never have been made
+            _release(root, group)
         raise NoCpuCap(f"cannot make a cpu cgroup under {root}: {err}") from None
     try:
         yield group
     finally:
-        for held in _members(group):
-            with contextlib.suppress(OSError):  # gone meanwhile
-                (root / "cgroup.procs").write_text(held)
-        group.rmdir()
+        _release(root, group)
 
 
-def _members(group: Path) -> list[str]:
-    try:
-        return (group / "cgroup.procs").read_text().split()
-    except OSError:
-        return []
+def _release(root: Path, group: Path) -> None:
+    """Its processes back in the root group, uncapped, and the group removed."""
+    for held in (group / "cgroup.procs").read_text().split():
+        with contextlib.suppress(OSError):  # gone meanwhile
+            (root / "cgroup.procs").write_text(held)
+    group.rmdir()

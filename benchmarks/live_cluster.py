@@ -4,6 +4,7 @@ status` knows them from the state dir (infra/up_processes.py), stopped as Ctrl-C
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -25,6 +26,8 @@ from infra.ports import free_port
 # How long `laneway up` may take to have every service ready (it bounds its own start-up too).
 _READY_WITHIN_S = 180.0
 _EMBEDDED = " (embedded)"
+# The embedded servers' names among ``RunningUp.pids``; the rest are Laneway's services.
+SERVERS = ("nats", "etcd")
 
 
 @dataclass
@@ -118,6 +121,14 @@ def _stop(proc: subprocess.Popen[str]) -> None:
     # Whatever of the group outlived its parent (a child stuck in shutdown).
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cluster and the closed loop of :func:`closed_loop`, as a benchmark's flags."""
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--speedup", type=float, default=1000.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=8)
 
 
 def closed_loop(

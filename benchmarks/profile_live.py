@@ -32,11 +32,9 @@ from typing import Any
 import orjson
 
 from benchmarks.bus_census import census, finished, per_request
-from benchmarks.live_cluster import closed_loop, laneway_up
+from benchmarks.live_cluster import SERVERS, add_load_arguments, closed_loop, laneway_up
 from benchmarks.proc_stats import COUNTERS, growth, snapshot
 from benchmarks.profile_summary import parse, report
-
-_SERVERS = ("nats", "etcd")
 
 
 def spy(
@@ -107,10 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", type=Path, default=Path("/tmp/laneway-profile"))
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--speedup", type=float, default=1000.0)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    add_load_arguments(parser)
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load first")
     parser.add_argument("--cpu-window", type=float, default=10.0, help="seconds, /proc only")
     parser.add_argument(
@@ -139,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         services = {
             n: p
             for n, p in up.pids.items()
-            if n not in _SERVERS and (args.only is None or n in args.only)
+            if n not in SERVERS and (args.only is None or n in args.only)
         }
         stacks = spy(services, args.out, args.spy_window, args.rate, args.native)
         out, _ = load.communicate(timeout=load_s + 120)

@@ -31,12 +31,11 @@ import orjson
 
 from benchmarks.bus_census import finished
 from benchmarks.cpu_cap import NoCpuCap, cpu_cap
-from benchmarks.live_cluster import closed_loop, laneway_up
+from benchmarks.live_cluster import SERVERS, add_load_arguments, closed_loop, laneway_up
 from benchmarks.proc_stats import growth, snapshot
 
 # The service under test, and the `laneway up` flag that sets its replicas.
 SCALED = {"ingress": "--ingresses", "planner": "--planners"}
-_SERVERS = ("nats", "etcd")
 
 
 def service_of(process: str) -> str:
@@ -57,7 +56,7 @@ def measure(
             up, args.concurrency, args.warmup + args.window + 5, args.max_tokens, "scale"
         )
         try:
-            pids = {n: p for n, p in up.pids.items() if n not in _SERVERS or capped is None}
+            pids = {n: p for n, p in up.pids.items() if n not in SERVERS or capped is None}
             with contextlib.ExitStack() as caps:
                 if capped is not None:
                     # One group a replica: each gets the quota, as each would get a host's cores.
@@ -100,10 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--speedup", type=float, default=1000.0)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    add_load_arguments(parser)
     parser.add_argument("--cap", type=float, default=0.15, help="cores each capped replica gets")
     parser.add_argument("--warmup", type=float, default=4.0, help="seconds of load first")
     parser.add_argument("--window", type=float, default=10.0, help="seconds measured")
