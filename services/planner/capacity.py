@@ -1,6 +1,6 @@
 """The capacity loop: move workers between the prefill and decode pools when TTFT or ITL drift
-from their targets (the seed article's advice): a small step at a time, then a cool-down to see
-its effect, with hysteresis so that it does not flap, reacting to queue growth as well as to
+from their targets (the seed article's advice): a small step at a time, each judged at the next
+look, with hysteresis so that it does not flap, reacting to queue growth as well as to
 latencies (a burst shows in the prefill queue before it shows in finished requests).
 
 Pure: the live planner and the offline simulator call it with what they observed.
@@ -26,10 +26,15 @@ class CapacitySettings:
     itl_target_ms: float = 25.0
     # Seconds between decisions; each decision looks at the requests of the last interval.
     interval_s: float = 60.0
-    # Intervals to wait after a move before the next one, to see what it did. A move that undoes
-    # the previous one doubles the wait (up to `max_cooldown_intervals`): the split between two
-    # that each miss a different target is held longer instead of flapping; a move onward resets.
-    cooldown_intervals: int = 1
+    # Intervals to wait after a move onward before the next look. None by default: the next look
+    # judges the move (it is on probation) and may take the next step, so a start far from the
+    # right split gets there a step an interval (Mooncake at speed-up 4, 30 s intervals: every
+    # start from 1P+7D to 4P+4D reached aggregated serving in 30-121 s, against 270-751 s when
+    # each move waited an interval; docs/routing.md). A move that undoes the previous one waits
+    # at least one interval, twice the previous wait when that followed an undo too (up to
+    # `max_cooldown_intervals`): the split between two that each miss a different target is
+    # held longer instead of flapping.
+    cooldown_intervals: int = 0
     max_cooldown_intervals: int = 8
     # Share of the pool one step may move (at least one worker).
     max_move_fraction: float = 0.1
@@ -38,12 +43,13 @@ class CapacitySettings:
     # Prefill queue growth over one interval (tokens per prefill worker) that counts as a TTFT
     # violation by itself.
     burst_tokens_per_worker: int = 200_000
-    # A move made for a latency at most `probation_max_ratio` times its target must cut it by
-    # more than `min_gain` by the time the loop looks again, or it is undone and not tried again
-    # from the same split for `futile_intervals`, twice that after a second failure, and so on
-    # (up to `max_futile_intervals`). Further past the target the pools are overloaded, queues
-    # take longer than an interval to drain, and the move is judged by its direction alone.
-    min_gain: float = 0.0
+    # A move made for a latency at most `probation_max_ratio` times its target is undone when,
+    # by the time the loop looks again, that latency grew by more than `hysteresis` (the load
+    # drifts between two looks: a move that helped can still see its latency rise a little). It
+    # is then not tried again from the same split for `futile_intervals`, twice that after a
+    # second failure, and so on (up to `max_futile_intervals`). Further past the target the
+    # pools are overloaded, queues take longer than an interval to drain, and the move is judged
+    # by its direction alone.
     probation_max_ratio: float = 2.0
     futile_intervals: int = 10
     max_futile_intervals: int = 80
@@ -150,9 +156,10 @@ class CapacityPlanner:
     back, down to aggregated serving. (A split for slow tokens needs prefills to stall enough
     of them to reach the p95: slow decode steps alone it would only make slower.)
 
-    Every move is on probation until the loop looks again: one that did not cut the latency it
-    was for, or that lost a target on the way back to aggregated serving, is undone and not
-    tried again from the same split for a while. Each undo also waits longer before the next.
+    Every move is on probation until the loop looks again: one after which the latency it was
+    for grew past the hysteresis, or that lost a target on the way back to aggregated serving,
+    is undone and not tried again from the same split for a while. Each undo also waits longer
+    before the next.
     """
 
     def __init__(self, settings: CapacitySettings | None = None) -> None:
@@ -251,7 +258,7 @@ class CapacityPlanner:
                 return f"back toward aggregated lost a target (TTFT {ttft:.2f}×, ITL {itl:.2f}×)"
             return None
         after = ttft if trial.latency == "TTFT" else itl
-        if after >= trial.before * (1.0 - self.settings.min_gain):
+        if after > trial.before * over:
             return (
                 f"{trial.latency} p95 went {trial.before:.2f}× → {after:.2f}× target "
                 "after the last move"
@@ -278,7 +285,7 @@ class CapacityPlanner:
     def _move(self, move: Move, step: int, why: str) -> Decision:
         s = self.settings
         if self._last_move is not None and move != self._last_move:
-            self._wait = min(s.max_cooldown_intervals, 2 * self._wait)
+            self._wait = min(s.max_cooldown_intervals, max(1, 2 * self._wait))
             why += f"; undoes the last move, next wait {self._wait} intervals"
         else:
             self._wait = s.cooldown_intervals

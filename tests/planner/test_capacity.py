@@ -20,13 +20,31 @@ def obs(
     return Observation(ttft, itl, queue, p, d, remote, local, stalled)
 
 
-def test_slow_remote_first_tokens_move_a_decoder_to_prefill_then_cool_down() -> None:
+def test_slow_remote_first_tokens_move_a_decoder_to_prefill_a_step_each_look() -> None:
     planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
     first = planner.decide(obs(2000, 15))
     assert (first.move, first.workers) == ("to_prefill", 1)
-    assert planner.decide(obs(2000, 15)).move is None  # cooling down
-    # It helped, and first tokens are still slow: onward.
-    assert planner.decide(obs(1500, 15)).move == "to_prefill"
+    # It helped, and first tokens are still slow: onward, at the next look.
+    assert planner.decide(obs(1500, 15, p=3, d=5)).move == "to_prefill"
+
+
+def test_a_cooldown_after_each_move_when_asked_for() -> None:
+    planner = CapacityPlanner(
+        CapacitySettings(ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=1)
+    )
+    assert planner.decide(obs(2000, 15)).move == "to_prefill"
+    assert planner.decide(obs(2000, 15, p=3, d=5)).move is None  # cooling down
+    assert planner.decide(obs(1500, 15, p=3, d=5)).move == "to_prefill"
+
+
+def test_a_latency_that_rose_within_the_hysteresis_after_its_move_keeps_the_move() -> None:
+    """4P+4D on Mooncake: a prefill worker went to decode for ITL 1.42× its target, and the
+    load grew as it moved: 1.55× at the next look. More decoders never slow tokens; the loop
+    takes the next step instead of undoing it (which held 4P+4D for five minutes)."""
+    planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
+    assert planner.decide(obs(900, 28.4, p=4, d=4)).move == "to_decode"
+    onward = planner.decide(obs(900, 31, p=3, d=5))
+    assert onward.move == "to_decode" and "undoes" not in onward.reason
 
 
 def test_a_move_that_did_not_help_is_undone_and_not_retried_for_a_while() -> None:
@@ -36,7 +54,7 @@ def test_a_move_that_did_not_help_is_undone_and_not_retried_for_a_while() -> Non
         )
     )
     assert planner.decide(obs(900, 30, p=0, d=8)).move == "to_prefill"  # split for ITL
-    undo = planner.decide(obs(900, 31, p=1, d=7))  # tokens no faster
+    undo = planner.decide(obs(900, 34, p=1, d=7))  # tokens slower, past the hysteresis
     assert undo.move == "to_decode" and "after the last move" in undo.reason
     # Aggregated again with slow tokens: the split waits out its probation.
     assert planner.decide(obs(900, 30, p=0, d=8)).move is None
@@ -138,27 +156,31 @@ def test_reversals_wait_longer_each_time() -> None:
     slow_first, slow_tokens = obs(2000, 15), obs(500, 30)
     assert planner.decide(slow_first).move == "to_prefill"
     # Each count is the wait the previous move set, plus the interval that moves.
-    assert intervals_to_next_move(slow_tokens) == 2  # the first wait, 1; this one doubles it
-    assert intervals_to_next_move(slow_first) == 3  # 2; doubles again to 4, the cap
-    assert intervals_to_next_move(slow_tokens) == 5  # 4
-    assert intervals_to_next_move(slow_first) == 5  # still 4
+    assert intervals_to_next_move(slow_tokens) == 1  # none after a move onward; this waits 1
+    assert intervals_to_next_move(slow_first) == 2  # 1; doubles it to 2
+    assert intervals_to_next_move(slow_tokens) == 3  # 2; doubles again to 4, the cap
+    assert intervals_to_next_move(slow_first) == 5  # 4
+    assert intervals_to_next_move(slow_tokens) == 5  # still 4
 
 
 def test_a_move_that_fails_again_waits_twice_as_long() -> None:
     planner = CapacityPlanner(
         CapacitySettings(
-            ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=0, futile_intervals=2
+            ttft_target_ms=1000, itl_target_ms=20, futile_intervals=2, max_cooldown_intervals=1
         )
     )
-    slow_aggregated, still_slow_split = obs(900, 30, p=0, d=8), obs(900, 30, p=1, d=7)
+    slow_aggregated, slower_split = obs(900, 30, p=0, d=8), obs(900, 34, p=1, d=7)
 
-    def fail_once() -> int:
-        """Intervals from undoing the split to trying it again."""
-        assert planner.decide(still_slow_split).move == "to_decode"
+    def looks_to_move(o: Observation) -> int:
         n = 1
-        while planner.decide(slow_aggregated).move is None:
+        while planner.decide(o).move is None:
             n += 1
         return n
+
+    def fail_once() -> int:
+        """Looks from undoing the split to trying it again (an undo waits one look)."""
+        looks_to_move(slower_split)
+        return looks_to_move(slow_aggregated)
 
     assert planner.decide(slow_aggregated).move == "to_prefill"
     assert fail_once() == 2
@@ -222,8 +244,8 @@ def test_a_futile_move_leaves_its_target_out_of_reach_until_it_may_be_tried_agai
         )
     )
     assert planner.decide(obs(900, 30, p=0, d=8)).move == "to_prefill"
-    assert planner.decide(obs(900, 31, p=1, d=7)).move == "to_decode"  # undone
-    for _ in range(2):  # while the split may not be tried again
-        waiting = planner.decide(obs(900, 30, p=0, d=8))
-        assert "did not help" in waiting.reason and waiting.out_of_reach == ("itl",)
+    assert planner.decide(obs(900, 34, p=1, d=7)).move == "to_decode"  # undone
+    assert planner.decide(obs(900, 30, p=0, d=8)).reason == "cooling down after the last move"
+    waiting = planner.decide(obs(900, 30, p=0, d=8))  # the split may not be tried yet
+    assert "did not help" in waiting.reason and waiting.out_of_reach == ("itl",)
     assert planner.decide(obs(900, 30, p=0, d=8)).move == "to_prefill"
