@@ -90,10 +90,17 @@ def test_slow_tokens_move_a_prefiller_to_decode() -> None:
     assert planner.decide(obs(500, 30)).move == "to_decode"
 
 
-def test_hysteresis_keeps_it_still_near_the_targets() -> None:
+def test_hysteresis_keeps_it_still_just_under_the_targets() -> None:
     planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
-    assert planner.decide(obs(1050, 21)).move is None
+    assert planner.decide(obs(950, 19)).move is None
     assert planner.decide(obs(None, None)).move is None
+
+
+def test_a_target_is_a_ceiling_just_past_it_the_loop_acts() -> None:
+    planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
+    assert planner.decide(obs(1030, 19)).move == "to_prefill"
+    planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
+    assert planner.decide(obs(950, 20.6)).move == "to_decode"
 
 
 def test_within_targets_prefill_workers_go_back_down_to_aggregated() -> None:
@@ -126,8 +133,8 @@ def test_never_empties_the_decode_pool_and_moves_at_most_a_tenth() -> None:
 def test_a_growing_prefill_queue_acts_before_latencies_show_it() -> None:
     planner = CapacityPlanner(CapacitySettings(cooldown_intervals=0))
     # Near the targets (neither over nor comfortably under), and then a burst comes.
-    assert planner.decide(obs(1050, 26, queue=0)).move is None
-    decision = planner.decide(obs(1050, 26, queue=10_000_000))
+    assert planner.decide(obs(950, 24, queue=0)).move is None
+    decision = planner.decide(obs(950, 24, queue=10_000_000))
     assert decision.move == "to_prefill"
     assert "burst" in decision.reason
 
@@ -136,7 +143,7 @@ def test_a_prefill_queue_growing_behind_slow_decoders_is_no_burst() -> None:
     """First tokens are already slow, and the locally prefilled ones the slowest: the decode
     pool is short, and the prefill queue grows for want of somewhere to hand its KV."""
     planner = CapacityPlanner(CapacitySettings(cooldown_intervals=0))
-    assert planner.decide(obs(1050, 26, queue=0)).move is None
+    assert planner.decide(obs(950, 24, queue=0)).move is None
     decision = planner.decide(obs(5000, 26, queue=10_000_000, remote=800, local=5000))
     assert decision.move == "to_decode" and "burst" not in decision.reason
 

@@ -173,7 +173,7 @@ async def test_slow_tokens_move_a_prefill_worker_back_and_draining_ones_do_not_c
 
 async def test_near_the_targets_nothing_moves() -> None:
     loop, _, assigned, published = make_loop([worker("p1", "prefill"), worker("d1", "decode")])
-    loop.on_finished(finished(ttft_ms=1050, e2e_ms=1050 + 9 * 26, tokens=10))
+    loop.on_finished(finished(ttft_ms=950, e2e_ms=950 + 9 * 24, tokens=10))
     assert await loop.step() is None
     assert not assigned and not moves(published)
 
