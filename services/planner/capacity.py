@@ -26,14 +26,14 @@ class CapacitySettings:
     itl_target_ms: float = 25.0
     # Seconds between decisions; each decision looks at the requests of the last interval.
     interval_s: float = 60.0
-    # Intervals to wait after a move onward before the next look. None by default: the next look
-    # judges the move (it is on probation) and may take the next step, so a start far from the
-    # right split gets there a step an interval (Mooncake at speed-up 4, 30 s intervals: every
-    # start from 1P+7D to 4P+4D reached aggregated serving in 30-121 s, against 270-751 s when
-    # each move waited an interval; docs/routing.md). A move that undoes the previous one waits
-    # at least one interval, twice the previous wait when that followed an undo too (up to
-    # `max_cooldown_intervals`): the split between two that each miss a different target is
-    # held longer instead of flapping.
+    # Looks to sit out after a move onward; 0 by default: the next look judges the move (it is
+    # on probation) and may take the next step, so a start far from the right split gets there
+    # a step an interval (Mooncake at speed-up 4, 30 s intervals: every start from 1P+7D to
+    # 4P+4D reached aggregated serving in 30-121 s, against 270-751 s when each move sat out one
+    # look; docs/routing.md). A move that undoes the previous one waits at least one interval,
+    # twice the previous wait when that followed an undo too (up to `max_cooldown_intervals`):
+    # the split between two that each miss a different target is held longer instead of
+    # flapping.
     cooldown_intervals: int = 0
     max_cooldown_intervals: int = 8
     # Share of the pool one step may move (at least one worker).
