@@ -49,9 +49,7 @@ def test_a_latency_that_rose_within_the_hysteresis_after_its_move_keeps_the_move
 
 def test_a_move_that_did_not_help_is_undone_and_not_retried_for_a_while() -> None:
     planner = CapacityPlanner(
-        CapacitySettings(
-            ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=0, futile_intervals=3
-        )
+        CapacitySettings(ttft_target_ms=1000, itl_target_ms=20, futile_intervals=3)
     )
     assert planner.decide(obs(900, 30, p=0, d=8)).move == "to_prefill"  # split for ITL
     undo = planner.decide(obs(900, 34, p=1, d=7))  # tokens slower, past the hysteresis
@@ -65,9 +63,7 @@ def test_a_move_that_did_not_help_is_undone_and_not_retried_for_a_while() -> Non
 
 
 def test_a_step_back_toward_aggregated_that_loses_a_target_is_undone() -> None:
-    planner = CapacityPlanner(
-        CapacitySettings(ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=0)
-    )
+    planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
     assert planner.decide(obs(800, 15, p=1, d=7)).move == "to_decode"
     undo = planner.decide(obs(1500, 15, p=0, d=8))
     assert undo.move == "to_prefill" and "lost a target" in undo.reason
@@ -104,9 +100,7 @@ def test_a_target_is_a_ceiling_just_past_it_the_loop_acts() -> None:
 
 
 def test_within_targets_prefill_workers_go_back_down_to_aggregated() -> None:
-    planner = CapacityPlanner(
-        CapacitySettings(ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=0)
-    )
+    planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
     decision = planner.decide(obs(900, 18, p=1, d=7))
     assert (decision.move, decision.workers) == ("to_decode", 1)
     assert "within targets" in decision.reason
@@ -122,7 +116,7 @@ def test_within_targets_prefill_workers_go_back_down_to_aggregated() -> None:
 
 
 def test_never_empties_the_decode_pool_and_moves_at_most_a_tenth() -> None:
-    planner = CapacityPlanner(CapacitySettings(cooldown_intervals=0))
+    planner = CapacityPlanner(CapacitySettings())
     assert planner.decide(obs(5000, 1, p=7, d=1)).move is None
     assert planner.decide(obs(1, 500, p=0, d=1)).move is None
     assert planner.decide(obs(1, 500, p=1, d=7)).move == "to_decode"  # the last prefill worker
@@ -131,7 +125,7 @@ def test_never_empties_the_decode_pool_and_moves_at_most_a_tenth() -> None:
 
 
 def test_a_growing_prefill_queue_acts_before_latencies_show_it() -> None:
-    planner = CapacityPlanner(CapacitySettings(cooldown_intervals=0))
+    planner = CapacityPlanner(CapacitySettings())
     # Near the targets (neither over nor comfortably under), and then a burst comes.
     assert planner.decide(obs(950, 24, queue=0)).move is None
     decision = planner.decide(obs(950, 24, queue=10_000_000))
@@ -142,7 +136,7 @@ def test_a_growing_prefill_queue_acts_before_latencies_show_it() -> None:
 def test_a_prefill_queue_growing_behind_slow_decoders_is_no_burst() -> None:
     """First tokens are already slow, and the locally prefilled ones the slowest: the decode
     pool is short, and the prefill queue grows for want of somewhere to hand its KV."""
-    planner = CapacityPlanner(CapacitySettings(cooldown_intervals=0))
+    planner = CapacityPlanner(CapacitySettings())
     assert planner.decide(obs(950, 24, queue=0)).move is None
     decision = planner.decide(obs(5000, 26, queue=10_000_000, remote=800, local=5000))
     assert decision.move == "to_decode" and "burst" not in decision.reason
@@ -198,16 +192,16 @@ def test_a_move_that_fails_again_waits_twice_as_long() -> None:
 def test_deep_overload_judges_a_move_by_its_direction_not_one_interval() -> None:
     """Seven prefill workers and one decoder: tokens are 8× too slow and the backlog keeps
     growing for a while whatever the loop does; it keeps adding decoders."""
-    planner = CapacityPlanner(
-        CapacitySettings(ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=0)
-    )
+    planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
     for p in (7, 6, 5):
         decision = planner.decide(obs(900, 170, p=p, d=8 - p))
         assert decision.move == "to_decode", decision.reason
 
 
 def test_with_no_worker_decoding_one_goes_back_at_once_even_while_cooling_down() -> None:
-    planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
+    planner = CapacityPlanner(
+        CapacitySettings(ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=1)
+    )
     assert planner.decide(obs(2000, 15)).move == "to_prefill"  # and it cools down now
     # The decoders that were left died: nothing finishes, so no latency either.
     back = planner.decide(obs(None, None, p=3, d=0))
@@ -216,7 +210,9 @@ def test_with_no_worker_decoding_one_goes_back_at_once_even_while_cooling_down()
 
 
 def test_it_says_which_target_no_move_can_meet_and_holds_that_while_cooling_down() -> None:
-    planner = CapacityPlanner(CapacitySettings(ttft_target_ms=1000, itl_target_ms=20))
+    planner = CapacityPlanner(
+        CapacitySettings(ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=1)
+    )
     # Aggregated, first tokens slow: every worker prefills already.
     slow_first = planner.decide(obs(2000, 15, p=0, d=8))
     assert slow_first.move is None and slow_first.out_of_reach == ("ttft",)
@@ -246,9 +242,7 @@ def test_an_interval_in_which_nothing_finished_tells_nothing_new() -> None:
 
 def test_a_futile_move_leaves_its_target_out_of_reach_until_it_may_be_tried_again() -> None:
     planner = CapacityPlanner(
-        CapacitySettings(
-            ttft_target_ms=1000, itl_target_ms=20, cooldown_intervals=0, futile_intervals=3
-        )
+        CapacitySettings(ttft_target_ms=1000, itl_target_ms=20, futile_intervals=3)
     )
     assert planner.decide(obs(900, 30, p=0, d=8)).move == "to_prefill"
     assert planner.decide(obs(900, 34, p=1, d=7)).move == "to_decode"  # undone

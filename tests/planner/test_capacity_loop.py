@@ -90,7 +90,7 @@ def make_loop(
         )
         published.append(event)
 
-    capacity = CapacityPlanner(CapacitySettings(**{"cooldown_intervals": 0, **settings}))
+    capacity = CapacityPlanner(CapacitySettings(**settings))
     loop = CapacityLoop(
         capacity,
         cluster,

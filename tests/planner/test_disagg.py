@@ -106,9 +106,7 @@ def test_autoscale_moves_workers_a_step_at_a_time(small_trace: Path) -> None:
         prefill_workers=1,
         disagg=DisaggSettings(mode="always"),
         # Targets nobody meets, first tokens all from the prefill pool: it wants more of it.
-        autoscale=CapacitySettings(
-            ttft_target_ms=1, itl_target_ms=1000, interval_s=0.5, cooldown_intervals=0
-        ),
+        autoscale=CapacitySettings(ttft_target_ms=1, itl_target_ms=1000, interval_s=0.5),
     )
     report = replay.run().report
     timeline = report["roles_timeline"]

@@ -19,8 +19,9 @@ from tests.live import ClusterFactory
 
 OUTPUT_TOKENS = 60
 # Every prompt prefilled remotely; a TTFT target nothing can meet, so the loop moves a decode
-# worker to the prefill pool at its first chance, then has no decode worker to spare. If that
-# move did not cut TTFT by the time it looks again, it moves a prefill worker back.
+# worker to the prefill pool at its first chance, then has no decode worker to spare. If TTFT
+# grew by more than 10% after that move by the time it looks again, it moves a prefill worker
+# back.
 AUTOSCALE = {
     "LANEWAY_DISAGG": "always",
     "LANEWAY_AUTOSCALE": "true",
