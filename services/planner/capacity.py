@@ -28,21 +28,17 @@ class CapacitySettings:
     interval_s: float = 60.0
     # Looks to sit out after a move onward; 0 by default: the next look judges the move (it is
     # on probation) and may take the next step, so a start far from the right split gets there
-    # a step an interval (Mooncake at speed-up 4, 30 s intervals: every start from 1P+7D to
-    # 4P+4D reached aggregated serving in 30-121 s, against 270-751 s when each move sat out one
-    # look; docs/routing.md). A move that undoes the previous one waits at least one interval,
-    # twice the previous wait when that followed an undo too (up to `max_cooldown_intervals`):
-    # the split between two that each miss a different target is held longer instead of
-    # flapping.
+    # a step an interval instead of one every other (docs/routing.md, "Measured from every
+    # start"). A move that undoes the previous one waits at least one interval, twice the
+    # previous wait when that followed an undo too (up to `max_cooldown_intervals`): the split
+    # between two that each miss a different target is held longer instead of flapping.
     cooldown_intervals: int = 0
     max_cooldown_intervals: int = 8
     # Share of the pool one step may move (at least one worker).
     max_move_fraction: float = 0.1
-    # A target is a ceiling: a latency past it is acted on. A prefill worker goes back only
-    # while both latencies are this much (as a fraction) under their targets, so that the step
-    # back does not lose one at once; between the two, the pools are held. (The band used to lie
-    # above the targets: a pool 7% past its ITL target was left there, on the Azure trace at
-    # speed-up 4 for the first 360-420 s from 4P+4D.)
+    # A target is a ceiling: a latency past it is acted on, however little. A prefill worker
+    # goes back only while both latencies are this much (as a fraction) under their targets, so
+    # that the step back does not lose one at once; between the two, the pools are held.
     hysteresis: float = 0.1
     # Prefill queue growth over one interval (tokens per prefill worker) that counts as a TTFT
     # violation by itself.
@@ -255,13 +251,12 @@ class CapacityPlanner:
 
     def _failed(self, trial: _Trial, ttft: float, itl: float) -> str | None:
         """Why the move on probation is to be undone, or None if it earned its place."""
-        over = 1.0 + self.settings.hysteresis
         if trial.latency is None:
             if ttft > 1.0 or itl > 1.0:
                 return f"back toward aggregated lost a target (TTFT {ttft:.2f}×, ITL {itl:.2f}×)"
             return None
         after = ttft if trial.latency == "TTFT" else itl
-        if after > trial.before * over:
+        if after > trial.before * (1.0 + self.settings.hysteresis):
             return (
                 f"{trial.latency} p95 went {trial.before:.2f}× → {after:.2f}× target "
                 "after the last move"
